@@ -1,0 +1,52 @@
+;;;; gallop.asd -- Gallop: an event-driven HTTP server core for SBCL and a
+;;;; drop-in upgrade for Hunchentoot.
+;;;;
+;;;; Systems:
+;;;;   gallop/core   epoll event loop, elastic worker pool, connection streams.
+;;;;                 Needs nothing but SBCL and its contribs.
+;;;;   gallop        the Hunchentoot layer: GALLOP:ACCEPTOR, GALLOP:EASY-ACCEPTOR,
+;;;;                 the SSL variants and GALLOP:TASKMASTER.
+;;;;   gallop/tests  FiveAM tests that talk to real servers over real sockets.
+
+(defsystem "gallop/core"
+  :description "Gallop's core: epoll connections, an elastic worker pool, timeouts."
+  :version "0.1.0"
+  :license "BSD-2-Clause"
+  :depends-on ("sb-concurrency" "sb-bsd-sockets")
+  :pathname "src/core/"
+  :serial t
+  :components ((:file "package")
+               (:file "syscalls")
+               (:file "buffers")
+               (:file "pool")
+               (:file "engine")
+               (:file "connection")
+               (:file "server")))
+
+(defsystem "gallop"
+  :description "A drop-in, event-driven upgrade for Hunchentoot."
+  :version "0.1.0"
+  :license "BSD-2-Clause"
+  :depends-on ("gallop/core" "hunchentoot" "usocket" "cl+ssl" "bordeaux-threads")
+  :pathname "src/hunchentoot/"
+  :serial t
+  :components ((:file "package")
+               (:file "compat")
+               (:file "socket")
+               (:file "taskmaster")
+               (:file "acceptor"))
+  :in-order-to ((test-op (test-op "gallop/tests"))))
+
+(defsystem "gallop/tests"
+  :description "Gallop's tests: real servers, real sockets, real clients."
+  :depends-on ("gallop" "fiveam" "drakma" "usocket" "sb-posix")
+  :pathname "tests/"
+  :serial t
+  :components ((:file "package")
+               (:file "util")
+               (:file "core")
+               (:file "hunchentoot")
+               (:file "taskmaster")
+               (:file "lifecycle")
+               (:file "ssl"))
+  :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

@@ -1,0 +1,47 @@
+;;;; buffers.lisp -- a shared free list of octet buffers.
+;;;;
+;;;; A connection holds input and output buffers only while a worker serves it
+;;;; or while a partial request head waits in it; an idle keep-alive
+;;;; connection holds none.  Buffers go back to this free list instead of to
+;;;; the GC, so steady traffic allocates no buffers at all.
+;;;;
+;;;; Invariants: FREE[0, COUNT) holds buffers of length +BUFFER-SIZE+ that
+;;;; nobody owns; FREE[COUNT, end) holds NIL.  At most +MAX-FREE-BUFFERS+ are
+;;;; kept: the rest go to the GC, so a burst does not pin memory forever.
+
+(in-package #:gallop.core)
+
+(defconstant +buffer-size+ 8192
+  "Size of a pooled buffer: a typical request head fits in one.")
+
+(defconstant +max-free-buffers+ 1024)
+
+(defstruct (buffer-pool (:constructor make-buffer-pool ()) (:copier nil))
+  (lock (sb-thread:make-mutex :name "gallop buffer pool"))
+  (free (make-array +max-free-buffers+) :type simple-vector)
+  (count 0 :type fixnum))
+
+(defvar *buffer-pool* (make-buffer-pool))
+
+(defun acquire-buffer ()
+  "An octet buffer of +BUFFER-SIZE+ bytes, from the free list when it can."
+  (let ((pool *buffer-pool*))
+    (or (sb-thread:with-mutex ((buffer-pool-lock pool))
+          (let ((n (buffer-pool-count pool)))
+            (when (plusp n)
+              (setf (buffer-pool-count pool) (1- n))
+              (shiftf (svref (buffer-pool-free pool) (1- n)) nil))))
+        (make-array +buffer-size+ :element-type '(unsigned-byte 8)))))
+
+(defun release-buffer (buffer)
+  "Give BUFFER back.  Buffers of another size (grown for a large head) are
+left to the GC."
+  (declare (type octets buffer))
+  (when (= (length buffer) +buffer-size+)
+    (let ((pool *buffer-pool*))
+      (sb-thread:with-mutex ((buffer-pool-lock pool))
+        (let ((n (buffer-pool-count pool)))
+          (when (< n +max-free-buffers+)
+            (setf (svref (buffer-pool-free pool) n) buffer
+                  (buffer-pool-count pool) (1+ n)))))))
+  nil)

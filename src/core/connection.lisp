@@ -1,0 +1,346 @@
+;;;; connection.lisp -- one client connection: a binary Gray stream over a
+;;;; non-blocking socket, with the state machine that lets it live in epoll
+;;;; between requests.
+;;;;
+;;;; States (slot STATE, changed with compare-and-swap where two threads race):
+;;;;   :PARKED    registered (armed, one-shot) in the pool's epoll set; nobody
+;;;;              runs on it.  The housekeeper may close it once DEADLINE passed.
+;;;;   :ACTIVE    exactly one worker owns it (it won the CAS :PARKED -> :ACTIVE).
+;;;;   :DETACHED  the request handler kept the stream (Hunchentoot's
+;;;;              DETACH-SOCKET); its owner closes it with CLOSE.
+;;;;   :DRAINING  an error response was sent and the write side shut; the
+;;;;              housekeeper reads and discards until EOF or DEADLINE, then
+;;;;              closes, so the client reads the response instead of a reset.
+;;;;   :CLOSED    the fd is closed and TABLE no longer holds the connection.
+;;;;
+;;;; While :ACTIVE, reads and writes block the worker with poll(2) bounded by
+;;;; the engine's read and write timeouts (fd-streams have no write timeout).
+;;;; Between requests the layer above calls CONNECTION-MARK-BOUNDARY; the next
+;;;; read then answers end-of-file unless a complete request head is already
+;;;; buffered, and records that the connection should be parked, so the
+;;;; request loop of the layer above ends and the worker returns to the pool.
+
+(in-package #:gallop.core)
+
+(define-condition connection-error (stream-error)
+  ((errno :initarg :errno :initform 0 :reader connection-error-errno)
+   (operation :initarg :operation :initform "I/O" :reader connection-error-operation))
+  (:report (lambda (c s)
+             (format s "~A failed on ~A: errno ~D"
+                     (connection-error-operation c) (stream-error-stream c)
+                     (connection-error-errno c))))
+  (:documentation "A read or write on a connection failed (reset, broken pipe)."))
+
+(define-condition connection-timeout-error (connection-error)
+  ()
+  (:report (lambda (c s)
+             (format s "~A timed out on ~A"
+                     (connection-error-operation c) (stream-error-stream c))))
+  (:documentation "A read or write on a connection made no progress in time."))
+
+(defclass connection (sb-gray:fundamental-binary-input-stream
+                      sb-gray:fundamental-binary-output-stream)
+  ((fd :initarg :fd :reader connection-fd :type fixnum)
+   (engine :initarg :engine :reader connection-engine)
+   (token :initarg :token :reader connection-token :type (unsigned-byte 64))
+   (state :initform :parked :accessor connection-state)
+   (inbuf :initform nil :type (or null octets))
+   (in-start :initform 0 :type fixnum)
+   (in-end :initform 0 :type fixnum)
+   (scan :initform 0 :type fixnum
+         :documentation "Where the search for the end of the request head resumes.")
+   (outbuf :initform nil :type (or null octets))
+   (out-fill :initform 0 :type fixnum)
+   (deadline :initform 0 :type fixnum :accessor connection-deadline)
+   (head-started :initform nil
+                 :documentation "When the first byte of a still-incomplete head arrived.")
+   (fresh :initform t :documentation "True until the first request is served.")
+   (raw :initarg :raw :initform nil
+        :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
+   (boundary :initform nil)
+   (park-requested :initform nil)
+   (close-requested :initform nil)
+   (remote-address :initarg :remote-address :initform nil :reader connection-remote-address)
+   (remote-port :initarg :remote-port :initform 0 :reader connection-remote-port)
+   (local-address :initform nil)
+   (local-port :initform nil)
+   (user-data :initarg :user-data :initform nil :accessor connection-user-data
+              :documentation "What the layer above keeps with this connection.")
+   (owner-stream :initform nil :accessor connection-owner-stream
+                 :documentation "A stream wrapping this one (TLS), if any.")
+   (close-hook :initarg :close-hook :initform nil
+               :documentation "Called instead of close(2) to release the fd."))
+  (:documentation "A client connection, and the binary stream the layers above
+read requests from and write responses to."))
+
+(defmethod print-object ((c connection) stream)
+  (print-unreadable-object (c stream :type t :identity t)
+    (format stream "fd ~D ~(~A~)" (connection-fd c) (connection-state c))))
+
+(defun connection-local-address (c)
+  (with-slots (local-address local-port fd) c
+    (unless local-address
+      (multiple-value-setq (local-address local-port) (socket-local-name fd)))
+    local-address))
+
+(defun connection-local-port (c)
+  (connection-local-address c)
+  (slot-value c 'local-port))
+
+(defun connection-mark-boundary (c)
+  "Tell C that a response is complete and the next read starts a new request.
+That read answers end-of-file (ending the layer above's request loop) unless a
+complete request head is already buffered; the connection is then parked in
+epoll rather than closed."
+  (setf (slot-value c 'boundary) t))
+
+;;; Buffers
+
+(declaim (inline ensure-inbuf))
+(defun ensure-inbuf (c)
+  (with-slots (inbuf) c
+    (or inbuf (setf inbuf (acquire-buffer)))))
+
+(defun release-buffers (c)
+  "Give back the buffers of C that hold nothing."
+  (with-slots (inbuf in-start in-end scan outbuf out-fill) c
+    (when (and inbuf (= in-start in-end))
+      (release-buffer inbuf)
+      (setf inbuf nil in-start 0 in-end 0 scan 0))
+    (when (and outbuf (zerop out-fill))
+      (release-buffer outbuf)
+      (setf outbuf nil))))
+
+(defun make-room (c max)
+  "Make space after IN-END in the input buffer: move unread bytes to the
+front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
+  (with-slots (inbuf in-start in-end scan) c
+    (let ((buffer (ensure-inbuf c)))
+      (declare (type octets buffer))
+      (cond ((< in-end (length buffer)) t)
+            ((plusp in-start)
+             (replace buffer buffer :start2 in-start :end2 in-end)
+             (decf scan in-start)
+             (decf in-end in-start)
+             (setf in-start 0)
+             t)
+            ((< (length buffer) max)
+             (let ((bigger (make-array (min max (* 2 (length buffer)))
+                                       :element-type '(unsigned-byte 8))))
+               (replace bigger buffer :end2 in-end)
+               (release-buffer buffer)
+               (setf inbuf bigger)
+               t))
+            (t nil)))))
+
+;;; Finding the end of a request head
+
+(defun scan-head (c)
+  "Look for the blank line that ends the request head in the unread input.
+Returns :COMPLETE, :INCOMPLETE, :LINE-TOO-LONG (no end of the request line
+within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
+  (with-slots (inbuf in-start in-end scan engine) c
+    (let ((buffer inbuf)
+          (start in-start)
+          (end in-end))
+      (declare (type octets buffer) (type fixnum start end)
+               (optimize (speed 3) (safety 0)))
+      ;; Skip empty lines before the request line (RFC 9112, 2.2).
+      (loop while (and (< start end)
+                       (or (= (aref buffer start) 13) (= (aref buffer start) 10)))
+            do (incf start))
+      (setf in-start start)
+      (let ((i (max start (the fixnum scan))))
+        (declare (type fixnum i))
+        (loop while (< i end)
+              do (when (= (aref buffer i) 10)
+                   (let ((j (1+ i)))
+                     (declare (type fixnum j))
+                     (when (and (< j end) (= (aref buffer j) 13))
+                       (incf j))
+                     (cond ((>= j end) (return))
+                           ((= (aref buffer j) 10)
+                            (setf scan (1+ j))
+                            (return-from scan-head :complete)))))
+                 (incf i))
+        (setf scan i))
+      (let ((limits engine))
+        (cond ((and (null (position 10 buffer :start start :end end))
+                    (> (- end start) (engine-max-request-line-bytes limits)))
+               :line-too-long)
+              ((> (- end start) (engine-max-head-bytes limits))
+               :too-large)
+              (t :incomplete))))))
+
+(defun head-buffered-p (c)
+  (with-slots (in-start in-end) c
+    (and (< in-start in-end) (eq (scan-head c) :complete))))
+
+;;; Blocking input with timeouts
+
+(defun wait-for-fd (c events timeout-ms operation &optional (wake-fd -1))
+  "Wait until C's fd is ready for EVENTS.  Returns :READY or :WAKE (the
+engine is stopping); signals CONNECTION-TIMEOUT-ERROR after TIMEOUT-MS."
+  (let ((result (poll-fds (connection-fd c) events wake-fd timeout-ms)))
+    (when (eq result :timeout)
+      (sb-ext:atomic-incf (engine-timeouts (connection-engine c)))
+      (error 'connection-timeout-error :stream c :operation operation))
+    result))
+
+(defun fill-input (c)
+  "Read more input into the empty buffer of C, blocking (bounded by the read
+timeout) until some arrives.  Returns NIL at end of file."
+  (with-slots (fd inbuf in-start in-end scan engine) c
+    (let ((buffer (ensure-inbuf c)))
+      (when (= in-start in-end)
+        (setf in-start 0 in-end 0 scan 0))
+      (loop
+        (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+          (cond ((plusp n) (incf in-end n) (return t))
+                ((zerop n) (return nil))
+                ((/= errno +eagain+)
+                 (error 'connection-error :stream c :errno errno :operation "read"))
+                (t (wait-for-fd c +pollin+ (engine-read-timeout-ms engine) "read"))))))))
+
+(defun leave-boundary (c)
+  "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
+request may be read now; NIL (end of file for the reader) when the
+connection should instead be parked or, if the engine is stopping, closed."
+  (with-slots (boundary park-requested owner-stream in-start in-end engine fd) c
+    (let ((running (engine-running-p engine)))
+      (cond ((not running) nil)
+            (owner-stream
+             ;; TLS: buffered ciphertext can't be parked; wait here for the next
+             ;; request, bounded by the idle timeout, and give up on stop.
+             (when (= in-start in-end)
+               (sb-ext:atomic-decf (engine-in-flight engine))
+               (let ((ready (unwind-protect
+                                 (poll-fds fd +pollin+ (engine-stop-fd engine)
+                                           (engine-idle-timeout-ms engine))
+                              (sb-ext:atomic-incf (engine-in-flight engine)))))
+                 (unless (eq ready :ready)
+                   (return-from leave-boundary nil))))
+             (setf boundary nil)
+             t)
+            ((head-buffered-p c)
+             (setf boundary nil)
+             t)
+            (t
+             (setf park-requested t)
+             nil)))))
+
+;;; Gray stream methods
+
+(defmethod stream-element-type ((c connection))
+  '(unsigned-byte 8))
+
+(defmethod open-stream-p ((c connection))
+  (and (member (connection-state c) '(:active :detached))
+       (not (slot-value c 'close-requested))))
+
+(defmethod sb-gray:stream-read-byte ((c connection))
+  (with-slots (inbuf in-start in-end boundary) c
+    (when (and boundary (not (leave-boundary c)))
+      (return-from sb-gray:stream-read-byte :eof))
+    (if (or (< in-start in-end) (fill-input c))
+        (prog1 (aref (the octets inbuf) in-start)
+          (incf in-start))
+        :eof)))
+
+(defmethod sb-gray:stream-listen ((c connection))
+  (with-slots (in-start in-end) c
+    (< in-start in-end)))
+
+(defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
+  (with-slots (inbuf in-start in-end boundary) c
+    (let ((end (or end (length sequence))))
+      (when (and boundary (< start end) (not (leave-boundary c)))
+        (return-from sb-gray:stream-read-sequence start))
+      (loop while (< start end)
+            do (when (and (= in-start in-end) (not (fill-input c)))
+                 (return))
+               (let ((n (min (- end start) (- in-end in-start))))
+                 (replace sequence (the octets inbuf)
+                          :start1 start :end1 (+ start n) :start2 in-start)
+                 (incf start n)
+                 (incf in-start n)))
+      start)))
+
+;;; Output: buffered, flushed with blocking sends bounded by the write timeout.
+
+(defun send-all (c buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((fd (connection-fd c))
+        (timeout (engine-write-timeout-ms (connection-engine c))))
+    (loop while (< start end)
+          do (multiple-value-bind (n errno) (send-from fd buffer start end)
+               (cond ((>= n 0) (incf start n))
+                     ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
+                     (t (error 'connection-error :stream c :errno errno
+                                                 :operation "write")))))))
+
+(defun flush-output (c)
+  (with-slots (outbuf out-fill) c
+    (when (plusp out-fill)
+      (let ((n out-fill))
+        (setf out-fill 0)
+        (send-all c outbuf 0 n)))))
+
+(defmethod sb-gray:stream-write-byte ((c connection) byte)
+  (with-slots (outbuf out-fill) c
+    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+      (declare (type octets buffer))
+      (when (= out-fill (length buffer))
+        (flush-output c))
+      (setf (aref buffer out-fill) byte)
+      (incf out-fill)
+      byte)))
+
+(defmethod sb-gray:stream-write-sequence ((c connection) sequence &optional (start 0) end)
+  (with-slots (outbuf out-fill) c
+    (let* ((end (or end (length sequence)))
+           (buffer (or outbuf (setf outbuf (acquire-buffer)))))
+      (declare (type octets buffer) (type fixnum start end))
+      (cond ((and (typep sequence 'octets) (> (- end start) (- (length buffer) out-fill)))
+             ;; Too big for the buffer: send what is buffered, then the data itself.
+             (flush-output c)
+             (if (> (- end start) (length buffer))
+                 (send-all c sequence start end)
+                 (progn (replace buffer sequence :start2 start :end2 end)
+                        (setf out-fill (- end start)))))
+            ((typep sequence 'octets)
+             (replace buffer sequence :start1 out-fill :start2 start :end2 end)
+             (incf out-fill (- end start)))
+            (t
+             (loop for i from start below end
+                   do (sb-gray:stream-write-byte c (elt sequence i)))))
+      sequence)))
+
+(defmethod sb-gray:stream-force-output ((c connection))
+  (flush-output c)
+  nil)
+
+(defmethod sb-gray:stream-finish-output ((c connection))
+  (flush-output c)
+  nil)
+
+(defmethod sb-gray:stream-clear-output ((c connection))
+  (setf (slot-value c 'out-fill) 0)
+  nil)
+
+(defmethod close ((c connection) &key abort)
+  "While a worker serves C this only records that the layer above is done
+with it; the worker then parks or closes it.  A detached connection is closed
+at once."
+  (case (connection-state c)
+    (:active
+     (unless (slot-value c 'close-requested)
+       (if abort
+           (setf (slot-value c 'out-fill) 0)
+           (ignore-errors (flush-output c)))
+       (setf (slot-value c 'close-requested) t)))
+    (:detached
+     (unless abort (ignore-errors (flush-output c)))
+     (setf (slot-value c 'out-fill) 0)
+     (close-connection c)))
+  t)

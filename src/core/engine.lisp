@@ -1,0 +1,125 @@
+;;;; engine.lisp -- the engine: what one server holds, and its settings.
+;;;;
+;;;; An engine owns a worker pool (whose epoll set holds every connection that
+;;;; waits for input), a table from fd to connection, and a housekeeper thread
+;;;; that accepts new connections, sheds load with 503 when the queue of
+;;;; not-yet-served connections is full, drains rejected connections before
+;;;; closing them (so a client reads its error response instead of a reset),
+;;;; and closes connections whose deadline passed.
+;;;;
+;;;; Invariants:
+;;;;  - TABLE[fd] is the live CONNECTION on fd, or NIL.  It is set before the
+;;;;    fd is registered anywhere and cleared before the fd is closed, because
+;;;;    the kernel reuses fd numbers at once.
+;;;;  - A connection's epoll data is its TOKEN, (generation << 32) | fd, so an
+;;;;    event that was already dequeued for a connection since closed is
+;;;;    recognised as stale and dropped.
+;;;;  - PENDING counts accepted connections no worker has served yet: the
+;;;;    queue that MAX-QUEUE bounds.  IN-FLIGHT counts requests inside the
+;;;;    request handler.
+
+(in-package #:gallop.core)
+
+(defconstant +listen-data+ (- (expt 2 64) 2)
+  "epoll data of the listen socket in the housekeeper's epoll set.")
+(defconstant +stop-data+ (- (expt 2 64) 3)
+  "epoll data of the stop eventfd in the housekeeper's epoll set.")
+
+(defstruct (engine (:constructor %make-engine) (:copier nil))
+  (name "gallop" :type string)
+  (pool nil)
+  (handler nil :type (or null function))
+  (raw-p nil)
+  (table #() :type simple-vector)
+  (generation 0 :type sb-ext:word)
+  (listen-fd -1 :type fixnum)
+  (housekeeper-epfd -1 :type fixnum)
+  (stop-fd -1 :type fixnum)
+  (housekeeper nil)
+  (state :stopped :type (member :stopped :running :stopping))
+  ;; settings, in milliseconds and bytes
+  (header-timeout-ms 20000 :type fixnum)
+  (idle-timeout-ms 20000 :type fixnum)
+  (read-timeout-ms 20000 :type fixnum)
+  (write-timeout-ms 20000 :type fixnum)
+  (linger-ms 2000 :type fixnum)
+  (max-head-bytes 16384 :type fixnum)
+  (max-request-line-bytes 8192 :type fixnum)
+  (max-queue 1024 :type fixnum)
+  (retry-after 1 :type fixnum)
+  ;; counters
+  (accepted 0 :type sb-ext:word)
+  (closed 0 :type sb-ext:word)
+  (requests 0 :type sb-ext:word)
+  (shed 0 :type sb-ext:word)
+  (timeouts 0 :type sb-ext:word)
+  (rejected 0 :type sb-ext:word)
+  (pending 0 :type sb-ext:word)
+  (in-flight 0 :type sb-ext:word)
+  (lock (sb-thread:make-mutex :name "gallop engine"))
+  (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
+  (log-error nil :type (or null function))
+  (last-emfile-ms 0 :type fixnum))
+
+(declaim (inline engine-running-p))
+(defun engine-running-p (engine)
+  (eq (engine-state engine) :running))
+
+(defun log-engine-error (engine format-control &rest args)
+  (let ((log (engine-log-error engine)))
+    (if log
+        (ignore-errors (apply log format-control args))
+        (ignore-errors (format *error-output* "~&[gallop] ~?~%" format-control args)))))
+
+;;; Pre-encoded responses the engine writes itself, without a handler.
+
+(defun encode-ascii (string)
+  (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
+
+(defun make-error-response (status reason &key retry-after)
+  (let ((body (format nil "~D ~A~%" status reason)))
+    (encode-ascii
+     (format nil "HTTP/1.1 ~D ~A~C~CContent-Type: text/plain; charset=utf-8~C~C~
+                  Content-Length: ~D~C~CConnection: close~C~C~@[Retry-After: ~D~C~C~]~C~C~A"
+             status reason #\Return #\Linefeed #\Return #\Linefeed
+             (length body) #\Return #\Linefeed #\Return #\Linefeed
+             retry-after #\Return #\Linefeed #\Return #\Linefeed body))))
+
+(defparameter +response-400+ (make-error-response 400 "Bad Request"))
+(defparameter +response-408+ (make-error-response 408 "Request Timeout"))
+(defparameter +response-414+ (make-error-response 414 "URI Too Long"))
+(defparameter +response-431+ (make-error-response 431 "Request Header Fields Too Large"))
+
+(defun response-503 (engine)
+  (let ((cached (get 'response-503 (engine-retry-after engine))))
+    (or cached
+        (setf (get 'response-503 (engine-retry-after engine))
+              (make-error-response 503 "Service Unavailable"
+                                   :retry-after (engine-retry-after engine))))))
+
+(defun engine-stats (engine)
+  "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
+epoll), :ACTIVE (owned by a worker or by a handler that detached them),
+:IN-FLIGHT requests, :PENDING (accepted, not yet served), totals :ACCEPTED,
+:CLOSED, :REQUESTS, :SHED (503 at accept), :REJECTED (400/408/414/431),
+:TIMEOUTS, and the pool's :THREADS and :IDLE-THREADS."
+  (let ((open 0) (idle 0) (active 0)
+        (table (engine-table engine)))
+    (loop for c across table
+          when c
+            do (incf open)
+               (case (connection-state c)
+                 (:parked (incf idle))
+                 ((:active :detached) (incf active))))
+    (let ((pool (engine-pool engine)))
+      (list :open open :idle idle :active active
+            :in-flight (engine-in-flight engine)
+            :pending (engine-pending engine)
+            :accepted (engine-accepted engine)
+            :closed (engine-closed engine)
+            :requests (engine-requests engine)
+            :shed (engine-shed engine)
+            :rejected (engine-rejected engine)
+            :timeouts (engine-timeouts engine)
+            :threads (if pool (pool-thread-count pool) 0)
+            :idle-threads (if pool (pool-idle pool) 0)))))

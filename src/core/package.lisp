@@ -1,0 +1,30 @@
+;;;; package.lisp -- the GALLOP.CORE package.
+;;;;
+;;;; The core knows nothing about Hunchentoot: it accepts connections, holds
+;;;; them in epoll while they are idle or while a request head is still
+;;;; arriving, and hands a worker from an elastic pool a connection whose
+;;;; request head is complete.  Layers above it (the Hunchentoot adapter, later
+;;;; the native app API) supply the function that serves a request.
+
+(defpackage #:gallop.core
+  (:use #:common-lisp)
+  (:export
+   ;; pool
+   #:pool #:make-pool #:pool-start #:pool-stop
+   #:pool-thread-count #:pool-idle-count #:pool-threads
+   #:pool-min-threads #:pool-max-threads
+   ;; connections (a binary Gray stream)
+   #:connection #:connection-fd #:connection-engine
+   #:connection-remote-address #:connection-remote-port
+   #:connection-local-address #:connection-local-port
+   #:connection-user-data #:connection-mark-boundary
+   #:connection-owner-stream
+   #:connection-timeout-error
+   ;; engine
+   #:engine #:make-engine #:engine-start #:engine-stop
+   #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
+   #:engine-running-p #:engine-pool #:engine-stats
+   #:engine-listen-fd
+   ;; utilities used by the layers above
+   #:set-nonblocking #:raise-fd-limit #:fd-limit
+   #:listen-socket-fd))

@@ -1,0 +1,396 @@
+;;;; server.lisp -- running an engine: accepting, dispatching to workers,
+;;;; parking, rejecting, timing out and stopping.
+;;;;
+;;;; Who runs what:
+;;;;  - the housekeeper thread accepts (or the layer above accepts and calls
+;;;;    ENGINE-ADOPT-FD), writes 503 when the queue is full, drains rejected
+;;;;    connections, and every SWEEP-INTERVAL-MS closes parked connections
+;;;;    whose deadline passed (408 when part of a head had arrived);
+;;;;  - a worker that takes a connection's event reads until the request head
+;;;;    is complete, parking the connection again if it is not, then calls the
+;;;;    engine's handler, and afterwards parks, closes or leaves the connection
+;;;;    (detached) as the handler's use of the stream decided.
+
+(in-package #:gallop.core)
+
+(defconstant +sweep-interval-ms+ 250)
+
+(defconstant +connection-events+ (logior +epollin+ +epollrdhup+ +epolloneshot+))
+
+(defun make-engine (&key (name "gallop") handler raw
+                      (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
+                      (header-timeout 20) (idle-timeout 20) (read-timeout 20)
+                      (write-timeout 20) (max-head-bytes 16384)
+                      (max-request-line-bytes 8192) (max-queue 1024) (retry-after 1)
+                      thread-starter log-error)
+  "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
+CONNECTION) once a complete request head is buffered on CONNECTION (or, when
+RAW is true, once any bytes arrived: for TLS).  It reads the request from the
+connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
+requests and CLOSE when done.  Timeouts are in seconds: HEADER-TIMEOUT for a
+whole request head, IDLE-TIMEOUT between keep-alive requests, READ-TIMEOUT and
+WRITE-TIMEOUT for progress while a worker reads a body or writes a response.
+MAX-QUEUE bounds the accepted connections no worker has served yet; beyond it
+new connections get 503 with Retry-After: RETRY-AFTER."
+  (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
+    (let ((engine (%make-engine :name name :handler handler :raw-p raw
+                                :header-timeout-ms (ms header-timeout)
+                                :idle-timeout-ms (ms idle-timeout)
+                                :read-timeout-ms (ms read-timeout)
+                                :write-timeout-ms (ms write-timeout)
+                                :max-head-bytes max-head-bytes
+                                :max-request-line-bytes max-request-line-bytes
+                                :max-queue max-queue :retry-after retry-after
+                                :log-error log-error)))
+      (setf (engine-pool engine)
+            (make-pool :name name :min-threads min-threads :max-threads max-threads
+                       :idle-timeout thread-idle-timeout
+                       :thread-starter thread-starter
+                       :dispatch (lambda (data flags)
+                                   (declare (ignore flags))
+                                   (dispatch-event engine data))
+                       :log-error (lambda (e)
+                                    (log-engine-error engine "Worker error: ~A" e))))
+      engine)))
+
+;;; Registering connections
+
+(defun next-token (engine fd)
+  (logior (ash (logand (sb-ext:atomic-incf (engine-generation engine)) #x7fffffff) 32)
+          fd))
+
+(defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
+  (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
+                             :raw (engine-raw-p engine)
+                             :remote-address remote-address :remote-port (or remote-port 0)
+                             :close-hook close-hook :user-data user-data))
+
+(defun engine-overloaded-p (engine)
+  "True when the queue of accepted, not yet served connections is full."
+  (>= (engine-pending engine) (engine-max-queue engine)))
+
+(defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
+                                    (nonblocking nil))
+  "Take a freshly accepted socket FD into ENGINE: it waits in epoll until its
+first request head is complete.  CLOSE-HOOK, if given, is called to release
+the fd instead of close(2).  Returns the connection, or NIL if it was refused
+(engine not running, fd beyond the table)."
+  (unless nonblocking (set-nonblocking fd))
+  (let ((table (engine-table engine)))
+    (when (or (not (engine-running-p engine)) (>= fd (length table)))
+      (if close-hook (funcall close-hook) (close-fd fd))
+      (return-from engine-adopt-fd nil))
+    (let ((c (make-connection engine fd :remote-address remote-address
+                                        :remote-port remote-port
+                                        :close-hook close-hook :user-data user-data)))
+      (setf (connection-deadline c) (+ (now-ms) (engine-header-timeout-ms engine)))
+      (sb-ext:atomic-incf (engine-pending engine))
+      (sb-ext:atomic-incf (engine-accepted engine))
+      (setf (svref table fd) c)
+      (multiple-value-bind (ok errno)
+          (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-add+ fd
+                     +connection-events+ (connection-token c))
+        (unless ok
+          (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D" fd errno)
+          (setf (connection-state c) :active)
+          (close-connection c)
+          (return-from engine-adopt-fd nil)))
+      c)))
+
+(defun engine-shed-fd (engine fd &key close-hook)
+  "Answer the fresh socket FD with 503 and Retry-After, without a worker, and
+close it after the client has read the answer."
+  (set-nonblocking fd)
+  (sb-ext:atomic-incf (engine-shed engine))
+  (sb-ext:atomic-incf (engine-accepted engine))
+  (let ((table (engine-table engine)))
+    (if (>= fd (length table))
+        (if close-hook (funcall close-hook) (close-fd fd))
+        (let ((c (make-connection engine fd :close-hook close-hook)))
+          (setf (slot-value c 'fresh) nil
+                (connection-state c) :active
+                (svref table fd) c)
+          (reject-connection c (response-503 engine) :registered nil)))))
+
+(defun unfresh (c)
+  (when (slot-value c 'fresh)
+    (setf (slot-value c 'fresh) nil)
+    (sb-ext:atomic-decf (engine-pending (connection-engine c)))))
+
+;;; Closing, parking, rejecting
+
+(defun close-connection (c)
+  "Close C for good.  The caller owns C (it is :ACTIVE, :DRAINING or
+:DETACHED, or the caller won a CAS from :PARKED)."
+  (let ((engine (connection-engine c))
+        (fd (connection-fd c)))
+    (unless (eq (connection-state c) :closed)
+      (unfresh c)
+      (setf (connection-state c) :closed)
+      (setf (slot-value c 'out-fill) 0
+            (slot-value c 'in-start) 0
+            (slot-value c 'in-end) 0)
+      (release-buffers c)
+      (let ((table (engine-table engine)))
+        (when (and (< fd (length table)) (eq (svref table fd) c))
+          (setf (svref table fd) nil)))
+      (let ((hook (slot-value c 'close-hook)))
+        (if hook
+            (handler-case (funcall hook)
+              (error (e) (log-engine-error engine "Closing fd ~D: ~A" fd e)))
+            (close-fd fd)))
+      (sb-ext:atomic-incf (engine-closed engine))))
+  nil)
+
+(defun park (c)
+  "Give the connection back to epoll until its next request arrives.  The
+caller is the worker that owns C."
+  (let ((engine (connection-engine c)))
+    (with-slots (in-start in-end head-started boundary park-requested close-requested) c
+      (setf boundary nil park-requested nil close-requested nil)
+      (let ((now (now-ms)))
+        (cond ((= in-start in-end)
+               (setf head-started nil
+                     (connection-deadline c) (+ now (engine-idle-timeout-ms engine))))
+              (t
+               (unless head-started (setf head-started now))
+               (setf (connection-deadline c)
+                     (+ head-started (engine-header-timeout-ms engine))))))
+      (release-buffers c)
+      ;; The deadline is in the future, so the housekeeper leaves C alone
+      ;; until the re-arm below has happened.
+      (setf (connection-state c) :parked)
+      (unless (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-mod+
+                         (connection-fd c) +connection-events+ (connection-token c))
+        (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
+          (close-connection c))))))
+
+(defun reject-connection (c response &key (registered t))
+  "Send RESPONSE (an error the engine writes itself), shut the write side and
+let the housekeeper drain and close C.  The caller owns C."
+  (let* ((engine (connection-engine c))
+         (fd (connection-fd c)))
+    (unfresh c)
+    (when registered
+      (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
+    (send-from fd response 0 (length response))
+    (shutdown-fd fd +shut-wr+)
+    (with-slots (in-start in-end out-fill) c
+      (setf in-start 0 in-end 0 out-fill 0))
+    (release-buffers c)
+    (setf (connection-deadline c) (+ (now-ms) (engine-linger-ms engine))
+          (connection-state c) :draining)
+    (unless (and (>= (engine-housekeeper-epfd engine) 0)
+                 (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ fd
+                            (logior +epollin+ +epollrdhup+) (connection-token c)))
+      (close-connection c))))
+
+;;; Serving
+
+(defun dispatch-event (engine token)
+  "Called in a worker for an epoll event on a connection."
+  (let* ((fd (logand token #xffffffff))
+         (table (engine-table engine))
+         (c (and (< fd (length table)) (svref table fd))))
+    (when (and c
+               (= (connection-token c) token)
+               (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked))
+      (serve-connection engine c))))
+
+(defun serve-connection (engine c)
+  "Read until a request head is complete, then run the handler.  The caller
+owns C."
+  (unfresh c)
+  (with-slots (fd in-end raw) c
+    (loop
+      (unless (make-room c (engine-max-head-bytes engine))
+        (return (reject c +response-431+)))
+      (let ((buffer (slot-value c 'inbuf)))
+        (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+          (cond ((plusp n)
+                 (incf in-end n)
+                 (if raw
+                     (return (run-handler engine c))
+                     (ecase (scan-head c)
+                       (:complete (return (run-handler engine c)))
+                       (:incomplete)
+                       (:line-too-long (return (reject c +response-414+)))
+                       (:too-large (return (reject c +response-431+))))))
+                ((zerop n) (return (close-connection c)))
+                ((= errno +eagain+) (return (park c)))
+                (t (return (close-connection c)))))))))
+
+(defun reject (c response)
+  (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
+  (reject-connection c response))
+
+(defun run-handler (engine c)
+  (with-slots (boundary park-requested close-requested head-started) c
+    (setf boundary nil park-requested nil close-requested nil head-started nil)
+    (sb-ext:atomic-incf (engine-requests engine))
+    (sb-ext:atomic-incf (engine-in-flight engine))
+    (unwind-protect
+         (handler-case (funcall (the function (engine-handler engine)) c)
+           (error (e)
+             (log-engine-error engine "Error serving ~A: ~A" c e)
+             (setf close-requested t park-requested nil)))
+      (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
+        (unless (engine-running-p engine)
+          (sb-thread:with-mutex ((engine-lock engine))
+            (sb-thread:condition-broadcast (engine-idle-queue engine))))))
+    (cond ((not close-requested)
+           (setf (connection-state c) :detached))
+          ((and park-requested (engine-running-p engine))
+           (park c))
+          (t
+           (close-connection c)))))
+
+;;; The housekeeper
+
+(defun accept-pending (engine)
+  "Accept every connection waiting on the listen socket."
+  (loop repeat 512
+        do (multiple-value-bind (fd address-or-errno port) (accept-connection (engine-listen-fd engine))
+             (cond ((>= fd 0)
+                    (if (engine-overloaded-p engine)
+                        (engine-shed-fd engine fd)
+                        (engine-adopt-fd engine fd :remote-address address-or-errno
+                                                   :remote-port port :nonblocking t)))
+                   ((= address-or-errno +eagain+) (return))
+                   ((member address-or-errno (list +emfile+ +enfile+))
+                    ;; Out of fds: stop accepting until the next sweep frees some.
+                    (let ((now (now-ms)))
+                      (when (> (- now (engine-last-emfile-ms engine)) 10000)
+                        (setf (engine-last-emfile-ms engine) now)
+                        (log-engine-error engine "accept: out of file descriptors (errno ~D); ~
+                                                  pausing accepts" address-or-errno)))
+                    (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-del+
+                               (engine-listen-fd engine) 0 0)
+                    (return :paused))
+                   (t (return))))))
+
+(defun drain (engine token)
+  (let* ((fd (logand token #xffffffff))
+         (table (engine-table engine))
+         (c (and (< fd (length table)) (svref table fd))))
+    (when (and c (= (connection-token c) token) (eq (connection-state c) :draining))
+      (let ((scratch (ensure-inbuf c)))
+        (loop
+          (multiple-value-bind (n errno) (read-into fd scratch 0 (length scratch))
+            (cond ((plusp n))
+                  ((and (minusp n) (= errno +eagain+)) (return))
+                  (t (close-connection c) (return)))))
+        (when (slot-value c 'inbuf) (release-buffers c))))))
+
+(defun sweep (engine &key (now (now-ms)) force)
+  "Close parked and draining connections whose deadline passed (all of them
+when FORCE).  Only the housekeeper, or ENGINE-STOP after it, calls this."
+  (let ((table (engine-table engine)))
+    (loop for c across table
+          when c
+            do (case (connection-state c)
+                 (:parked
+                  (when (and (or force (< (connection-deadline c) now))
+                             (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active)
+                                 :parked))
+                    (cond ((and (not force) (slot-value c 'head-started))
+                           (sb-ext:atomic-incf (engine-timeouts engine))
+                           (reject c +response-408+))
+                          ((and (not force) (slot-value c 'fresh))
+                           ;; Connected but never sent a byte in time.
+                           (sb-ext:atomic-incf (engine-timeouts engine))
+                           (close-connection c))
+                          (t (close-connection c)))))
+                 (:draining
+                  (when (or force (< (connection-deadline c) now))
+                    (close-connection c)))))))
+
+(defun housekeeper-loop (engine)
+  (let ((events (make-event-buffer 64))
+        (epfd (engine-housekeeper-epfd engine))
+        (next-sweep (+ (now-ms) +sweep-interval-ms+))
+        (accept-paused nil))
+    (unwind-protect
+         (loop
+           (let ((n (epoll-wait epfd events 64 +sweep-interval-ms+)))
+             (dotimes (i n)
+               (let ((data (event-data events i)))
+                 (cond ((= data +stop-data+)
+                        (return-from housekeeper-loop))
+                       ((= data +listen-data+)
+                        (when (eq (accept-pending engine) :paused)
+                          (setf accept-paused t)))
+                       (t (drain engine data)))))
+             (let ((now (now-ms)))
+               (when (>= now next-sweep)
+                 (setf next-sweep (+ now +sweep-interval-ms+))
+                 (handler-case (sweep engine :now now)
+                   (error (e) (log-engine-error engine "Sweep error: ~A" e)))
+                 (when accept-paused
+                   (setf accept-paused nil)
+                   (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
+                              +epollin+ +listen-data+))))))
+      (free-event-buffer events))))
+
+;;; Start and stop
+
+(defun engine-start (engine &key listen-fd)
+  "Start ENGINE's pool and housekeeper.  With LISTEN-FD, the housekeeper
+accepts on it (it is made non-blocking); without, the layer above accepts and
+calls ENGINE-ADOPT-FD."
+  (assert (eq (engine-state engine) :stopped))
+  (let ((limit (raise-fd-limit)))
+    (when (< limit 10000)
+      (log-engine-error engine "The fd limit (RLIMIT_NOFILE) is ~D and could not be ~
+                                raised: at most about ~D connections." limit limit))
+    (setf (engine-table engine) (make-array limit :initial-element nil)))
+  (setf (engine-housekeeper-epfd engine) (epoll-create)
+        (engine-stop-fd engine) (make-eventfd)
+        (engine-listen-fd engine) (or listen-fd -1))
+  (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ (engine-stop-fd engine)
+             +epollin+ +stop-data+)
+  (when listen-fd
+    (set-nonblocking listen-fd)
+    (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ listen-fd
+               +epollin+ +listen-data+))
+  (pool-start (engine-pool engine))
+  (setf (engine-state engine) :running)
+  (setf (engine-housekeeper engine)
+        (start-pool-thread (engine-pool engine) (lambda () (housekeeper-loop engine))
+                           (format nil "~A-housekeeper" (engine-name engine))))
+  engine)
+
+(defun wait-for-in-flight (engine)
+  (sb-thread:with-mutex ((engine-lock engine))
+    (loop until (zerop (engine-in-flight engine))
+          do (sb-thread:condition-wait (engine-idle-queue engine) (engine-lock engine)
+                                       :timeout 1))))
+
+(defun engine-stop (engine &key soft)
+  "Stop ENGINE: stop accepting, close idle connections, let in-flight requests
+finish (when SOFT) or cut their sockets (otherwise), and join every thread.
+Connections a handler detached are left to it.  The listen socket itself
+belongs to the caller, who closes it afterwards."
+  (when (eq (engine-state engine) :running)
+    (setf (engine-state engine) :stopping)
+    (signal-eventfd (engine-stop-fd engine))
+    (when (engine-housekeeper engine)
+      (sb-thread:join-thread (engine-housekeeper engine) :default nil)
+      (setf (engine-housekeeper engine) nil))
+    (sweep engine :force t)
+    (if soft
+        (wait-for-in-flight engine)
+        (loop for c across (engine-table engine)
+              when (and c (eq (connection-state c) :active))
+                do (shutdown-fd (connection-fd c) +shut-rdwr+)))
+    (pool-stop (engine-pool engine))
+    ;; Workers that finished after the first sweep closed their connections
+    ;; instead of parking them; catch any that raced with it.
+    (sweep engine :force t)
+    (close-fd (engine-housekeeper-epfd engine))
+    (close-fd (engine-stop-fd engine))
+    (setf (engine-housekeeper-epfd engine) -1
+          (engine-stop-fd engine) -1
+          (engine-listen-fd engine) -1
+          (engine-state engine) :stopped))
+  engine)

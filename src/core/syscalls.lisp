@@ -1,0 +1,283 @@
+;;;; syscalls.lisp -- the few Linux system calls Gallop needs, through SB-ALIEN.
+;;;;
+;;;; Every call that can block (epoll_wait, poll, read, send, accept4) can
+;;;; return -1/EINTR at any time: SBCL stops threads for GC with a signal, and
+;;;; the kernel never restarts epoll_wait or poll.  The wrappers below retry on
+;;;; EINTR where that is right, and return -1 with the errno as a second value
+;;;; otherwise, so callers can tell EAGAIN from a real failure without consing.
+;;;;
+;;;; struct epoll_event is PACKED on x86-64: 12 bytes, events (u32) at offset 0
+;;;; and data (u64) at offset 4.  It is therefore read and written as raw bytes
+;;;; through SAP-REF, never through a naturally aligned alien struct.
+
+(in-package #:gallop.core)
+
+(defconstant +eintr+ 4)
+(defconstant +eagain+ 11)
+(defconstant +emfile+ 24)
+(defconstant +enfile+ 23)
+
+(defconstant +epollin+ #x001)
+(defconstant +epollout+ #x004)
+(defconstant +epollerr+ #x008)
+(defconstant +epollhup+ #x010)
+(defconstant +epollrdhup+ #x2000)
+(defconstant +epolloneshot+ #x40000000)
+
+(defconstant +epoll-ctl-add+ 1)
+(defconstant +epoll-ctl-del+ 2)
+(defconstant +epoll-ctl-mod+ 3)
+
+(defconstant +epoll-event-size+ 12
+  "sizeof (struct epoll_event) on x86-64, where the struct is packed.")
+
+(defconstant +o-nonblock+ #o4000)
+(defconstant +sock-nonblock+ #o4000)
+(defconstant +sock-cloexec+ #o2000000)
+(defconstant +efd-nonblock+ #o4000)
+(defconstant +efd-cloexec+ #o2000000)
+(defconstant +f-getfl+ 3)
+(defconstant +f-setfl+ 4)
+(defconstant +msg-nosignal+ #x4000)
+(defconstant +shut-rd+ 0)
+(defconstant +shut-wr+ 1)
+(defconstant +shut-rdwr+ 2)
+(defconstant +pollin+ #x001)
+(defconstant +pollout+ #x004)
+(defconstant +rlimit-nofile+ 7)
+
+(deftype octets () '(simple-array (unsigned-byte 8) (*)))
+(deftype fd () '(integer -1 #.(1- (expt 2 31))))
+
+(declaim (inline %errno))
+(defun %errno () (sb-alien:get-errno))
+
+(sb-alien:define-alien-routine ("epoll_create1" %epoll-create1) sb-alien:int
+  (flags sb-alien:int))
+(sb-alien:define-alien-routine ("epoll_ctl" %epoll-ctl) sb-alien:int
+  (epfd sb-alien:int) (op sb-alien:int) (fd sb-alien:int)
+  (event sb-sys:system-area-pointer))
+(sb-alien:define-alien-routine ("epoll_wait" %epoll-wait) sb-alien:int
+  (epfd sb-alien:int) (events sb-sys:system-area-pointer)
+  (maxevents sb-alien:int) (timeout sb-alien:int))
+(sb-alien:define-alien-routine ("accept4" %accept4) sb-alien:int
+  (fd sb-alien:int) (addr sb-sys:system-area-pointer)
+  (addrlen sb-sys:system-area-pointer) (flags sb-alien:int))
+(sb-alien:define-alien-routine ("read" %read) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+(sb-alien:define-alien-routine ("send" %send) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
+  (flags sb-alien:int))
+(sb-alien:define-alien-routine ("write" %write) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+(sb-alien:define-alien-routine ("close" %close) sb-alien:int (fd sb-alien:int))
+(sb-alien:define-alien-routine ("shutdown" %shutdown) sb-alien:int
+  (fd sb-alien:int) (how sb-alien:int))
+(sb-alien:define-alien-routine ("poll" %poll) sb-alien:int
+  (fds sb-sys:system-area-pointer) (nfds sb-alien:unsigned-long) (timeout sb-alien:int))
+(sb-alien:define-alien-routine ("eventfd" %eventfd) sb-alien:int
+  (initval sb-alien:unsigned-int) (flags sb-alien:int))
+(sb-alien:define-alien-routine ("fcntl" %fcntl) sb-alien:int
+  (fd sb-alien:int) (cmd sb-alien:int) (arg sb-alien:long))
+(sb-alien:define-alien-routine ("getsockname" %getsockname) sb-alien:int
+  (fd sb-alien:int) (addr sb-sys:system-area-pointer) (addrlen sb-sys:system-area-pointer))
+(sb-alien:define-alien-routine ("getrlimit" %getrlimit) sb-alien:int
+  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
+(sb-alien:define-alien-routine ("setrlimit" %setrlimit) sb-alien:int
+  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
+
+;;; epoll
+
+(defun epoll-create ()
+  (let ((fd (%epoll-create1 +sock-cloexec+)))
+    (when (< fd 0) (error "epoll_create1 failed: errno ~D" (%errno)))
+    fd))
+
+(defun epoll-ctl (epfd op fd events data)
+  "Add, modify or delete FD in the epoll set EPFD.  DATA is the 64-bit value
+handed back by epoll_wait.  Returns T on success, NIL and the errno on failure."
+  (declare (type fd epfd fd) (type (unsigned-byte 32) events)
+           (type (unsigned-byte 64) data))
+  (sb-alien:with-alien ((ev (array (sb-alien:unsigned 8) 16)))
+    (let ((sap (sb-alien:alien-sap ev)))
+      (setf (sb-sys:sap-ref-32 sap 0) events
+            (sb-sys:sap-ref-64 sap 4) data)
+      (if (zerop (%epoll-ctl epfd op fd sap))
+          t
+          (values nil (%errno))))))
+
+(defun make-event-buffer (count)
+  "A foreign buffer for COUNT packed epoll events; free it with FREE-EVENT-BUFFER."
+  (sb-alien:alien-sap (sb-alien:make-alien (sb-alien:unsigned 8)
+                                           (* count +epoll-event-size+))))
+
+(defun free-event-buffer (sap)
+  (sb-alien:free-alien (sb-alien:sap-alien sap (* (sb-alien:unsigned 8)))))
+
+(declaim (inline event-flags event-data))
+(defun event-flags (sap index)
+  (sb-sys:sap-ref-32 sap (* index +epoll-event-size+)))
+(defun event-data (sap index)
+  (sb-sys:sap-ref-64 sap (+ 4 (* index +epoll-event-size+))))
+
+(defun epoll-wait (epfd sap max timeout-ms)
+  "Wait for up to MAX events.  Returns the count, 0 on timeout or EINTR."
+  (let ((n (%epoll-wait epfd sap max timeout-ms)))
+    (cond ((>= n 0) n)
+          ((= (%errno) +eintr+) 0)
+          (t (error "epoll_wait failed: errno ~D" (%errno))))))
+
+;;; file descriptors
+
+(defun set-nonblocking (fd)
+  "Put FD in non-blocking mode."
+  (let ((flags (%fcntl fd +f-getfl+ 0)))
+    (when (< flags 0) (error "fcntl(F_GETFL) failed: errno ~D" (%errno)))
+    (unless (logtest flags +o-nonblock+)
+      (%fcntl fd +f-setfl+ (logior flags +o-nonblock+)))
+    fd))
+
+(defun close-fd (fd)
+  (loop for r = (%close fd)
+        while (and (< r 0) (= (%errno) +eintr+)))
+  (values))
+
+(defun shutdown-fd (fd how)
+  (%shutdown fd how))
+
+(defun make-eventfd ()
+  (let ((fd (%eventfd 0 (logior +efd-nonblock+ +efd-cloexec+))))
+    (when (< fd 0) (error "eventfd failed: errno ~D" (%errno)))
+    fd))
+
+(defun signal-eventfd (fd)
+  "Make the eventfd FD readable (it stays readable: nobody consumes it)."
+  (sb-alien:with-alien ((one (sb-alien:unsigned 64) 1))
+    (%write fd (sb-alien:alien-sap (sb-alien:addr one)) 8)))
+
+(declaim (inline read-into send-from))
+(defun read-into (fd buffer start end)
+  "read(2) into BUFFER[START,END).  Returns the byte count (0 at EOF), or -1
+and the errno.  Retries EINTR."
+  (declare (type fd fd) (type octets buffer) (type fixnum start end))
+  (sb-sys:with-pinned-objects (buffer)
+    (loop
+      (let ((n (%read fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start))))
+        (declare (type fixnum n))
+        (cond ((>= n 0) (return (values n 0)))
+              (t (let ((errno (%errno)))
+                   (unless (= errno +eintr+)
+                     (return (values -1 errno))))))))))
+
+(defun send-from (fd buffer start end)
+  "send(2) BUFFER[START,END) without raising SIGPIPE.  Returns the count
+written or -1 and the errno.  Retries EINTR."
+  (declare (type fd fd) (type octets buffer) (type fixnum start end))
+  (sb-sys:with-pinned-objects (buffer)
+    (loop
+      (let ((n (%send fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start)
+                      +msg-nosignal+)))
+        (declare (type fixnum n))
+        (cond ((>= n 0) (return (values n 0)))
+              (t (let ((errno (%errno)))
+                   (unless (= errno +eintr+)
+                     (return (values -1 errno))))))))))
+
+(defun poll-fds (fd events wake-fd timeout-ms)
+  "poll(2) FD for EVENTS and WAKE-FD (or -1) for input.  Returns :READY,
+:WAKE, :TIMEOUT.  EINTR restarts the wait with the remaining time."
+  (declare (type fd fd wake-fd) (type fixnum timeout-ms))
+  (let ((deadline (+ (now-ms) (max timeout-ms 0))))
+    (sb-alien:with-alien ((pfds (array (sb-alien:unsigned 8) 16)))
+      (let ((sap (sb-alien:alien-sap pfds)))
+        (loop
+          (setf (sb-sys:signed-sap-ref-32 sap 0) fd
+                (sb-sys:sap-ref-16 sap 4) events
+                (sb-sys:sap-ref-16 sap 6) 0
+                (sb-sys:signed-sap-ref-32 sap 8) wake-fd
+                (sb-sys:sap-ref-16 sap 12) +pollin+
+                (sb-sys:sap-ref-16 sap 14) 0)
+          (let* ((remaining (if (< timeout-ms 0) -1 (max 0 (- deadline (now-ms)))))
+                 (n (%poll sap 2 remaining)))
+            (cond ((> n 0)
+                   (return (if (and (>= wake-fd 0)
+                                    (logtest (sb-sys:sap-ref-16 sap 14) +pollin+))
+                               :wake
+                               :ready)))
+                  ((= n 0) (return :timeout))
+                  ((/= (%errno) +eintr+)
+                   (error "poll failed: errno ~D" (%errno))))))))))
+
+(defun accept-connection (listen-fd)
+  "accept4(2) one connection, non-blocking and close-on-exec.  Returns the
+fd, the peer address as an octet vector (4 or 16 bytes) and the peer port;
+or -1 and the errno."
+  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 32))
+                        (len (sb-alien:unsigned 32) 32))
+    (let ((sap (sb-alien:alien-sap addr)))
+      (loop
+        (let ((fd (%accept4 listen-fd sap (sb-alien:alien-sap (sb-alien:addr len))
+                            (logior +sock-nonblock+ +sock-cloexec+))))
+          (cond ((>= fd 0)
+                 (multiple-value-bind (address port) (parse-sockaddr sap)
+                   (return (values fd address port))))
+                ((/= (%errno) +eintr+)
+                 (return (values -1 (%errno))))))))))
+
+(defun parse-sockaddr (sap)
+  "Decode a struct sockaddr_in or sockaddr_in6 at SAP into an octet vector and a port."
+  (let ((family (sb-sys:sap-ref-16 sap 0))
+        (port (logior (ash (sb-sys:sap-ref-8 sap 2) 8) (sb-sys:sap-ref-8 sap 3))))
+    (case family
+      (2 (let ((v (make-array 4 :element-type '(unsigned-byte 8))))
+           (dotimes (i 4) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 4 i))))
+           (values v port)))
+      (10 (let ((v (make-array 16 :element-type '(unsigned-byte 8))))
+            (dotimes (i 16) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 8 i))))
+            (values v port)))
+      (t (values (make-array 4 :element-type '(unsigned-byte 8) :initial-element 0) 0)))))
+
+(defun socket-local-name (fd)
+  "getsockname(2) of FD as an octet vector and a port."
+  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 32))
+                        (len (sb-alien:unsigned 32) 32))
+    (let ((sap (sb-alien:alien-sap addr)))
+      (if (zerop (%getsockname fd sap (sb-alien:alien-sap (sb-alien:addr len))))
+          (parse-sockaddr sap)
+          (values (make-array 4 :element-type '(unsigned-byte 8) :initial-element 0) 0)))))
+
+;;; the fd limit
+
+(defun fd-limit ()
+  "The soft and hard RLIMIT_NOFILE of this process."
+  (sb-alien:with-alien ((lim (array (sb-alien:unsigned 64) 2)))
+    (let ((sap (sb-alien:alien-sap lim)))
+      (%getrlimit +rlimit-nofile+ sap)
+      (values (sb-sys:sap-ref-64 sap 0) (sb-sys:sap-ref-64 sap 8)))))
+
+(defun raise-fd-limit (&optional (wanted most-positive-fixnum))
+  "Raise the soft RLIMIT_NOFILE towards WANTED, up to the hard limit.
+Returns the new soft limit, and T as a second value when it is below WANTED
+(the caller should say so: connections beyond it will be refused)."
+  (multiple-value-bind (soft hard) (fd-limit)
+    (let ((target (min wanted hard)))
+      (when (> target soft)
+        (sb-alien:with-alien ((lim (array (sb-alien:unsigned 64) 2)))
+          (let ((sap (sb-alien:alien-sap lim)))
+            (setf (sb-sys:sap-ref-64 sap 0) target
+                  (sb-sys:sap-ref-64 sap 8) hard)
+            (when (zerop (%setrlimit +rlimit-nofile+ sap))
+              (setf soft target)))))
+      (values soft (< soft wanted)))))
+
+;;; time
+
+(declaim (inline now-ms))
+(defun now-ms ()
+  "A monotonic clock in milliseconds."
+  (values (floor (get-internal-real-time)
+                 (floor internal-time-units-per-second 1000))))
+
+(defun listen-socket-fd (socket)
+  "The fd of an SB-BSD-SOCKETS socket."
+  (sb-bsd-sockets:socket-file-descriptor socket))

@@ -1,0 +1,39 @@
+;;;; acceptor.lisp -- GALLOP:ACCEPTOR and friends: Hunchentoot's acceptor
+;;;; classes running on Gallop's engine.  Change the class name, keep the rest:
+;;;;
+;;;;   (hunchentoot:start (make-instance 'gallop:easy-acceptor :port 4242))
+;;;;
+;;;; They take the same initargs as Hunchentoot's classes; :TASKMASTER defaults
+;;;; to a GALLOP:TASKMASTER, which then accepts on the listen socket itself.
+
+(in-package #:gallop)
+
+(defclass acceptor (hunchentoot:acceptor)
+  ((gallop-taskmaster :initform nil :accessor acceptor-gallop-taskmaster
+                      :documentation "The GALLOP:TASKMASTER running this acceptor."))
+  (:default-initargs
+   :taskmaster (make-instance 'taskmaster)
+   ;; Connections cost no thread, so let the kernel queue a burst of them
+   ;; instead of dropping SYNs (Hunchentoot's default is 50).
+   :listen-backlog 1024)
+  (:documentation "A Hunchentoot acceptor served by Gallop: an elastic pool of
+workers serves requests, and idle connections wait in epoll."))
+
+(defclass easy-acceptor (acceptor hunchentoot:easy-acceptor)
+  ()
+  (:documentation "Gallop's HUNCHENTOOT:EASY-ACCEPTOR: DEFINE-EASY-HANDLER
+handlers and the static file dispatcher, served by Gallop."))
+
+(defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor)
+  ()
+  (:documentation "Gallop's HUNCHENTOOT:SSL-ACCEPTOR (TLS through cl+ssl).
+The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
+
+(defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
+  ()
+  (:documentation "Gallop's HUNCHENTOOT:EASY-SSL-ACCEPTOR."))
+
+(defmethod hunchentoot:stop :before ((acceptor acceptor) &key soft)
+  (let ((tm (acceptor-gallop-taskmaster acceptor)))
+    (when tm
+      (setf (taskmaster-soft-stop tm) soft))))

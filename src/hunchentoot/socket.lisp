@@ -1,0 +1,40 @@
+;;;; socket.lisp -- the usocket that Hunchentoot's PROCESS-CONNECTION sees for
+;;;; a connection Gallop accepted itself.
+;;;;
+;;;; PROCESS-CONNECTION takes a usocket: it reads USOCKET:SOCKET-STREAM and asks
+;;;; for the peer and local names.  A CONNECTION-USOCKET answers from what
+;;;; accept4(2) returned, so no getpeername(2) per request, and its stream is
+;;;; the Gallop connection itself.
+
+(in-package #:gallop)
+
+(defclass connection-usocket (usocket:stream-usocket)
+  ((connection :initarg :connection :reader usocket-connection))
+  (:documentation "A usocket view of a Gallop connection."))
+
+(defun make-connection-usocket (connection)
+  (make-instance 'connection-usocket :socket nil :stream connection
+                                     :connection connection))
+
+(defmethod usocket:get-peer-name ((socket connection-usocket))
+  (let ((c (usocket-connection socket)))
+    (values (connection-remote-address c) (connection-remote-port c))))
+
+(defmethod usocket:get-peer-address ((socket connection-usocket))
+  (connection-remote-address (usocket-connection socket)))
+
+(defmethod usocket:get-peer-port ((socket connection-usocket))
+  (connection-remote-port (usocket-connection socket)))
+
+(defmethod usocket:get-local-name ((socket connection-usocket))
+  (let ((c (usocket-connection socket)))
+    (values (connection-local-address c) (connection-local-port c))))
+
+(defmethod usocket:get-local-address ((socket connection-usocket))
+  (connection-local-address (usocket-connection socket)))
+
+(defmethod usocket:get-local-port ((socket connection-usocket))
+  (connection-local-port (usocket-connection socket)))
+
+(defmethod usocket:socket-close ((socket connection-usocket))
+  (close (usocket-connection socket)))

@@ -1,0 +1,206 @@
+;;;; taskmaster.lisp -- GALLOP:TASKMASTER, a Hunchentoot taskmaster on
+;;;; Gallop's engine.
+;;;;
+;;;; A worker serves a request, not a connection's whole life: between
+;;;; keep-alive requests the connection waits in epoll and holds no thread.
+;;;; This works through Hunchentoot's own PROCESS-CONNECTION, unchanged: the
+;;;; stream it reads is a Gallop connection, and after each response
+;;;; RESET-CONNECTION-STREAM marks a request boundary on it, so the next read of
+;;;; PROCESS-CONNECTION's loop answers end-of-file when no further request is
+;;;; buffered.  PROCESS-CONNECTION then returns and closes the stream, and
+;;;; Gallop parks the connection instead of closing it.
+;;;;
+;;;; With GALLOP:ACCEPTOR the engine accepts on the listen socket itself (a
+;;;; non-blocking accept loop that handler work never delays).  With any other
+;;;; Hunchentoot acceptor, the acceptor's own ACCEPT-CONNECTIONS runs in a
+;;;; listener thread and hands each socket to HANDLE-INCOMING-CONNECTION.
+
+(in-package #:gallop)
+
+(defvar *connection* nil
+  "The Gallop connection the current worker is serving, if any.")
+
+(defclass taskmaster (hunchentoot:taskmaster)
+  ((max-thread-count :initarg :max-thread-count
+                     :reader hunchentoot:taskmaster-max-thread-count
+                     :documentation "The most worker threads the pool grows to.")
+   (standby-thread-count :initarg :standby-thread-count
+                         :reader taskmaster-standby-thread-count
+                         :documentation "Workers kept when idle; the pool shrinks back to this.")
+   (max-accept-count :initarg :max-accept-count
+                     :initform nil
+                     :reader hunchentoot:taskmaster-max-accept-count
+                     :documentation "As in Hunchentoot: when given, connections beyond
+this many (being served or waiting) get 503.  Gallop counts only connections
+that wait for their first request to be served, so this sets
+MAX-QUEUE-LENGTH to MAX-ACCEPT-COUNT - MAX-THREAD-COUNT.")
+   (max-queue-length :initarg :max-queue-length
+                     :initform nil
+                     :documentation "The most accepted connections waiting for a worker
+before new ones get an immediate 503 with Retry-After.")
+   (thread-idle-timeout :initarg :thread-idle-timeout
+                        :documentation "Seconds an idle worker beyond the standby count
+waits before it leaves.")
+   (header-timeout :initarg :header-timeout :initform nil
+                   :documentation "Seconds for a whole request head (408 after).
+Defaults to the acceptor's read timeout.")
+   (idle-timeout :initarg :idle-timeout :initform nil
+                 :documentation "Seconds a keep-alive connection may stay idle.
+Defaults to the acceptor's read timeout.")
+   (max-head-bytes :initarg :max-head-bytes
+                   :documentation "Request heads over this many bytes get 431.")
+   (max-request-line-bytes :initarg :max-request-line-bytes
+                           :documentation "Request lines over this many bytes get 414.")
+   (engine :initform nil :reader taskmaster-engine
+           :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
+   (listener :initform nil
+             :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
+when the acceptor is not a GALLOP:ACCEPTOR.")
+   (soft-stop :initform nil :accessor taskmaster-soft-stop))
+  (:default-initargs
+   :max-thread-count 100
+   :standby-thread-count 4
+   :thread-idle-timeout 10
+   :max-head-bytes 16384
+   :max-request-line-bytes 8192)
+  (:documentation "A taskmaster that serves requests from an elastic pool of
+threads (no thread per connection) and keeps idle connections in epoll.  Use
+it with any Hunchentoot acceptor:
+
+  (make-instance 'hunchentoot:easy-acceptor :port 4242
+                 :taskmaster (make-instance 'gallop:taskmaster :max-thread-count 8))"))
+
+(defmethod initialize-instance :after ((tm taskmaster) &key)
+  (with-slots (max-thread-count standby-thread-count) tm
+    (setf standby-thread-count (max 1 (min standby-thread-count max-thread-count)))))
+
+(defgeneric taskmaster-max-queue-length (taskmaster)
+  (:documentation "How many accepted connections may wait for a worker before
+new connections get 503.")
+  (:method ((tm taskmaster))
+    (with-slots (max-queue-length max-accept-count max-thread-count) tm
+      (cond (max-queue-length)
+            (max-accept-count (max 0 (- max-accept-count max-thread-count)))
+            (t 1024)))))
+
+(defmethod hunchentoot:taskmaster-thread-count ((tm taskmaster))
+  (let ((engine (taskmaster-engine tm)))
+    (if engine (gallop.core:pool-thread-count (gallop.core:engine-pool engine)) 0)))
+
+(defmethod hunchentoot:increment-taskmaster-thread-count ((tm taskmaster))
+  nil)
+
+(defmethod hunchentoot:decrement-taskmaster-thread-count ((tm taskmaster))
+  nil)
+
+(defun stats (thing)
+  "Connection and pool statistics of a running Gallop acceptor or taskmaster,
+as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
+  (let* ((tm (if (typep thing 'taskmaster) thing (acceptor-gallop-taskmaster thing)))
+         (engine (and tm (taskmaster-engine tm))))
+    (and engine (gallop.core:engine-stats engine))))
+
+(defun serve-connection (acceptor connection)
+  "The engine's handler: run Hunchentoot's request loop on CONNECTION."
+  (let ((*connection* connection)
+        (socket (or (connection-user-data connection)
+                    (setf (connection-user-data connection)
+                          (make-connection-usocket connection)))))
+    (unless (eq (usocket:socket-stream socket) connection)
+      ;; A usocket accepted by Hunchentoot's own ACCEPT-CONNECTIONS: it reads
+      ;; through the connection while Gallop serves it.
+      (setf (usocket:socket-stream socket) connection))
+    (hunchentoot:process-connection acceptor socket)))
+
+(defun make-taskmaster-engine (tm acceptor)
+  (let ((read-timeout (or (hunchentoot:acceptor-read-timeout acceptor) 20))
+        (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
+    (with-slots (max-thread-count standby-thread-count thread-idle-timeout
+                 header-timeout idle-timeout max-head-bytes max-request-line-bytes) tm
+      (gallop.core:make-engine
+       :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
+       :handler (lambda (connection) (serve-connection acceptor connection))
+       :raw (hunchentoot:acceptor-ssl-p acceptor)
+       :min-threads standby-thread-count
+       :max-threads max-thread-count
+       :thread-idle-timeout thread-idle-timeout
+       :header-timeout (or header-timeout read-timeout)
+       :idle-timeout (or idle-timeout read-timeout)
+       :read-timeout read-timeout
+       :write-timeout write-timeout
+       :max-head-bytes max-head-bytes
+       :max-request-line-bytes max-request-line-bytes
+       :max-queue (taskmaster-max-queue-length tm)
+       :thread-starter (lambda (thunk name)
+                         (hunchentoot:start-thread tm thunk :name name))
+       :log-error (lambda (format-control &rest args)
+                    (apply #'hunchentoot:acceptor-log-message acceptor :error
+                           format-control args))))))
+
+(defmethod hunchentoot:execute-acceptor ((tm taskmaster))
+  (let* ((acceptor (hunchentoot:taskmaster-acceptor tm))
+         (engine (make-taskmaster-engine tm acceptor)))
+    (setf (slot-value tm 'engine) engine
+          (taskmaster-soft-stop tm) nil)
+    (cond ((typep acceptor 'acceptor)
+           (setf (acceptor-gallop-taskmaster acceptor) tm)
+           (gallop.core:engine-start
+            engine :listen-fd (gallop.core:listen-socket-fd
+                               (usocket:socket (acceptor-listen-usocket acceptor)))))
+          (t
+           (gallop.core:engine-start engine)
+           (setf (slot-value tm 'listener)
+                 (hunchentoot:start-thread
+                  tm (lambda () (hunchentoot:accept-connections acceptor))
+                  :name (format nil "gallop-listener-~A" (hunchentoot:acceptor-port acceptor))))))
+    tm))
+
+(defmethod hunchentoot:handle-incoming-connection ((tm taskmaster) socket)
+  ;; Called by Hunchentoot's ACCEPT-CONNECTIONS in the listener thread.
+  (let* ((engine (taskmaster-engine tm))
+         (fd (gallop.core:listen-socket-fd (usocket:socket socket)))
+         (original-stream (usocket:socket-stream socket))
+         (close-hook (lambda ()
+                       (setf (usocket:socket-stream socket) original-stream)
+                       (usocket:socket-close socket))))
+    (cond ((null engine) (funcall close-hook))
+          ((gallop.core:engine-overloaded-p engine)
+           (gallop.core:engine-shed-fd engine fd :close-hook close-hook))
+          (t
+           (multiple-value-bind (address port)
+               (ignore-errors (usocket:get-peer-name socket))
+             (gallop.core:engine-adopt-fd engine fd :close-hook close-hook :user-data socket
+                                                    :remote-address address
+                                                    :remote-port port))))))
+
+(defmethod hunchentoot:shutdown ((tm taskmaster))
+  (with-slots (listener engine) tm
+    (when listener
+      (bt:join-thread listener)
+      (setf listener nil))
+    (when engine
+      (gallop.core:engine-stop engine :soft (taskmaster-soft-stop tm))
+      (setf engine nil)))
+  tm)
+
+(defmethod hunchentoot:too-many-taskmaster-requests ((tm taskmaster) socket)
+  (declare (ignore socket))
+  nil)
+
+;;; Request boundaries.  These methods act only while a Gallop worker serves a
+;;; connection (*CONNECTION* is bound); for any other server they do nothing.
+
+(defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
+  (let ((result (call-next-method)))
+    (when (and *connection* (eq stream *connection*) (not (eq result stream)))
+      ;; Wrapped (TLS): remember the wrapper, whose boundaries count too.
+      (setf (connection-owner-stream *connection*) result))
+    result))
+
+(defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
+  (let ((result (call-next-method)))
+    (when (and *connection*
+               (or (eq result *connection*)
+                   (eq result (connection-owner-stream *connection*))))
+      (connection-mark-boundary *connection*))
+    result))
