@@ -1,0 +1,61 @@
+;;;; serve.lisp -- the example server of `make serve`: Gallop's drop-in
+;;;; easy-acceptor on http://127.0.0.1:4242/ with /yo, a demo page and
+;;;; /gallop/status.  Logs to standard output; Ctrl-C stops it.
+
+(asdf:load-system "gallop")
+
+(defpackage #:gallop-example
+  (:use #:common-lisp))
+(in-package #:gallop-example)
+
+(hunchentoot:define-easy-handler (yo :uri "/yo") (name)
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "Hey~@[ ~A~]!" name))
+
+(hunchentoot:define-easy-handler (sleepy :uri "/sleep") ((ms :parameter-type 'integer))
+  (setf (hunchentoot:content-type*) "text/plain")
+  (sleep (/ (or ms 100) 1000))
+  (format nil "Slept ~D ms.~%" (or ms 100)))
+
+(defvar *acceptor*)
+
+(hunchentoot:define-easy-handler (status :uri "/gallop/status") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "~{~(~A~): ~A~%~}" (gallop:stats *acceptor*)))
+
+(hunchentoot:define-easy-handler (home :uri "/") ()
+  (setf (hunchentoot:content-type*) "text/html")
+  (hunchentoot:start-session)
+  (let ((visits (setf (hunchentoot:session-value :visits)
+                      (1+ (or (hunchentoot:session-value :visits) 0)))))
+    (format nil "<!doctype html>
+<html><head><title>Gallop</title></head>
+<body style='font-family: sans-serif; max-width: 40em; margin: 2em auto'>
+<h1>Gallop is serving</h1>
+<p>A stock Hunchentoot easy-handler, served by <code>gallop:easy-acceptor</code>:
+idle connections wait in epoll, requests run on an elastic pool of threads.</p>
+<p>You have loaded this page ~D time~:P in this session.</p>
+<ul>
+<li><a href='/yo?name=you'>/yo?name=you</a> - the benchmark handler</li>
+<li><a href='/sleep?ms=250'>/sleep?ms=250</a> - a handler that blocks for 250 ms</li>
+<li><a href='/gallop/status'>/gallop/status</a> - connection and pool statistics</li>
+</ul>
+<form method='post' action='/yo'><input name='name' placeholder='your name'>
+<button>POST to /yo</button></form>
+</body></html>" visits visits)))
+
+(setf *acceptor* (make-instance 'gallop:easy-acceptor
+                                :address "127.0.0.1" :port 4242
+                                :access-log-destination *standard-output*
+                                :message-log-destination *standard-output*))
+(hunchentoot:start *acceptor*)
+(format t "~&Gallop is serving on http://127.0.0.1:4242/ (Ctrl-C stops it)~%")
+(finish-output)
+
+(handler-case
+    (loop (sleep 3600))
+  (sb-sys:interactive-interrupt ()
+    (format t "~&Stopping...~%")
+    (hunchentoot:stop *acceptor* :soft t)
+    (format t "Stopped.~%")
+    (uiop:quit 0)))

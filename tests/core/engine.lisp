@@ -1,0 +1,116 @@
+;;;; engine.lisp -- GALLOP.CORE's engine with a minimal handler: limits,
+;;;; timeouts and parking, as a raw-socket client sees them.
+
+(in-package #:gallop-tests)
+
+(def-suite core :in gallop :description "The core engine, without Hunchentoot.")
+(in-suite core)
+
+(defun hello-handler (connection)
+  "Answer every request on CONNECTION with 200 and the request line."
+  (loop
+    (let ((first-line nil) (line '()))
+      (loop
+        (let ((byte (read-byte connection nil nil)))
+          (cond ((null byte) (close connection) (return-from hello-handler))
+                ((= byte 10)
+                 (when (null line) (return))
+                 (unless first-line (setf first-line (coerce (nreverse line) 'string)))
+                 (setf line '()))
+                ((= byte 13))
+                (t (push (code-char byte) line)))))
+      (let ((body first-line))
+        (write-sequence (octets (format nil "HTTP/1.1 200 OK~C~CContent-Length: ~D~C~C~C~C~A"
+                                        #\Return #\Linefeed (length body)
+                                        #\Return #\Linefeed #\Return #\Linefeed body))
+                        connection)
+        (finish-output connection)
+        (gallop.core:connection-mark-boundary connection)))))
+
+(defmacro with-engine ((engine port &rest options) &body body)
+  (let ((socket (gensym "SOCKET")))
+    `(let* ((,socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp))
+            (,engine (gallop.core:make-engine :handler #'hello-handler
+                                              :log-error (lambda (&rest args) (declare (ignore args)))
+                                              ,@options)))
+       (setf (sb-bsd-sockets:sockopt-reuse-address ,socket) t)
+       (sb-bsd-sockets:socket-bind ,socket #(127 0 0 1) 0)
+       (sb-bsd-sockets:socket-listen ,socket 128)
+       (gallop.core:engine-start ,engine :listen-fd (sb-bsd-sockets:socket-file-descriptor ,socket))
+       (unwind-protect
+            (let ((,port (nth-value 1 (sb-bsd-sockets:socket-name ,socket))))
+              ,@body)
+         (gallop.core:engine-stop ,engine)
+         (sb-bsd-sockets:socket-close ,socket)))))
+
+(defun engine-stat (engine key) (getf (gallop.core:engine-stats engine) key))
+
+(test engine-serves-and-parks-keep-alive-connections
+  (with-engine (engine port :min-threads 2)
+    (let ((sockets (loop repeat 50 collect (connect port))))
+      (unwind-protect
+           (progn
+             (dolist (socket sockets)
+               (send socket (crlf "GET /a HTTP/1.1" "Host: x"))
+               (is (string= "GET /a HTTP/1.1" (body-string (read-response socket)))))
+             ;; 50 idle keep-alive connections, and still only the standby threads.
+             (is (wait-until (lambda () (= 50 (engine-stat engine :idle)))))
+             (is (= 2 (engine-stat engine :threads)))
+             (dolist (socket sockets)
+               (send socket (crlf "GET /b HTTP/1.1" "Host: x"))
+               (is (string= "GET /b HTTP/1.1" (body-string (read-response socket))))))
+        (mapc #'usocket:socket-close sockets)))))
+
+(test request-line-too-long-gets-414
+  (with-engine (engine port :max-request-line-bytes 1000 :max-head-bytes 4000)
+    (let ((response (request port (format nil "GET /~A" (make-string 3000 :initial-element #\a)))))
+      (is (= 414 (response-status response))))
+    (is (= 1 (engine-stat engine :rejected)))))
+
+(test request-head-too-large-gets-431
+  (with-engine (engine port :max-head-bytes 4000)
+    (let ((response (request port (format nil "GET / HTTP/1.1~C~C~{X-Filler: ~A~C~C~}"
+                                           #\Return #\Linefeed
+                                           (loop repeat 100
+                                                 append (list (make-string 60 :initial-element #\b)
+                                                              #\Return #\Linefeed))))))
+      (is (= 431 (response-status response))))))
+
+(test incomplete-head-times-out-with-408
+  (with-engine (engine port :header-timeout 1)
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket "GET / HTTP/1.1")
+             (let ((response (read-response socket)))
+               (is (= 408 (response-status response)))
+               (is (equalp "close" (header response "Connection"))))
+             (is (closed-by-peer-p socket)))
+        (usocket:socket-close socket)))
+    (is (= 1 (engine-stat engine :timeouts)))
+    ;; still serving
+    (is (= 200 (response-status (get-request port "/"))))))
+
+(test idle-keep-alive-connection-is-closed-after-the-idle-timeout
+  (with-engine (engine port :idle-timeout 1)
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+             (is (= 200 (response-status (read-response socket))))
+             (is (closed-by-peer-p socket :timeout 5)))
+        (usocket:socket-close socket)))
+    (is (wait-until (lambda () (zerop (engine-stat engine :open)))))))
+
+(test pipelined-requests-in-one-packet-are-answered-in-order
+  (with-engine (engine port)
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket (format nil "~{~A~}" (loop for i below 10
+                                                     collect (crlf (format nil "GET /~D HTTP/1.1" i)
+                                                                   "Host: x"))))
+             (dotimes (i 10)
+               (is (string= (format nil "GET /~D HTTP/1.1" i)
+                            (body-string (read-response socket))))))
+        (usocket:socket-close socket)))))

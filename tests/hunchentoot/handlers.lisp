@@ -1,0 +1,64 @@
+;;;; handlers.lisp -- the easy-handlers the Hunchentoot-layer tests serve.
+
+(in-package #:gallop-tests)
+
+(hunchentoot:define-easy-handler (handle-yo :uri "/yo") (name)
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "Hey~@[ ~A~]!" name))
+
+(hunchentoot:define-easy-handler (handle-echo-params :uri "/params") (a b)
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "~(~A~) a=~A b=~A" (hunchentoot:request-method*) a b))
+
+(hunchentoot:define-easy-handler (handle-echo-body :uri "/body") ()
+  (setf (hunchentoot:content-type*) "application/octet-stream")
+  (let ((data (hunchentoot:raw-post-data :force-binary t)))
+    (format nil "~D:~A" (length data)
+            (if data (map 'string #'code-char data) ""))))
+
+(defparameter *big-size* (* 1024 1024))
+
+(hunchentoot:define-easy-handler (handle-big :uri "/big") ()
+  (setf (hunchentoot:content-type*) "application/octet-stream")
+  (let ((data (make-array *big-size* :element-type '(unsigned-byte 8))))
+    (dotimes (i *big-size*) (setf (aref data i) (mod i 251)))
+    data))
+
+(hunchentoot:define-easy-handler (handle-counter :uri "/counter") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (hunchentoot:start-session)
+  (let ((n (1+ (or (hunchentoot:session-value :n) 0))))
+    (setf (hunchentoot:session-value :n) n)
+    (hunchentoot:set-cookie "seen" :value (princ-to-string n) :path "/")
+    (format nil "~D" n)))
+
+(hunchentoot:define-easy-handler (handle-cookie-echo :uri "/cookie") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (or (hunchentoot:cookie-in "flavour") "none"))
+
+(defvar *sleep-seconds* 0.2)
+(defvar *entered* nil "A semaphore signalled when /sleep starts, if bound.")
+
+(hunchentoot:define-easy-handler (handle-sleepy :uri "/sleep") ()
+  (when *entered* (sb-thread:signal-semaphore *entered*))
+  (sleep *sleep-seconds*)
+  (setf (hunchentoot:content-type*) "text/plain")
+  "slept")
+
+(define-condition deliberate-error (error) ()
+  (:report "deliberate test error"))
+
+(hunchentoot:define-easy-handler (handle-fail :uri "/fail") ()
+  (error 'deliberate-error))
+
+(hunchentoot:define-easy-handler (handle-whoami :uri "/thread") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (sb-thread:thread-name sb-thread:*current-thread*))
+
+(hunchentoot:define-easy-handler (handle-chunked-out :uri "/chunked") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((stream (hunchentoot:send-headers)))
+    (dotimes (i 5)
+      (write-sequence (octets (format nil "part ~D;" i)) stream)
+      (force-output stream))
+    nil))

@@ -1,0 +1,79 @@
+;;;; lifecycle.lisp -- start, stop (soft and hard), and what stopping leaves.
+
+(in-package #:gallop-tests)
+
+(def-suite lifecycle :in gallop :description "Starting and stopping.")
+(in-suite lifecycle)
+
+(test soft-stop-waits-for-the-request-in-flight
+  (with-globals ((*sleep-seconds* 1) (*entered* (sb-thread:make-semaphore)))
+   (let ((server (make-server 'gallop:easy-acceptor))
+         (response nil))
+    (hunchentoot:start server)
+    (let ((client (sb-thread:make-thread
+                   (lambda () (setf response (get-request (port-of server) "/sleep"))))))
+      (is (sb-thread:wait-on-semaphore *entered* :timeout 10))
+      (hunchentoot:stop server :soft t)
+      (sb-thread:join-thread client)
+      (is (response-p response))
+      (is (= 200 (response-status response)))
+      (is (string= "slept" (body-string response)))
+      (is (not (hunchentoot:started-p server)))))))
+
+(test stop-closes-idle-connections-and-frees-the-port
+  (let* ((server (make-server 'gallop:easy-acceptor))
+         (port nil))
+    (hunchentoot:start server)
+    (setf port (port-of server))
+    (let ((idle (loop repeat 10 collect (connect port))))
+      (unwind-protect
+           (progn
+             (dolist (socket idle)
+               (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
+               (is (= 200 (response-status (read-response socket)))))
+             (is (wait-until (lambda () (= 10 (stat server :idle)))))
+             (hunchentoot:stop server)
+             (is (every #'closed-by-peer-p idle)))
+        (mapc #'usocket:socket-close idle)))
+    ;; The port can be bound again at once.
+    (let ((again (make-instance 'gallop:easy-acceptor :address "127.0.0.1" :port port
+                                                      :access-log-destination nil
+                                                      :message-log-destination nil)))
+      (hunchentoot:start again)
+      (unwind-protect (is (= 200 (response-status (get-request port "/yo"))))
+        (hunchentoot:stop again)))))
+
+(defun one-cycle (class &rest initargs)
+  (let ((server (apply #'make-server class initargs)))
+    (hunchentoot:start server)
+    (unwind-protect
+         (progn
+           (assert (= 200 (response-status (get-request (port-of server) "/yo"))))
+           (let ((socket (connect (port-of server))))
+             ;; leave one keep-alive connection open across the stop
+             (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
+             (read-response socket)
+             (hunchentoot:stop server :soft t)
+             (usocket:socket-close socket)))
+      (when (hunchentoot:started-p server) (hunchentoot:stop server)))))
+
+(test twenty-start-stop-cycles-leak-no-thread-and-no-fd
+  (one-cycle 'gallop:easy-acceptor)       ; warm up lazily created resources
+  (let ((threads (thread-count))
+        (fds (fd-count)))
+    (dotimes (i 20)
+      (one-cycle 'gallop:easy-acceptor))
+    (dotimes (i 5)
+      (one-cycle 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster)))
+    (is (wait-until (lambda () (= threads (thread-count))) :timeout 5)
+        "threads: ~D before, ~D after" threads (thread-count))
+    (is (= fds (fd-count)) "fds: ~D before, ~D after" fds (fd-count))))
+
+(test hard-stop-returns-and-joins-its-threads
+  (let ((threads (thread-count))
+        (server (make-server 'gallop:easy-acceptor)))
+    (hunchentoot:start server)
+    (is (< threads (thread-count)))
+    (is (= 200 (response-status (get-request (port-of server) "/yo"))))
+    (hunchentoot:stop server)
+    (is (= threads (thread-count)))))

@@ -1,0 +1,6 @@
+;;;; package.lisp -- the GALLOP-TESTS package.
+
+(defpackage #:gallop-tests
+  (:use #:common-lisp #:fiveam)
+  (:shadow #:run-all-tests)
+  (:export #:run-all-tests #:main))

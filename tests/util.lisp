@@ -1,0 +1,172 @@
+;;;; util.lisp -- what the tests share: starting servers on 127.0.0.1, a raw
+;;;; HTTP client over real sockets, and counting this process's threads and fds.
+
+(in-package #:gallop-tests)
+
+(def-suite gallop :description "All of Gallop's tests.")
+
+(defparameter *quiet-log* nil
+  "Where test servers log messages (NIL: nowhere).  Set GALLOP_TEST_LOG=1 to see them.")
+
+(defun message-log-destination ()
+  (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* *quiet-log*))
+
+(defun make-server (class &rest initargs)
+  "Make an acceptor of CLASS on 127.0.0.1 and a free port, with logs off."
+  (apply #'make-instance class
+         (append initargs
+                 (list :address "127.0.0.1" :port 0
+                       :access-log-destination nil
+                       :message-log-destination (message-log-destination)))))
+
+(defmacro with-server ((var class &rest initargs) &body body)
+  "Start an acceptor, run BODY, and always stop it."
+  `(let ((,var (make-server ,class ,@initargs)))
+     (hunchentoot:start ,var)
+     (unwind-protect (progn ,@body)
+       (when (hunchentoot:started-p ,var)
+         (hunchentoot:stop ,var)))))
+
+(defun port-of (acceptor) (hunchentoot:acceptor-port acceptor))
+
+(defun url (acceptor path)
+  (format nil "http://127.0.0.1:~D~A" (port-of acceptor) path))
+
+;;; A raw HTTP/1.x client: the test writes exactly the bytes it wants and
+;;; reads exactly what the server sends.
+
+(defun connect (port &key (timeout 10))
+  (let ((socket (usocket:socket-connect "127.0.0.1" port :element-type '(unsigned-byte 8)
+                                                         :timeout timeout)))
+    (setf (sb-impl::fd-stream-timeout (usocket:socket-stream socket)) (float timeout 1.0))
+    socket))
+
+(defun octets (string)
+  (map '(vector (unsigned-byte 8)) #'char-code string))
+
+(defun crlf (&rest lines)
+  "Join LINES with CRLF and end with an empty line."
+  (format nil "~{~A~C~C~}~C~C"
+          (loop for l in lines append (list l #\Return #\Linefeed))
+          #\Return #\Linefeed))
+
+(defun send (socket string)
+  (let ((stream (usocket:socket-stream socket)))
+    (write-sequence (octets string) stream)
+    (force-output stream)))
+
+(defun read-line-crlf (stream)
+  "Read a line ending in LF (CR dropped); NIL at end of file."
+  (let ((chars '()))
+    (loop for b = (read-byte stream nil nil)
+          do (cond ((null b) (return (and chars (coerce (nreverse chars) 'string))))
+                   ((= b 10) (return (coerce (nreverse chars) 'string)))
+                   ((= b 13))
+                   (t (push (code-char b) chars))))))
+
+(defstruct response status headers body)
+
+(defun header (response name)
+  (cdr (assoc name (response-headers response) :test #'string-equal)))
+
+(defun read-response (socket &key head-only)
+  "Read one HTTP response from SOCKET.  Returns a RESPONSE, or NIL if the
+server closed the connection before sending a status line."
+  (let* ((stream (usocket:socket-stream socket))
+         (status-line (read-line-crlf stream)))
+    (when (and status-line (plusp (length status-line)))
+      (let* ((status (parse-integer status-line :start 9 :end 12))
+             (headers (loop for line = (read-line-crlf stream)
+                            until (or (null line) (zerop (length line)))
+                            collect (let ((colon (position #\: line)))
+                                      (cons (subseq line 0 colon)
+                                            (string-trim " " (subseq line (1+ colon)))))))
+             (response (make-response :status status :headers headers)))
+        (unless head-only
+          (setf (response-body response)
+                (let ((length (cdr (assoc "Content-Length" headers :test #'string-equal)))
+                      (chunked (search "chunked" (or (cdr (assoc "Transfer-Encoding" headers
+                                                                 :test #'string-equal))
+                                                     ""))))
+                  (cond (length
+                         (let ((body (make-array (parse-integer length)
+                                                 :element-type '(unsigned-byte 8))))
+                           (read-sequence body stream)
+                           body))
+                        (chunked (read-chunked-body stream))
+                        (t (read-to-eof stream))))))
+        response))))
+
+(defun read-chunked-body (stream)
+  (let ((body (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop for size = (parse-integer (read-line-crlf stream) :radix 16 :junk-allowed t)
+          until (zerop size)
+          do (let ((chunk (make-array size :element-type '(unsigned-byte 8))))
+               (read-sequence chunk stream)
+               (loop for b across chunk do (vector-push-extend b body))
+               (read-line-crlf stream)))
+    (loop for line = (read-line-crlf stream) until (or (null line) (zerop (length line))))
+    body))
+
+(defun read-to-eof (stream)
+  (let ((body (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop for b = (read-byte stream nil nil) while b do (vector-push-extend b body))
+    body))
+
+(defun body-string (response)
+  (map 'string #'code-char (response-body response)))
+
+(defun closed-by-peer-p (socket &key (timeout 5))
+  "True if the server closes SOCKET (end of file) within TIMEOUT seconds, with
+no further bytes."
+  (let ((stream (usocket:socket-stream socket)))
+    (setf (sb-impl::fd-stream-timeout stream) (float timeout 1.0))
+    (handler-case (null (read-byte stream nil nil))
+      (sb-sys:io-timeout () nil))))
+
+(defun request (port string &key head-only)
+  "Send STRING on a new connection, read one response, close."
+  (let ((socket (connect port)))
+    (unwind-protect (progn (send socket string) (read-response socket :head-only head-only))
+      (usocket:socket-close socket))))
+
+(defun get-request (port path &rest extra-headers)
+  (request port (apply #'crlf (format nil "GET ~A HTTP/1.1" path) "Host: 127.0.0.1"
+                       extra-headers)))
+
+;;; Resources of this process
+
+(defun thread-count () (length (sb-thread:list-all-threads)))
+
+(defun fd-count () (length (directory #p"/proc/self/fd/*" :resolve-symlinks nil)))
+
+(defun wait-until (predicate &key (timeout 10) (interval 0.05))
+  "Poll PREDICATE until it is true or TIMEOUT seconds pass; return its value."
+  (loop with deadline = (+ (get-internal-real-time) (* timeout internal-time-units-per-second))
+        for value = (funcall predicate)
+        when value return value
+        when (> (get-internal-real-time) deadline) return nil
+        do (sleep interval)))
+
+(defmacro with-globals ((&rest bindings) &body body)
+  "Set global (not thread-local) values for BODY, then restore them: handlers
+run in worker threads, which do not see a LET binding of the test's thread."
+  (let ((saved (loop for b in bindings collect (gensym))))
+    `(let ,(loop for (var) in bindings for s in saved collect `(,s ,var))
+       (unwind-protect (progn (setf ,@(loop for (var value) in bindings append `(,var ,value)))
+                              ,@body)
+         (setf ,@(loop for (var) in bindings for s in saved append `(,var ,s)))))))
+
+(defun stat (acceptor key) (getf (gallop:stats acceptor) key))
+
+(defun run-all-tests ()
+  "Run every test; true when all passed.  Prints 'N passed, N failed'."
+  (let* ((results (let ((*print-names* t)) (run 'gallop)))
+         (passed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-passed)) results))
+         (failed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-failure)) results)))
+    (explain! results)
+    (format t "~&~D passed, ~D failed~%" passed failed)
+    (and (plusp passed) (zerop failed))))
+
+(defun main ()
+  (uiop:quit (if (run-all-tests) 0 1)))
