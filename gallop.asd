@@ -21,6 +21,7 @@
                (:file "pool")
                (:file "engine")
                (:file "connection")
+               (:file "wheel")
                (:file "server")))
 
 (defsystem "gallop"

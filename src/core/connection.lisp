@@ -52,6 +52,8 @@
    (outbuf :initform nil :type (or null octets))
    (out-fill :initform 0 :type fixnum)
    (deadline :initform 0 :type fixnum :accessor connection-deadline)
+   (wheel-tick :initform -1 :type fixnum :reader connection-wheel-tick
+               :documentation "The tick of this connection's entry in the timing wheel, or -1.")
    (head-started :initform nil
                  :documentation "When the first byte of a still-incomplete head arrived.")
    (fresh :initform t :documentation "True until the first request is served.")

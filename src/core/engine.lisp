@@ -36,6 +36,7 @@
   (housekeeper-epfd -1 :type fixnum)
   (stop-fd -1 :type fixnum)
   (housekeeper nil)
+  (wheel nil)
   (state :stopped :type (member :stopped :running :stopping))
   ;; settings, in milliseconds and bytes
   (header-timeout-ms 20000 :type fixnum)

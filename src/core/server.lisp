@@ -10,10 +10,11 @@
 ;;;;    is complete, parking the connection again if it is not, then calls the
 ;;;;    engine's handler, and afterwards parks, closes or leaves the connection
 ;;;;    (detached) as the handler's use of the stream decided.
+;;;;
+;;;; Every deadline goes into the engine's timing wheel (wheel.lisp); the
+;;;; housekeeper advances it every +TICK-MS+ and expires what came due.
 
 (in-package #:gallop.core)
-
-(defconstant +sweep-interval-ms+ 250)
 
 (defconstant +connection-events+ (logior +epollin+ +epollrdhup+ +epolloneshot+))
 
@@ -83,7 +84,7 @@ the fd instead of close(2).  Returns the connection, or NIL if it was refused
     (let ((c (make-connection engine fd :remote-address remote-address
                                         :remote-port remote-port
                                         :close-hook close-hook :user-data user-data)))
-      (setf (connection-deadline c) (+ (now-ms) (engine-header-timeout-ms engine)))
+      (schedule c (+ (now-ms) (engine-header-timeout-ms engine)))
       (sb-ext:atomic-incf (engine-pending engine))
       (sb-ext:atomic-incf (engine-accepted engine))
       (setf (svref table fd) c)
@@ -111,6 +112,11 @@ close it after the client has read the answer."
                 (connection-state c) :active
                 (svref table fd) c)
           (reject-connection c (response-503 engine) :registered nil)))))
+
+(defun schedule (c deadline)
+  "Set C's deadline and make sure the housekeeper looks at C by then."
+  (setf (connection-deadline c) deadline)
+  (wheel-schedule (engine-wheel (connection-engine c)) c deadline))
 
 (defun unfresh (c)
   (when (slot-value c 'fresh)
@@ -150,12 +156,11 @@ caller is the worker that owns C."
       (setf boundary nil park-requested nil close-requested nil)
       (let ((now (now-ms)))
         (cond ((= in-start in-end)
-               (setf head-started nil
-                     (connection-deadline c) (+ now (engine-idle-timeout-ms engine))))
+               (setf head-started nil)
+               (schedule c (+ now (engine-idle-timeout-ms engine))))
               (t
                (unless head-started (setf head-started now))
-               (setf (connection-deadline c)
-                     (+ head-started (engine-header-timeout-ms engine))))))
+               (schedule c (+ head-started (engine-header-timeout-ms engine))))))
       (release-buffers c)
       ;; The deadline is in the future, so the housekeeper leaves C alone
       ;; until the re-arm below has happened.
@@ -178,8 +183,8 @@ let the housekeeper drain and close C.  The caller owns C."
     (with-slots (in-start in-end out-fill) c
       (setf in-start 0 in-end 0 out-fill 0))
     (release-buffers c)
-    (setf (connection-deadline c) (+ (now-ms) (engine-linger-ms engine))
-          (connection-state c) :draining)
+    (schedule c (+ (now-ms) (engine-linger-ms engine)))
+    (setf (connection-state c) :draining)
     (unless (and (>= (engine-housekeeper-epfd engine) 0)
                  (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ fd
                             (logior +epollin+ +epollrdhup+) (connection-token c)))
@@ -258,7 +263,7 @@ owns C."
                                                    :remote-port port :nonblocking t)))
                    ((= address-or-errno +eagain+) (return))
                    ((member address-or-errno (list +emfile+ +enfile+))
-                    ;; Out of fds: stop accepting until the next sweep frees some.
+                    ;; Out of fds: stop accepting until the next tick (some may be free by then).
                     (let ((now (now-ms)))
                       (when (> (- now (engine-last-emfile-ms engine)) 10000)
                         (setf (engine-last-emfile-ms engine) now)
@@ -282,37 +287,48 @@ owns C."
                   (t (close-connection c) (return)))))
         (when (slot-value c 'inbuf) (release-buffers c))))))
 
-(defun sweep (engine &key (now (now-ms)) force)
-  "Close parked and draining connections whose deadline passed (all of them
-when FORCE).  Only the housekeeper, or ENGINE-STOP after it, calls this."
-  (let ((table (engine-table engine)))
-    (loop for c across table
-          when c
-            do (case (connection-state c)
-                 (:parked
-                  (when (and (or force (< (connection-deadline c) now))
-                             (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active)
-                                 :parked))
-                    (cond ((and (not force) (slot-value c 'head-started))
-                           (sb-ext:atomic-incf (engine-timeouts engine))
-                           (reject c +response-408+))
-                          ((and (not force) (slot-value c 'fresh))
-                           ;; Connected but never sent a byte in time.
-                           (sb-ext:atomic-incf (engine-timeouts engine))
-                           (close-connection c))
-                          (t (close-connection c)))))
-                 (:draining
-                  (when (or force (< (connection-deadline c) now))
-                    (close-connection c)))))))
+(defun expire (engine c now)
+  "The wheel brought C up at NOW: close it if its deadline passed (with 408
+when part of a request head had arrived), else schedule it again."
+  (flet ((due-p () (<= (connection-deadline c) now)))
+    (case (connection-state c)
+      (:parked
+       (cond ((not (due-p))
+              (wheel-schedule (engine-wheel engine) c (connection-deadline c)))
+             ((eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
+              (cond ((slot-value c 'head-started)
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (reject c +response-408+))
+                    ((slot-value c 'fresh)
+                     ;; Connected but never sent a byte in time.
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (close-connection c))
+                    (t (close-connection c))))))
+      (:draining
+       (if (due-p)
+           (close-connection c)
+           (wheel-schedule (engine-wheel engine) c (connection-deadline c)))))))
+
+(defun close-idle-connections (engine)
+  "Close every parked and draining connection.  Used by ENGINE-STOP, once the
+housekeeper has exited."
+  (loop for c across (engine-table engine)
+        when c
+          do (case (connection-state c)
+               (:parked
+                (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
+                  (close-connection c)))
+               (:draining (close-connection c)))))
 
 (defun housekeeper-loop (engine)
   (let ((events (make-event-buffer 64))
         (epfd (engine-housekeeper-epfd engine))
-        (next-sweep (+ (now-ms) +sweep-interval-ms+))
+        (wheel (engine-wheel engine))
+        (next-tick 0)
         (accept-paused nil))
     (unwind-protect
          (loop
-           (let ((n (epoll-wait epfd events 64 +sweep-interval-ms+)))
+           (let ((n (epoll-wait epfd events 64 +tick-ms+)))
              (dotimes (i n)
                (let ((data (event-data events i)))
                  (cond ((= data +stop-data+)
@@ -322,10 +338,10 @@ when FORCE).  Only the housekeeper, or ENGINE-STOP after it, calls this."
                           (setf accept-paused t)))
                        (t (drain engine data)))))
              (let ((now (now-ms)))
-               (when (>= now next-sweep)
-                 (setf next-sweep (+ now +sweep-interval-ms+))
-                 (handler-case (sweep engine :now now)
-                   (error (e) (log-engine-error engine "Sweep error: ~A" e)))
+               (when (>= now next-tick)
+                 (setf next-tick (+ now +tick-ms+))
+                 (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
+                   (error (e) (log-engine-error engine "Timer error: ~A" e)))
                  (when accept-paused
                    (setf accept-paused nil)
                    (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
@@ -344,7 +360,8 @@ calls ENGINE-ADOPT-FD."
       (log-engine-error engine "The fd limit (RLIMIT_NOFILE) is ~D and could not be ~
                                 raised: at most about ~D connections." limit limit))
     (setf (engine-table engine) (make-array limit :initial-element nil)))
-  (setf (engine-housekeeper-epfd engine) (epoll-create)
+  (setf (engine-wheel engine) (make-wheel)
+        (engine-housekeeper-epfd engine) (epoll-create)
         (engine-stop-fd engine) (make-eventfd)
         (engine-listen-fd engine) (or listen-fd -1))
   (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ (engine-stop-fd engine)
@@ -377,16 +394,16 @@ belongs to the caller, who closes it afterwards."
     (when (engine-housekeeper engine)
       (sb-thread:join-thread (engine-housekeeper engine) :default nil)
       (setf (engine-housekeeper engine) nil))
-    (sweep engine :force t)
+    (close-idle-connections engine)
     (if soft
         (wait-for-in-flight engine)
         (loop for c across (engine-table engine)
               when (and c (eq (connection-state c) :active))
                 do (shutdown-fd (connection-fd c) +shut-rdwr+)))
     (pool-stop (engine-pool engine))
-    ;; Workers that finished after the first sweep closed their connections
+    ;; Workers that finished after the first pass closed their connections
     ;; instead of parking them; catch any that raced with it.
-    (sweep engine :force t)
+    (close-idle-connections engine)
     (close-fd (engine-housekeeper-epfd engine))
     (close-fd (engine-stop-fd engine))
     (setf (engine-housekeeper-epfd engine) -1

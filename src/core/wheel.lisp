@@ -1,0 +1,79 @@
+;;;; wheel.lisp -- a hashed timing wheel of connection deadlines.
+;;;;
+;;;; Connections are scheduled by any thread (the worker that parks one, the
+;;;; thread that rejects one) and expired by the housekeeper, which advances
+;;;; the wheel one tick (+TICK-MS+) at a time.  Scheduling is O(1): a lock-free
+;;;; push of one cons onto a slot; expiry is O(1) per entry.
+;;;;
+;;;; Deadlines are checked lazily.  Each connection records in WHEEL-TICK the
+;;;; tick of the one slot entry that counts for it (or -1 for none).  Moving a
+;;;; deadline later costs nothing: when the entry's tick comes, the connection
+;;;; is simply scheduled again for its real deadline.  Moving it earlier pushes
+;;;; a new entry and sets WHEEL-TICK to it, which turns the old entry stale.
+;;;;
+;;;; Invariants:
+;;;;  - An entry of slot (mod tick +SLOTS+) is (CONNECTION . TICK); it counts only
+;;;;    if the connection's WHEEL-TICK is TICK, and stale entries are dropped
+;;;;    when their slot is processed.
+;;;;  - A connection whose WHEEL-TICK is not -1 has a counting entry in the
+;;;;    slot of that tick, and that tick is no later than the tick of its
+;;;;    deadline, so it is looked at no later than its deadline (rounded up to
+;;;;    a tick).
+;;;;  - Entries are only ever pushed for ticks at least two after CURRENT (the
+;;;;    tick the housekeeper is processing), so none is missed by a full turn;
+;;;;    deadlines beyond the wheel's span go in its last slot and are
+;;;;    rescheduled from there.
+
+(in-package #:gallop.core)
+
+(defconstant +tick-ms+ 100)
+(defconstant +slots+ 512
+  "The wheel spans +SLOTS+ * +TICK-MS+ ms (51.2 s).")
+
+(defstruct (wheel (:constructor make-wheel (&optional (current (floor (now-ms) +tick-ms+))))
+                  (:copier nil))
+  (slots (make-array +slots+ :initial-element nil) :type simple-vector)
+  (current 0 :type fixnum))
+
+(declaim (inline deadline-tick))
+(defun deadline-tick (deadline-ms)
+  (values (ceiling deadline-ms +tick-ms+)))
+
+(defun wheel-schedule (wheel connection deadline-ms)
+  "Make sure CONNECTION is looked at no later than DEADLINE-MS.  Any thread."
+  (let* ((current (wheel-current wheel))
+         ;; Two ticks ahead: the housekeeper may be processing CURRENT + 1.
+         (tick (min (max (deadline-tick deadline-ms) (+ 2 current))
+                    (+ current (1- +slots+)))))
+    (declare (type fixnum current tick))
+    (loop
+      (let ((old (connection-wheel-tick connection)))
+        (declare (type fixnum old))
+        (when (and (/= old -1) (<= old tick))
+          (return))
+        (when (eql old (sb-ext:compare-and-swap (slot-value connection 'wheel-tick) old tick))
+          (let ((entry (cons connection tick)))
+            (sb-ext:atomic-push entry (svref (wheel-slots wheel) (mod tick +slots+))))
+          (return))))))
+
+(defun wheel-advance (wheel now-ms function)
+  "Process every tick up to NOW-MS: call FUNCTION on each connection whose
+counting entry comes due.  FUNCTION decides whether the connection expired,
+and reschedules it if it did not.  Only the housekeeper calls this."
+  (let ((target (floor now-ms +tick-ms+))
+        (slots (wheel-slots wheel)))
+    (loop while (< (wheel-current wheel) target)
+          do (let* ((tick (1+ (wheel-current wheel)))
+                    (index (mod tick +slots+))
+                    (entries (progn
+                               (setf (wheel-current wheel) tick)
+                               (loop for head = (svref slots index)
+                                     when (eq head (sb-ext:compare-and-swap (svref slots index)
+                                                                            head nil))
+                                       return head))))
+               (dolist (entry entries)
+                 (destructuring-bind (connection . entry-tick) entry
+                   (when (and (= entry-tick tick)
+                              (eql tick (sb-ext:compare-and-swap
+                                         (slot-value connection 'wheel-tick) tick -1)))
+                     (funcall function connection))))))))
