@@ -51,5 +51,6 @@
                (:file "hunchentoot/pool")
                (:file "hunchentoot/taskmaster")
                (:file "hunchentoot/lifecycle")
-               (:file "hunchentoot/ssl"))
+               (:file "hunchentoot/ssl")
+               (:file "hunchentoot/connections"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

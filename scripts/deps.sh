@@ -2,7 +2,7 @@
 # Install the Debian packages Gallop needs, only those that are missing.
 # Usage: scripts/deps.sh [extra-package ...]
 set -e
-PACKAGES="sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-plus-ssl cl-flexi-streams
+PACKAGES="sbcl slowhttptest cl-hunchentoot cl-usocket cl-bordeaux-threads cl-plus-ssl cl-flexi-streams
           cl-chunga cl-fiveam cl-drakma cl-alexandria curl openssl $*"
 missing=""
 for p in $PACKAGES; do

@@ -244,7 +244,9 @@ owns C."
           (sb-thread:with-mutex ((engine-lock engine))
             (sb-thread:condition-broadcast (engine-idle-queue engine))))))
     (cond ((not close-requested)
-           (setf (connection-state c) :detached))
+           ;; The handler kept the stream: it is an ordinary stream from now on.
+           (setf boundary nil park-requested nil
+                 (connection-state c) :detached))
           ((and park-requested (engine-running-p engine))
            (park c))
           (t

@@ -49,6 +49,14 @@
 (deftype octets () '(simple-array (unsigned-byte 8) (*)))
 (deftype fd () '(integer -1 #.(1- (expt 2 31))))
 
+;;; time
+
+(declaim (inline now-ms))
+(defun now-ms ()
+  "A monotonic clock in milliseconds."
+  (values (floor (get-internal-real-time)
+                 (floor internal-time-units-per-second 1000))))
+
 (declaim (inline %errno))
 (defun %errno () (sb-alien:get-errno))
 
@@ -269,14 +277,6 @@ Returns the new soft limit, and T as a second value when it is below WANTED
             (when (zerop (%setrlimit +rlimit-nofile+ sap))
               (setf soft target)))))
       (values soft (< soft wanted)))))
-
-;;; time
-
-(declaim (inline now-ms))
-(defun now-ms ()
-  "A monotonic clock in milliseconds."
-  (values (floor (get-internal-real-time)
-                 (floor internal-time-units-per-second 1000))))
 
 (defun listen-socket-fd (socket)
   "The fd of an SB-BSD-SOCKETS socket."

@@ -62,3 +62,33 @@
       (write-sequence (octets (format nil "part ~D;" i)) stream)
       (force-output stream))
     nil))
+
+(defparameter *huge-chunk* (make-array (* 1024 1024) :element-type '(unsigned-byte 8)
+                                                     :initial-element 120))
+
+(hunchentoot:define-easy-handler (handle-huge :uri "/huge") ()
+  (setf (hunchentoot:content-type*) "application/octet-stream"
+        (hunchentoot:content-length*) (* 64 (length *huge-chunk*)))
+  (let ((stream (hunchentoot:send-headers)))
+    (dotimes (i 64) (write-sequence *huge-chunk* stream))
+    nil))
+
+(hunchentoot:define-easy-handler (handle-stream-body :uri "/stream-body") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((stream (hunchentoot:raw-post-data :want-stream t)))
+    (princ-to-string (loop while (read-byte stream nil nil) count t))))
+
+(hunchentoot:define-easy-handler (handle-detach :uri "/detach") ()
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) 4)
+  (let ((stream (hunchentoot:send-headers)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (sb-thread:make-thread
+     (lambda ()
+       (ignore-errors
+        (sleep 0.2)
+        (write-sequence (octets "late") stream)
+        (finish-output stream)
+        (close stream)))
+     :name "detached writer"))
+  nil)
