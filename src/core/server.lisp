@@ -67,8 +67,15 @@ new connections get 503 with Retry-After: RETRY-AFTER."
                              :close-hook close-hook :user-data user-data))
 
 (defun engine-overloaded-p (engine)
-  "True when the queue of accepted, not yet served connections is full."
-  (>= (engine-pending engine) (engine-max-queue engine)))
+  "True when the accepted connections no worker has served yet fill every
+worker that could still take one (idle workers, and those the pool may still
+start) plus the queue of MAX-QUEUE: a new connection would only wait, so it
+gets 503 at once instead."
+  (let ((pool (engine-pool engine)))
+    (>= (engine-pending engine)
+        (+ (engine-max-queue engine)
+           (pool-idle pool)
+           (max 0 (- (pool-max-threads pool) (pool-thread-count pool)))))))
 
 (defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
                                     (nonblocking nil))

@@ -9,8 +9,7 @@
 (in-package #:gallop)
 
 (defclass acceptor (hunchentoot:acceptor)
-  ((gallop-taskmaster :initform nil :accessor acceptor-gallop-taskmaster
-                      :documentation "The GALLOP:TASKMASTER running this acceptor."))
+  ()
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
    ;; Connections cost no thread, so let the kernel queue a burst of them
@@ -32,8 +31,3 @@ The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
 (defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-SSL-ACCEPTOR."))
-
-(defmethod hunchentoot:stop :before ((acceptor acceptor) &key soft)
-  (let ((tm (acceptor-gallop-taskmaster acceptor)))
-    (when tm
-      (setf (taskmaster-soft-stop tm) soft))))

@@ -20,6 +20,14 @@
 (defvar *connection* nil
   "The Gallop connection the current worker is serving, if any.")
 
+(defvar *taskmasters* (make-hash-table :test 'eq :weakness :key :synchronized t)
+  "Each running acceptor's GALLOP:TASKMASTER.  Hunchentoot exports no way from
+an acceptor to its taskmaster.")
+
+(defun acceptor-gallop-taskmaster (acceptor)
+  "The GALLOP:TASKMASTER running ACCEPTOR, or NIL."
+  (values (gethash acceptor *taskmasters*)))
+
 (defclass taskmaster (hunchentoot:taskmaster)
   ((max-thread-count :initarg :max-thread-count
                      :reader hunchentoot:taskmaster-max-thread-count
@@ -142,8 +150,8 @@ as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
          (engine (make-taskmaster-engine tm acceptor)))
     (setf (slot-value tm 'engine) engine
           (taskmaster-soft-stop tm) nil)
+    (setf (gethash acceptor *taskmasters*) tm)
     (cond ((typep acceptor 'acceptor)
-           (setf (acceptor-gallop-taskmaster acceptor) tm)
            (gallop.core:engine-start
             engine :listen-fd (gallop.core:listen-socket-fd
                                (usocket:socket (acceptor-listen-usocket acceptor)))))
@@ -180,8 +188,15 @@ as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
       (setf listener nil))
     (when engine
       (gallop.core:engine-stop engine :soft (taskmaster-soft-stop tm))
-      (setf engine nil)))
+      (setf engine nil))
+    (remhash (hunchentoot:taskmaster-acceptor tm) *taskmasters*))
   tm)
+
+(defmethod hunchentoot:stop :before ((acceptor hunchentoot:acceptor) &key soft)
+  ;; SHUTDOWN is not told whether the stop is soft: note it for our taskmaster.
+  (let ((tm (acceptor-gallop-taskmaster acceptor)))
+    (when tm
+      (setf (taskmaster-soft-stop tm) soft))))
 
 (defmethod hunchentoot:too-many-taskmaster-requests ((tm taskmaster) socket)
   (declare (ignore socket))
