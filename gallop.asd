@@ -21,6 +21,7 @@
                (:file "pool")
                (:file "engine")
                (:file "connection")
+               (:file "head")
                (:file "wheel")
                (:file "server")))
 
@@ -46,6 +47,7 @@
   :components ((:file "package")
                (:file "util")
                (:file "core/engine")
+               (:file "core/head")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

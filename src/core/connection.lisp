@@ -59,6 +59,9 @@
    (fresh :initform t :documentation "True until the first request is served.")
    (raw :initarg :raw :initform nil
         :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
+   (body-length :initform 0 :type fixnum
+                :documentation "Content-Length of the request being served (0 if none).")
+   (chunked :initform nil :documentation "True if the request body is chunked.")
    (boundary :initform nil)
    (park-requested :initform nil)
    (close-requested :initform nil)
@@ -142,6 +145,8 @@ front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
 Returns :COMPLETE, :INCOMPLETE, :LINE-TOO-LONG (no end of the request line
 within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
   (with-slots (inbuf in-start in-end scan engine) c
+    (unless inbuf
+      (return-from scan-head :incomplete))
     (let ((buffer inbuf)
           (start in-start)
           (end in-end))
@@ -174,10 +179,6 @@ within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
                :too-large)
               (t :incomplete))))))
 
-(defun head-buffered-p (c)
-  (with-slots (in-start in-end) c
-    (and (< in-start in-end) (eq (scan-head c) :complete))))
-
 ;;; Blocking input with timeouts
 
 (defun wait-for-fd (c events timeout-ms operation &optional (wake-fd -1))
@@ -206,30 +207,27 @@ timeout) until some arrives.  Returns NIL at end of file."
 
 (defun leave-boundary (c)
   "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
-request may be read now; NIL (end of file for the reader) when the
-connection should instead be parked or, if the engine is stopping, closed."
+request may be read now on this stream; NIL (end of file for the reader)
+when the connection should instead go back to the engine, which parks it,
+serves the next buffered request, or (when stopping) closes it."
   (with-slots (boundary park-requested owner-stream in-start in-end engine fd) c
-    (let ((running (engine-running-p engine)))
-      (cond ((not running) nil)
-            (owner-stream
-             ;; TLS: buffered ciphertext can't be parked; wait here for the next
-             ;; request, bounded by the idle timeout, and give up on stop.
-             (when (= in-start in-end)
-               (sb-ext:atomic-decf (engine-in-flight engine))
-               (let ((ready (unwind-protect
-                                 (poll-fds fd +pollin+ (engine-stop-fd engine)
-                                           (engine-idle-timeout-ms engine))
-                              (sb-ext:atomic-incf (engine-in-flight engine)))))
-                 (unless (eq ready :ready)
-                   (return-from leave-boundary nil))))
-             (setf boundary nil)
-             t)
-            ((head-buffered-p c)
-             (setf boundary nil)
-             t)
-            (t
-             (setf park-requested t)
-             nil)))))
+    (cond ((not (engine-running-p engine)) nil)
+          (owner-stream
+           ;; TLS: buffered cipher state can't be parked; wait here for the
+           ;; next request, bounded by the idle timeout, and give up on stop.
+           (when (= in-start in-end)
+             (sb-ext:atomic-decf (engine-in-flight engine))
+             (let ((ready (unwind-protect
+                               (poll-fds fd +pollin+ (engine-stop-fd engine)
+                                         (engine-idle-timeout-ms engine))
+                            (sb-ext:atomic-incf (engine-in-flight engine)))))
+               (unless (eq ready :ready)
+                 (return-from leave-boundary nil))))
+           (setf boundary nil)
+           t)
+          (t
+           (setf park-requested t)
+           nil))))
 
 ;;; Gray stream methods
 

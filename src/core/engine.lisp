@@ -45,6 +45,7 @@
   (write-timeout-ms 20000 :type fixnum)
   (linger-ms 2000 :type fixnum)
   (max-head-bytes 16384 :type fixnum)
+  (max-body-bytes (* 64 1024 1024) :type fixnum)
   (max-request-line-bytes 8192 :type fixnum)
   (max-queue 1024 :type fixnum)
   (retry-after 1 :type fixnum)
@@ -88,7 +89,10 @@
 
 (defparameter +response-400+ (make-error-response 400 "Bad Request"))
 (defparameter +response-408+ (make-error-response 408 "Request Timeout"))
+(defparameter +response-413+ (make-error-response 413 "Content Too Large"))
 (defparameter +response-414+ (make-error-response 414 "URI Too Long"))
+(defparameter +response-501+ (make-error-response 501 "Not Implemented"))
+(defparameter +response-505+ (make-error-response 505 "HTTP Version Not Supported"))
 (defparameter +response-431+ (make-error-response 431 "Request Header Fields Too Large"))
 
 (defun response-503 (engine)

@@ -21,7 +21,7 @@
 (defun make-engine (&key (name "gallop") handler raw
                       (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
                       (header-timeout 20) (idle-timeout 20) (read-timeout 20)
-                      (write-timeout 20) (max-head-bytes 16384)
+                      (write-timeout 20) (max-head-bytes 16384) (max-body-bytes (* 64 1024 1024))
                       (max-request-line-bytes 8192) (max-queue 1024) (retry-after 1)
                       thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
@@ -31,8 +31,11 @@ connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
 requests and CLOSE when done.  Timeouts are in seconds: HEADER-TIMEOUT for a
 whole request head, IDLE-TIMEOUT between keep-alive requests, READ-TIMEOUT and
 WRITE-TIMEOUT for progress while a worker reads a body or writes a response.
-MAX-QUEUE bounds the accepted connections no worker has served yet; beyond it
-new connections get 503 with Retry-After: RETRY-AFTER."
+MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
+MAX-BODY-BYTES bounds a declared Content-Length (413).  MAX-QUEUE bounds the
+accepted connections no worker has served yet; beyond it (and the workers
+that could still take them) new connections get 503 with Retry-After:
+RETRY-AFTER."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw
                                 :header-timeout-ms (ms header-timeout)
@@ -40,6 +43,7 @@ new connections get 503 with Retry-After: RETRY-AFTER."
                                 :read-timeout-ms (ms read-timeout)
                                 :write-timeout-ms (ms write-timeout)
                                 :max-head-bytes max-head-bytes
+                                :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-queue max-queue :retry-after retry-after
                                 :log-error log-error)))
@@ -207,36 +211,63 @@ let the housekeeper drain and close C.  The caller owns C."
     (when (and c
                (= (connection-token c) token)
                (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked))
-      (serve-connection engine c))))
+      (handler-case (serve-connection engine c)
+        (error (e)
+          ;; A bug, not the client's doing: log it, and don't leak the fd.
+          (log-engine-error engine "Internal error serving ~A: ~A" c e)
+          (unless (member (connection-state c) '(:closed :detached :draining))
+            (close-connection c)))))))
+
+(defun error-response (status)
+  (ecase status
+    (400 +response-400+) (413 +response-413+) (414 +response-414+)
+    (431 +response-431+) (501 +response-501+) (505 +response-505+)))
 
 (defun serve-connection (engine c)
-  "Read until a request head is complete, then run the handler.  The caller
-owns C."
+  "Read until a request head is complete, check it, run the handler, and
+repeat while complete heads are buffered (pipelining); then park, close or
+leave C as the handler decided.  The caller owns C."
   (unfresh c)
   (with-slots (fd in-end raw) c
     (loop
-      (unless (make-room c (engine-max-head-bytes engine))
-        (return (reject c +response-431+)))
-      (let ((buffer (slot-value c 'inbuf)))
-        (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
-          (cond ((plusp n)
-                 (incf in-end n)
-                 (if raw
-                     (return (run-handler engine c))
-                     (ecase (scan-head c)
-                       (:complete (return (run-handler engine c)))
-                       (:incomplete)
-                       (:line-too-long (return (reject c +response-414+)))
-                       (:too-large (return (reject c +response-431+))))))
-                ((zerop n) (return (close-connection c)))
-                ((= errno +eagain+) (return (park c)))
-                (t (return (close-connection c)))))))))
+      (let ((ready (if raw
+                       (< (slot-value c 'in-start) in-end)
+                       (eq (scan-head c) :complete))))
+        (unless ready
+          (unless (make-room c (engine-max-head-bytes engine))
+            (return (reject c +response-431+)))
+          (let ((buffer (slot-value c 'inbuf)))
+            (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+              (cond ((plusp n)
+                     (incf in-end n)
+                     (unless raw
+                       (ecase (scan-head c)
+                         (:complete (setf ready t))
+                         (:incomplete)
+                         (:line-too-long (return (reject c +response-414+)))
+                         (:too-large (return (reject c +response-431+)))))
+                     (when raw (setf ready t)))
+                    ((zerop n) (return (close-connection c)))
+                    ((= errno +eagain+) (return (park c)))
+                    (t (return (close-connection c)))))))
+        (when ready
+          (let ((refusal (and (not raw) (check-head c))))
+            (when refusal
+              (return (reject c (error-response refusal)))))
+          (ecase (run-handler engine c)
+            (:park (unless (engine-running-p engine)
+                     (return (close-connection c))))
+            (:close (return (close-connection c)))
+            (:detached (return))))))))
 
 (defun reject (c response)
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
   (reject-connection c response))
 
 (defun run-handler (engine c)
+  "Run the engine's handler on C.  Returns :PARK (the handler is done with
+this request and the connection may serve another), :CLOSE or :DETACHED (the
+handler kept the stream)."
   (with-slots (boundary park-requested close-requested head-started) c
     (setf boundary nil park-requested nil close-requested nil head-started nil)
     (sb-ext:atomic-incf (engine-requests engine))
@@ -253,11 +284,12 @@ owns C."
     (cond ((not close-requested)
            ;; The handler kept the stream: it is an ordinary stream from now on.
            (setf boundary nil park-requested nil
-                 (connection-state c) :detached))
-          ((and park-requested (engine-running-p engine))
-           (park c))
-          (t
-           (close-connection c)))))
+                 (connection-state c) :detached)
+           :detached)
+          (park-requested
+           (setf boundary nil park-requested nil close-requested nil)
+           :park)
+          (t :close))))
 
 ;;; The housekeeper
 

@@ -1,0 +1,196 @@
+;;;; head.lisp -- checking a complete HTTP/1.x request head before any handler
+;;;; sees it.
+;;;;
+;;;; The engine calls CHECK-HEAD once the blank line ending a head is buffered,
+;;;; so a head split at any byte is checked exactly like one that arrived at
+;;;; once.  It walks the octets in place (no strings, no allocation) and
+;;;; answers the HTTP status that refuses the request, or NIL:
+;;;;   400  malformed request line, header line without a colon or with white
+;;;;        space before it, obsolete line folding, NUL or control bytes,
+;;;;        invalid percent-encoding in the target, a Content-Length that is
+;;;;        not a number or differs from another, Transfer-Encoding together
+;;;;        with Content-Length (request smuggling), Transfer-Encoding twice or
+;;;;        in HTTP/1.0, an HTTP/1.1 request without exactly one Host
+;;;;   413  Content-Length over the body limit (before the body is read)
+;;;;   501  a method this server does not know, or a transfer coding other
+;;;;        than chunked
+;;;;   505  an HTTP version other than 1.0 and 1.1
+;;;; It records the body's framing in the connection's BODY-LENGTH and CHUNKED.
+
+(in-package #:gallop.core)
+
+(declaim (inline tchar-p vchar-p digit-value hex-value lower))
+
+(defun tchar-p (b)
+  "A token character (RFC 9110, 5.6.2)."
+  (declare (type (unsigned-byte 8) b))
+  (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+      (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126))))
+
+(defun vchar-p (b)
+  "A byte allowed in a field value: visible ASCII, obs-text, space or tab."
+  (declare (type (unsigned-byte 8) b))
+  (or (<= 32 b 126) (= b 9) (>= b 128)))
+
+(defun digit-value (b)
+  (declare (type (unsigned-byte 8) b))
+  (and (<= 48 b 57) (- b 48)))
+
+(defun hex-value (b)
+  (declare (type (unsigned-byte 8) b))
+  (cond ((<= 48 b 57) (- b 48))
+        ((<= 97 b 102) (- b 87))
+        ((<= 65 b 70) (- b 55))))
+
+(defun lower (b)
+  (declare (type (unsigned-byte 8) b))
+  (if (<= 65 b 90) (+ b 32) b))
+
+(defparameter +known-methods+
+  (mapcar (lambda (name) (map '(simple-array (unsigned-byte 8) (*)) #'char-code name))
+          '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
+            ;; WebDAV and friends, which Hunchentoot applications do serve
+            "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
+            "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
+            "PURGE"))
+  "Methods the engine lets through; other well-formed methods get 501.")
+
+(defun region= (buffer start end name)
+  "Does BUFFER[START,END) equal the lower-case ASCII octets NAME, ignoring case?"
+  (declare (type octets buffer name) (type fixnum start end))
+  (and (= (- end start) (length name))
+       (loop for i of-type fixnum from start below end
+             for j of-type fixnum from 0
+             always (= (lower (aref buffer i)) (aref name j)))))
+
+(defparameter +content-length+ (encode-ascii "content-length"))
+(defparameter +transfer-encoding+ (encode-ascii "transfer-encoding"))
+(defparameter +host+ (encode-ascii "host"))
+(defparameter +chunked+ (encode-ascii "chunked"))
+
+(defun known-method-p (buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (loop for name in +known-methods+
+        thereis (and (= (- end start) (length (the octets name)))
+                     (loop for i of-type fixnum from start below end
+                           for j of-type fixnum from 0
+                           always (= (aref buffer i) (aref (the octets name) j))))))
+
+(defun line-end (buffer start end)
+  "Index of the LF ending the line that starts at START, before END."
+  (declare (type octets buffer) (type fixnum start end))
+  (position 10 buffer :start start :end end))
+
+(defun content (buffer start end)
+  "START and END of BUFFER[START,END) without the CR before END, and without
+surrounding spaces and tabs."
+  (declare (type octets buffer) (type fixnum start end))
+  (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
+  (loop while (and (< start end) (member (aref buffer start) '(32 9))) do (incf start))
+  (loop while (and (< start end) (member (aref buffer (1- end)) '(32 9))) do (decf end))
+  (values start end))
+
+(defun check-request-line (buffer start end)
+  "Check the request line BUFFER[START,END) (END at its LF).  Returns the
+status that refuses it or NIL, and the HTTP minor version (0 or 1)."
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((line-end (if (and (> end start) (= (aref buffer (1- end)) 13)) (1- end) end))
+        (i start))
+    (declare (type fixnum line-end i))
+    ;; method
+    (loop while (and (< i line-end) (tchar-p (aref buffer i))) do (incf i))
+    (when (or (= i start) (>= i line-end) (/= (aref buffer i) 32))
+      (return-from check-request-line 400))
+    (let ((method-end i))
+      (incf i)
+      ;; request target: visible ASCII, valid percent-encoding
+      (let ((target-start i))
+        (loop while (< i line-end)
+              do (let ((b (aref buffer i)))
+                   (cond ((= b 32) (return))
+                         ((not (<= 33 b 126)) (return-from check-request-line 400))
+                         ((= b 37)
+                          (unless (and (< (+ i 2) line-end)
+                                       (hex-value (aref buffer (+ i 1)))
+                                       (hex-value (aref buffer (+ i 2))))
+                            (return-from check-request-line 400))))
+                   (incf i)))
+        (when (or (= i target-start) (>= i line-end))
+          (return-from check-request-line 400)))
+      (incf i)
+      ;; HTTP-version = "HTTP/" DIGIT "." DIGIT
+      (unless (and (= (- line-end i) 8)
+                   (= (aref buffer i) 72) (= (aref buffer (+ i 1)) 84)
+                   (= (aref buffer (+ i 2)) 84) (= (aref buffer (+ i 3)) 80)
+                   (= (aref buffer (+ i 4)) 47) (digit-value (aref buffer (+ i 5)))
+                   (= (aref buffer (+ i 6)) 46) (digit-value (aref buffer (+ i 7))))
+        (return-from check-request-line 400))
+      (let ((major (- (aref buffer (+ i 5)) 48))
+            (minor (- (aref buffer (+ i 7)) 48)))
+        (cond ((not (and (= major 1) (<= minor 1))) (values 505 0))
+              ((not (known-method-p buffer start method-end)) (values 501 minor))
+              (t (values nil minor)))))))
+
+(defun parse-content-length (buffer start end)
+  "The value of a Content-Length field, or NIL if it is not 1*DIGIT."
+  (declare (type octets buffer) (type fixnum start end))
+  (when (and (< start end) (<= (- end start) 18))
+    (let ((n 0))
+      (declare (type (integer 0) n))
+      (loop for i of-type fixnum from start below end
+            do (let ((d (digit-value (aref buffer i))))
+                 (unless d (return-from parse-content-length nil))
+                 (setf n (+ (* n 10) d))))
+      n)))
+
+(defun check-head (c)
+  "Check the complete request head buffered in connection C.  Returns the
+status that refuses it, or NIL."
+  (with-slots (inbuf in-start scan engine body-length chunked) c
+    (let* ((buffer inbuf)
+           (head-end scan)
+           (line-end (line-end buffer in-start head-end))
+           (content-length nil)
+           (transfer-encoding nil)
+           (hosts 0))
+      (declare (type octets buffer) (type fixnum head-end))
+      (setf body-length 0 chunked nil)
+      (multiple-value-bind (status minor) (check-request-line buffer in-start line-end)
+        (when status (return-from check-head status))
+        ;; header fields
+        (loop with start of-type fixnum = (1+ line-end)
+              for end = (line-end buffer start head-end)
+              while (and end (> (- end start) (if (= (aref buffer start) 13) 1 0)))
+              do (let ((b (aref buffer start)))
+                   (when (or (= b 32) (= b 9)) ; obsolete line folding
+                     (return-from check-head 400))
+                   (let ((colon (position 58 buffer :start start :end end)))
+                     (unless (and colon (> colon start)
+                                  (loop for i from start below colon
+                                        always (tchar-p (aref buffer i))))
+                       (return-from check-head 400))
+                     (multiple-value-bind (vs ve) (content buffer (1+ colon) end)
+                       (unless (loop for i from vs below ve always (vchar-p (aref buffer i)))
+                         (return-from check-head 400))
+                       (cond ((region= buffer start colon +content-length+)
+                              (let ((n (parse-content-length buffer vs ve)))
+                                (when (or (null n) (and content-length (/= n content-length)))
+                                  (return-from check-head 400))
+                                (setf content-length n)))
+                             ((region= buffer start colon +transfer-encoding+)
+                              ;; Only "chunked", alone, is implemented (as nginx).
+                              (when transfer-encoding
+                                (return-from check-head 400))
+                              (unless (region= buffer vs ve +chunked+)
+                                (return-from check-head 501))
+                              (setf transfer-encoding t))
+                             ((region= buffer start colon +host+)
+                              (incf hosts)))))
+                   (setf start (1+ end))))
+        (cond ((and transfer-encoding content-length) 400)
+              ((and transfer-encoding (= minor 0)) 400)
+              ((and (= minor 1) (/= hosts 1)) 400)
+              ((and content-length (> content-length (engine-max-body-bytes engine))) 413)
+              (t (setf body-length (or content-length 0)
+                       chunked (and transfer-encoding t))
+                 nil))))))
