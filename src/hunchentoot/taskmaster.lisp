@@ -59,6 +59,9 @@ Defaults to the acceptor's read timeout.")
                    :documentation "Request heads over this many bytes get 431.")
    (max-request-line-bytes :initarg :max-request-line-bytes
                            :documentation "Request lines over this many bytes get 414.")
+   (max-body-bytes :initarg :max-body-bytes
+                   :documentation "Requests declaring a larger Content-Length get 413
+before their body is read.")
    (engine :initform nil :reader taskmaster-engine
            :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
    (listener :initform nil
@@ -70,7 +73,8 @@ when the acceptor is not a GALLOP:ACCEPTOR.")
    :standby-thread-count 4
    :thread-idle-timeout 10
    :max-head-bytes 16384
-   :max-request-line-bytes 8192)
+   :max-request-line-bytes 8192
+   :max-body-bytes (* 64 1024 1024))
   (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
@@ -124,7 +128,8 @@ as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
   (let ((read-timeout (or (hunchentoot:acceptor-read-timeout acceptor) 20))
         (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
     (with-slots (max-thread-count standby-thread-count thread-idle-timeout
-                 header-timeout idle-timeout max-head-bytes max-request-line-bytes) tm
+                 header-timeout idle-timeout max-head-bytes max-request-line-bytes
+                 max-body-bytes) tm
       (gallop.core:make-engine
        :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
        :handler (lambda (connection) (serve-connection acceptor connection))
@@ -138,6 +143,7 @@ as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
        :write-timeout write-timeout
        :max-head-bytes max-head-bytes
        :max-request-line-bytes max-request-line-bytes
+       :max-body-bytes max-body-bytes
        :max-queue (taskmaster-max-queue-length tm)
        :thread-starter (lambda (thunk name)
                          (hunchentoot:start-thread tm thunk :name name))
