@@ -23,3 +23,25 @@ test: deps
 
 clean:
 	rm -rf ~/.cache/common-lisp/sbcl-*$(CURDIR)
+
+# Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
+#   make bench        the full matrix, 3 repetitions, ~17 min; writes bench/results/RUN.tsv,
+#                     BENCHMARKS.md and BENCHMARKS.svg
+#   make bench-quick  one repetition of 1 s runs, under 2 min; writes bench/results/tmp/
+#   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
+# All install wrk and nginx-light first when missing.
+BENCH = $(LISP) --load bench/run.lisp --eval
+
+.PHONY: bench bench-quick bench-smoke
+
+bench:
+	@scripts/deps.sh wrk nginx-light
+	@$(BENCH) '(gallop-bench:main :full)'
+
+bench-quick:
+	@scripts/deps.sh wrk nginx-light
+	@$(BENCH) '(gallop-bench:main :quick)'
+
+bench-smoke:
+	@scripts/deps.sh wrk nginx-light
+	@$(BENCH) '(gallop-bench:main :smoke)'

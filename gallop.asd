@@ -4,6 +4,7 @@
 ;;;; Systems:
 ;;;;   gallop/core   epoll event loop, elastic worker pool, connection streams.
 ;;;;                 Needs nothing but SBCL and its contribs.
+;;;;   gallop/native the native app API (Clack convention), on the core alone.
 ;;;;   gallop        the Hunchentoot layer: GALLOP:ACCEPTOR, GALLOP:EASY-ACCEPTOR,
 ;;;;                 the SSL variants and GALLOP:TASKMASTER.
 ;;;;   gallop/tests  FiveAM tests that talk to real servers over real sockets.
@@ -25,15 +26,28 @@
                (:file "wheel")
                (:file "server")))
 
+(defsystem "gallop/native"
+  :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."
+  :version "0.1.0"
+  :license "BSD-2-Clause"
+  :depends-on ("gallop/core")
+  :pathname "src/native/"
+  :serial t
+  :components ((:file "package")
+               (:file "types")
+               (:file "octet-stream")
+               (:file "response")
+               (:file "request")
+               (:file "server")))
+
 (defsystem "gallop"
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/core" "hunchentoot" "usocket" "cl+ssl" "bordeaux-threads")
+  :depends-on ("gallop/native" "hunchentoot" "usocket" "cl+ssl" "bordeaux-threads")
   :pathname "src/hunchentoot/"
   :serial t
-  :components ((:file "package")
-               (:file "compat")
+  :components ((:file "compat")
                (:file "socket")
                (:file "taskmaster")
                (:file "acceptor"))
@@ -54,5 +68,6 @@
                (:file "hunchentoot/taskmaster")
                (:file "hunchentoot/lifecycle")
                (:file "hunchentoot/ssl")
-               (:file "hunchentoot/connections"))
+               (:file "hunchentoot/connections")
+               (:file "native/app"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

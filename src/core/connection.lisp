@@ -344,3 +344,90 @@ at once."
      (setf (slot-value c 'out-fill) 0)
      (close-connection c)))
   t)
+
+;;; The octet interface the native layer uses: no generic dispatch.
+
+(defun connection-head (c)
+  "The buffer holding the request head just checked, its start and its end
+\(just after the blank line)."
+  (with-slots (inbuf in-start scan) c
+    (values inbuf in-start scan)))
+
+(defun connection-consume-head (c)
+  "Drop the request head from the input: what follows is the body."
+  (with-slots (in-start scan) c
+    (setf in-start scan)))
+
+(defun connection-body-length (c) (slot-value c 'body-length))
+(defun connection-chunked-p (c) (slot-value c 'chunked))
+
+(defun connection-read-octets (c vector &optional (start 0) (end (length vector)))
+  "Fill VECTOR[START,END) from C, blocking (bounded by the read timeout).
+Returns the index after the last byte read: less than END only at end of file."
+  (with-slots (inbuf in-start in-end) c
+    (loop while (< start end)
+          do (when (and (= in-start in-end) (not (fill-input c)))
+               (return))
+             (let ((n (min (- end start) (- in-end in-start))))
+               (replace vector (the octets inbuf) :start1 start :end1 (+ start n)
+                                                  :start2 in-start)
+               (incf start n)
+               (incf in-start n)))
+    start))
+
+(defun connection-read-line (c)
+  "Read bytes up to and including LF; return them as an octet vector without
+the line end, or NIL at end of file.  For chunked-body framing only."
+  (let ((line (make-array 16 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop
+      (let ((b (sb-gray:stream-read-byte c)))
+        (cond ((eq b :eof) (return nil))
+              ((= b 10) (return (let ((n (length line)))
+                                  (when (and (plusp n) (= (aref line (1- n)) 13))
+                                    (decf (fill-pointer line)))
+                                  line)))
+              ((> (length line) 1024)
+               (error 'connection-error :stream c :operation "chunk line"))
+              (t (vector-push-extend b line)))))))
+
+(defun connection-write-octets (c octets &optional (start 0) (end (length octets)))
+  "Buffer OCTETS[START,END) for sending; large ones are sent directly."
+  (declare (type octets octets) (type fixnum start end))
+  (with-slots (outbuf out-fill) c
+    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+      (declare (type octets buffer))
+      (cond ((<= (- end start) (- (length buffer) out-fill))
+             (replace buffer octets :start1 out-fill :start2 start :end2 end)
+             (incf out-fill (- end start)))
+            ((<= (- end start) (length buffer))
+             (flush-output c)
+             (replace buffer octets :start2 start :end2 end)
+             (setf out-fill (- end start)))
+            (t
+             (flush-output c)
+             (send-all c octets start end)))))
+  nil)
+
+(defun connection-flush (c)
+  "Send everything buffered."
+  (flush-output c))
+
+(defun connection-send-file (c file-fd offset count)
+  "Send COUNT bytes of the open file FILE-FD from OFFSET with sendfile(2),
+after what is buffered."
+  (flush-output c)
+  (let ((fd (connection-fd c))
+        (timeout (engine-write-timeout-ms (connection-engine c))))
+    (loop while (plusp count)
+          do (multiple-value-bind (n errno) (send-file-chunk fd file-fd offset (min count (* 1024 1024)))
+               (cond ((plusp n) (incf offset n) (decf count n))
+                     ((and (minusp n) (= errno +eagain+))
+                      (wait-for-fd c +pollout+ timeout "sendfile"))
+                     ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))
+                     (t (error 'connection-error :stream c :errno errno :operation "sendfile")))))))
+
+(defun connection-finish (c keep-alive)
+  "The request is answered: park C for the next request when KEEP-ALIVE, else
+close it.  Called by the handler, in its worker."
+  (setf (slot-value c 'close-requested) t
+        (slot-value c 'park-requested) keep-alive))

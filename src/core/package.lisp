@@ -19,12 +19,17 @@
    #:connection-local-address #:connection-local-port
    #:connection-user-data #:connection-mark-boundary
    #:connection-owner-stream
+   #:connection-head #:connection-consume-head #:connection-body-length
+   #:connection-chunked-p #:connection-read-octets #:connection-read-line
+   #:connection-write-octets #:connection-flush #:connection-send-file
+   #:connection-finish #:connection-suspend #:connection-unsuspend
+   #:connection-resume #:connection-error
    #:connection-timeout-error
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
    #:engine-running-p #:engine-pool #:engine-stats
-   #:engine-listen-fd
+   #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error
    ;; utilities used by the layers above
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd))

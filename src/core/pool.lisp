@@ -8,9 +8,14 @@
 ;;;;
 ;;;; Elasticity: when a worker takes an event and no other worker is left
 ;;;; waiting, it asks the maker thread for one more worker (up to MAX-THREADS).
-;;;; Thread creation is serialised through that one maker thread because SBCL
-;;;; creates threads under one global mutex.  A worker that waits IDLE-TIMEOUT-MS
-;;;; without an event leaves while more than MIN-THREADS remain.
+;;;; The maker grants it only while the process leaves CPU idle (under
+;;;; +GROWTH-CPU-LIMIT+ of the CPUs it may run on, sampled every 5 ms, one new
+;;;; worker per sample): then the busy workers are blocked (sleeping, waiting
+;;;; on a database) and another worker adds throughput.  When the CPUs are saturated, another thread would
+;;;; only add contention and tail latency, so the pool does not grow.  Thread
+;;;; creation is serialised through the maker because SBCL creates threads
+;;;; under one global mutex.  A worker that waits IDLE-TIMEOUT-MS without an
+;;;; event leaves while more than MIN-THREADS remain.
 ;;;;
 ;;;; Invariants:
 ;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK.
@@ -112,19 +117,40 @@ maker thread, or from POOL-START."
     (dolist (thread retired)
       (sb-thread:join-thread thread :default nil))))
 
+(defconstant +growth-cpu-limit+ 0.85
+  "The pool grows only while the process uses less than this share of its CPUs.")
+
 (defun maker-loop (pool)
-  (loop
-    (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 1)
-    (join-retired pool)
-    (when (pool-stopping pool)
-      (return))
-    ;; Requests that piled up while we were creating collapse into one check.
-    (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
-      (when (plusp piled)
-        (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
-    (when (and (zerop (pool-idle pool))
-               (< (pool-thread-count pool) (pool-max-threads pool)))
-      (spawn-worker pool))))
+  (let* ((cpus (allowed-cpu-count))
+         (last-cpu (process-cpu-us))
+         (last-wall (get-internal-real-time))
+         (us-per-unit (/ 1000000 internal-time-units-per-second))
+         (load 1.0)
+         (fresh nil))
+    (loop
+      (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
+      (join-retired pool)
+      (when (pool-stopping pool)
+        (return))
+      ;; One load sample per 5 ms, and at most one new worker per sample, so
+      ;; the effect of the last one is measured before the next.
+      (let ((wall (get-internal-real-time)))
+        (when (>= (* us-per-unit (- wall last-wall)) 5000)
+          (let ((cpu (process-cpu-us)))
+            (setf load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall)))
+                  last-cpu cpu
+                  last-wall wall
+                  fresh t))))
+      ;; Requests that piled up while we were creating collapse into one check.
+      (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
+        (when (plusp piled)
+          (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
+      (when (and fresh
+                 (zerop (pool-idle pool))
+                 (< (pool-thread-count pool) (pool-max-threads pool))
+                 (< load +growth-cpu-limit+))
+        (setf fresh nil)
+        (spawn-worker pool)))))
 
 (defun leave-pool (pool already-counted-out)
   (let ((self sb-thread:*current-thread*))

@@ -258,7 +258,34 @@ leave C as the handler decided.  The caller owns C."
             (:park (unless (engine-running-p engine)
                      (return (close-connection c))))
             (:close (return (close-connection c)))
-            (:detached (return))))))))
+            ((:detached :suspended) (return))))))))
+
+(defun connection-suspend (c)
+  "Called by a handler, in its worker, that will answer later from another
+thread; the handler then returns :SUSPENDED and the worker leaves C to that
+thread, which ends with CONNECTION-RESUME.  The request counts as in flight
+until then."
+  (sb-ext:atomic-incf (engine-in-flight (connection-engine c))))
+
+(defun connection-unsuspend (c)
+  "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
+  (sb-ext:atomic-decf (engine-in-flight (connection-engine c))))
+
+(defun connection-resume (c keep-alive)
+  "Finish a suspended request from any thread: serve the next request if one
+is buffered and KEEP-ALIVE, else park C in epoll, or close it."
+  (let ((engine (connection-engine c)))
+    (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
+      (unless (engine-running-p engine)
+        (sb-thread:with-mutex ((engine-lock engine))
+          (sb-thread:condition-broadcast (engine-idle-queue engine)))))
+    (if (and keep-alive (engine-running-p engine))
+        (handler-case (serve-connection engine c)
+          (error (e)
+            (log-engine-error engine "Error resuming ~A: ~A" c e)
+            (unless (member (connection-state c) '(:closed :detached :draining))
+              (close-connection c))))
+        (close-connection c))))
 
 (defun reject (c response)
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
@@ -266,21 +293,25 @@ leave C as the handler decided.  The caller owns C."
 
 (defun run-handler (engine c)
   "Run the engine's handler on C.  Returns :PARK (the handler is done with
-this request and the connection may serve another), :CLOSE or :DETACHED (the
-handler kept the stream)."
+this request and the connection may serve another), :CLOSE, :DETACHED (the
+handler kept the stream) or :SUSPENDED (the handler returned :SUSPENDED after
+CONNECTION-SUSPEND: another thread will finish the request)."
   (with-slots (boundary park-requested close-requested head-started) c
     (setf boundary nil park-requested nil close-requested nil head-started nil)
     (sb-ext:atomic-incf (engine-requests engine))
     (sb-ext:atomic-incf (engine-in-flight engine))
-    (unwind-protect
-         (handler-case (funcall (the function (engine-handler engine)) c)
-           (error (e)
-             (log-engine-error engine "Error serving ~A: ~A" c e)
-             (setf close-requested t park-requested nil)))
-      (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
-        (unless (engine-running-p engine)
-          (sb-thread:with-mutex ((engine-lock engine))
-            (sb-thread:condition-broadcast (engine-idle-queue engine))))))
+    (when (eq :suspended
+              (unwind-protect
+                   (handler-case (funcall (the function (engine-handler engine)) c)
+                     (error (e)
+                       (log-engine-error engine "Error serving ~A: ~A" c e)
+                       (setf close-requested t park-requested nil)))
+                (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
+                  (unless (engine-running-p engine)
+                    (sb-thread:with-mutex ((engine-lock engine))
+                      (sb-thread:condition-broadcast (engine-idle-queue engine)))))))
+      ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
+      (return-from run-handler :suspended))
     (cond ((not close-requested)
            ;; The handler kept the stream: it is an ordinary stream from now on.
            (setf boundary nil park-requested nil

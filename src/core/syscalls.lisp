@@ -78,6 +78,9 @@
   (flags sb-alien:int))
 (sb-alien:define-alien-routine ("write" %write) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+(sb-alien:define-alien-routine ("sendfile" %sendfile) sb-alien:long
+  (out-fd sb-alien:int) (in-fd sb-alien:int) (offset sb-sys:system-area-pointer)
+  (count sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("close" %close) sb-alien:int (fd sb-alien:int))
 (sb-alien:define-alien-routine ("shutdown" %shutdown) sb-alien:int
   (fd sb-alien:int) (how sb-alien:int))
@@ -191,6 +194,15 @@ written or -1 and the errno.  Retries EINTR."
                    (unless (= errno +eintr+)
                      (return (values -1 errno))))))))))
 
+(defun send-file-chunk (out-fd in-fd offset count)
+  "sendfile(2) up to COUNT bytes of IN-FD from OFFSET to OUT-FD.  Returns the
+count sent or -1 and the errno.  Retries EINTR."
+  (sb-alien:with-alien ((off (sb-alien:signed 64) offset))
+    (loop
+      (let ((n (%sendfile out-fd in-fd (sb-alien:alien-sap (sb-alien:addr off)) count)))
+        (cond ((>= n 0) (return (values n 0)))
+              ((/= (%errno) +eintr+) (return (values -1 (%errno)))))))))
+
 (defun poll-fds (fd events wake-fd timeout-ms)
   "poll(2) FD for EVENTS and WAKE-FD (or -1) for input.  Returns :READY,
 :WAKE, :TIMEOUT.  EINTR restarts the wait with the remaining time."
@@ -277,6 +289,22 @@ Returns the new soft limit, and T as a second value when it is below WANTED
             (when (zerop (%setrlimit +rlimit-nofile+ sap))
               (setf soft target)))))
       (values soft (< soft wanted)))))
+
+(sb-alien:define-alien-routine ("sched_getaffinity" %sched-getaffinity) sb-alien:int
+  (pid sb-alien:int) (size sb-alien:unsigned-long) (mask sb-sys:system-area-pointer))
+
+(defun allowed-cpu-count ()
+  "How many CPUs this process may run on (its affinity mask, e.g. under taskset)."
+  (sb-alien:with-alien ((mask (array (sb-alien:unsigned 64) 16)))
+    (let ((sap (sb-alien:alien-sap mask)))
+      (if (zerop (%sched-getaffinity 0 128 sap))
+          (max 1 (loop for i below 16 sum (logcount (sb-sys:sap-ref-64 sap (* 8 i)))))
+          1))))
+
+(defun process-cpu-us ()
+  "CPU time (user + system) this process has used, in microseconds."
+  (multiple-value-bind (ok user system) (sb-unix:unix-getrusage sb-unix:rusage_self)
+    (if ok (+ user system) 0)))
 
 (defun listen-socket-fd (socket)
   "The fd of an SB-BSD-SOCKETS socket."

@@ -105,12 +105,13 @@ new connections get 503.")
 (defmethod hunchentoot:decrement-taskmaster-thread-count ((tm taskmaster))
   nil)
 
-(defun stats (thing)
-  "Connection and pool statistics of a running Gallop acceptor or taskmaster,
-as a property list (see GALLOP.CORE:ENGINE-STATS), or NIL when not running."
-  (let* ((tm (if (typep thing 'taskmaster) thing (acceptor-gallop-taskmaster thing)))
-         (engine (and tm (taskmaster-engine tm))))
+(defmethod stats ((tm taskmaster))
+  (let ((engine (taskmaster-engine tm)))
     (and engine (gallop.core:engine-stats engine))))
+
+(defmethod stats ((acceptor hunchentoot:acceptor))
+  (let ((tm (acceptor-gallop-taskmaster acceptor)))
+    (and tm (stats tm))))
 
 (defun serve-connection (acceptor connection)
   "The engine's handler: run Hunchentoot's request loop on CONNECTION."

@@ -53,9 +53,10 @@
              (dolist (socket sockets)
                (send socket (crlf "GET /a HTTP/1.1" "Host: x"))
                (is (string= "GET /a HTTP/1.1" (body-string (read-response socket)))))
-             ;; 50 idle keep-alive connections, and still only the standby threads.
+             ;; 50 idle keep-alive connections hold no thread: the pool stays
+             ;; near its standby size (it may have grown by a few under load).
              (is (wait-until (lambda () (= 50 (engine-stat engine :idle)))))
-             (is (= 2 (engine-stat engine :threads)))
+             (is (<= (engine-stat engine :threads) 10))
              (dolist (socket sockets)
                (send socket (crlf "GET /b HTTP/1.1" "Host: x"))
                (is (string= "GET /b HTTP/1.1" (body-string (read-response socket))))))

@@ -1,0 +1,515 @@
+;;;; report.lisp -- from a results TSV (bench/results/*.tsv) to the tables,
+;;;; the markdown summary (BENCHMARKS.md) and the SVG chart.
+;;;;
+;;;; The TSV is the whole record of a run: "# key<TAB>value" lines first (the
+;;;; machine, versions, settings, exact commands), then a header line and one
+;;;; line per wrk run.  The report is a pure function of it, so it can be
+;;;; redrawn without running anything:
+;;;;
+;;;;   scripts/lisp.sh --load bench/run.lisp \
+;;;;     --eval '(gallop-bench:report "bench/results/RUN.tsv" :md "/tmp/x.md" :svg "/tmp/x.svg")'
+
+(in-package #:gallop-bench)
+
+;;; Servers
+
+(defparameter *servers*
+  '(("stock" :stock "Hunchentoot (stock)")
+    ("gallop" :gallop "gallop:easy-acceptor")
+    ("gallop-tm" :gallop-tm "gallop:taskmaster")
+    ("nginx" :nginx "nginx (reference)"))
+  "Each server: its name in the TSV, its kind, its label in tables and charts.")
+
+(defun server-kind (name) (second (assoc name *servers* :test #'string=)))
+(defun server-label (name) (or (third (assoc name *servers* :test #'string=)) name))
+(defun server-name (kind) (first (find kind *servers* :key #'second)))
+
+(defparameter *server-descriptions*
+  '(("stock" . "`(make-instance 'hunchentoot:easy-acceptor :address \"127.0.0.1\" :port P :access-log-destination nil :message-log-destination nil)`: the default one-thread-per-connection taskmaster (max-thread-count 100, max-accept-count 120, listen backlog 50). Its process loads Hunchentoot only.")
+    ("gallop" . "`(make-instance 'gallop:easy-acceptor ...same initargs...)`: the drop-in acceptor (Gallop's defaults: pool of 4 to 100 workers, listen backlog 1024).")
+    ("gallop-tm" . "`(make-instance 'hunchentoot:easy-acceptor ...same initargs... :taskmaster (make-instance 'gallop:taskmaster))`: Gallop's taskmaster on a stock acceptor (Hunchentoot's listener thread accepts, listen backlog 50).")
+    ("nginx" . "Debian's nginx, `return 200 \"Hey!\"` for `/yo`, one worker process, access log off: the reference for what this machine can do. It never sleeps, so in the sleep 1 ms scenarios it is the machine's ceiling, not a peer.")))
+
+;;; TSV
+
+(defparameter *columns*
+  '("run_id" "mode" "rep" "scenario" "sleep_ms" "connection" "connections" "server"
+    "duration_s" "requests" "rps" "ok_rps" "p50_ms" "p90_ms" "p99_ms"
+    "err_connect" "err_read" "err_write" "err_timeout" "non2xx" "status"
+    "idle_n" "idle_held" "idle_alive" "idle_open_ms" "rss_before_kb" "rss_idle_kb"
+    "threads_before" "threads_idle" "note" "command")
+  "The columns of a results TSV, in order.")
+
+(defun tsv-clean (value)
+  "VALUE as one TSV field: no tabs or newlines."
+  (substitute-if #\Space (lambda (c) (member c '(#\Tab #\Newline #\Return)))
+                 (cond ((null value) "")
+                       ((integerp value) (format nil "~D" value))
+                       ((realp value) (format nil "~,3F" value))
+                       (t (princ-to-string value)))))
+
+(defun escape-meta (string)
+  (with-output-to-string (out)
+    (loop for c across string
+          do (case c
+               (#\\ (write-string "\\\\" out))
+               (#\Newline (write-string "\\n" out))
+               (#\Tab (write-string "\\t" out))
+               (t (write-char c out))))))
+
+(defun unescape-meta (string)
+  (with-output-to-string (out)
+    (loop with i = 0
+          while (< i (length string))
+          do (let ((c (char string i)))
+               (if (and (char= c #\\) (< (1+ i) (length string)))
+                   (progn (write-char (case (char string (1+ i))
+                                        (#\n #\Newline) (#\t #\Tab) (t (char string (1+ i))))
+                                      out)
+                          (incf i 2))
+                   (progn (write-char c out) (incf i)))))))
+
+(defun write-tsv-meta (stream meta)
+  (loop for (key . value) in meta
+        do (format stream "# ~A~C~A~%" key #\Tab (escape-meta (princ-to-string value)))))
+
+(defun write-tsv-header (stream)
+  (format stream "~{~A~^	~}~%" *columns*))
+
+(defun write-tsv-row (stream row)
+  "ROW: a hash table from column name to value."
+  (format stream "~{~A~^	~}~%" (mapcar (lambda (c) (tsv-clean (gethash c row))) *columns*))
+  (finish-output stream))
+
+(defun split (string char)
+  (loop with start = 0
+        for pos = (position char string :start start)
+        collect (subseq string start pos)
+        while pos
+        do (setf start (1+ pos))))
+
+(defun read-tsv (path)
+  "The metadata (an alist) and the rows (hash tables of strings) of PATH."
+  (with-open-file (in path :external-format :utf-8)
+    (let ((meta '()) (header nil) (rows '()))
+      (loop for line = (read-line in nil)
+            while line
+            do (cond ((zerop (length line)))
+                     ((char= (char line 0) #\#)
+                      (let* ((body (string-left-trim "# " line))
+                             (tab (position #\Tab body)))
+                        (when tab
+                          (push (cons (subseq body 0 tab) (unescape-meta (subseq body (1+ tab))))
+                                meta))))
+                     ((null header) (setf header (split line #\Tab)))
+                     (t (let ((row (make-hash-table :test #'equal)))
+                          (loop for column in header
+                                for value in (split line #\Tab)
+                                do (setf (gethash column row) value))
+                          (push row rows)))))
+      (values (nreverse meta) (nreverse rows)))))
+
+(defun meta (meta key &optional default)
+  (or (cdr (assoc key meta :test #'string=)) default))
+
+;;; Numbers
+
+(defun parse-decimal (string)
+  "A plain decimal number (\"12\", \"-3.25\", \"1.5e3\") as a double, or NIL."
+  (let ((s (string-trim " " (or string ""))))
+    (when (and (plusp (length s))
+               (every (lambda (c) (or (digit-char-p c) (find c "+-.eE"))) s)
+               (some #'digit-char-p s))
+      (handler-case
+          (let ((*read-default-float-format* 'double-float)
+                (*read-eval* nil))
+            (let ((value (read-from-string s)))
+              (and (realp value) (coerce value 'double-float))))
+        (error () nil)))))
+
+(defun cell (row column)
+  "ROW's COLUMN as a number (rows read back hold strings, live rows numbers)."
+  (let ((value (gethash column row)))
+    (if (realp value) value (parse-decimal value))))
+
+(defun median (numbers)
+  (let* ((sorted (sort (copy-list (remove nil numbers)) #'<))
+         (n (length sorted)))
+    (cond ((zerop n) nil)
+          ((oddp n) (nth (floor n 2) sorted))
+          (t (/ (+ (nth (1- (floor n 2)) sorted) (nth (floor n 2) sorted)) 2)))))
+
+(defun fmt-int (x)
+  (if x (format nil "~:D" (round x)) "–"))
+
+(defun fmt-ms (ms)
+  (cond ((null ms) "–")
+        ((< ms 1) (format nil "~,2F ms" ms))
+        ((< ms 10) (format nil "~,2F ms" ms))
+        ((< ms 100) (format nil "~,1F ms" ms))
+        ((< ms 1000) (format nil "~D ms" (round ms)))
+        (t (format nil "~,2F s" (/ ms 1000)))))
+
+(defun fmt-ratio (x)
+  (cond ((null x) "–")
+        ((>= x 10) (format nil "~,1F×" x))
+        (t (format nil "~,2F×" x))))
+
+;;; Grouping
+
+(defun row-ok-p (row)
+  (string= (gethash "status" row "") "ok"))
+
+(defun scenario-sort-key (row)
+  (list (or (cell row "sleep_ms") 0)
+        (if (string= (gethash "connection" row "") "close") 1 0)
+        (or (cell row "connections") 0)))
+
+(defun key< (a b)
+  (loop for x in a for y in b
+        do (cond ((< x y) (return t))
+                 ((> x y) (return nil)))))
+
+(defun matrix-scenarios (rows)
+  "The matrix scenarios present, in report order: sleep, then keep-alive before
+close, then connections."
+  (let ((seen '()))
+    (dolist (row rows)
+      (let ((s (gethash "scenario" row)))
+        (unless (or (member s '("idle" "idle-base") :test #'string=)
+                    (assoc s seen :test #'string=))
+          (push (cons s row) seen))))
+    (mapcar #'car (sort seen #'key< :key (lambda (e) (scenario-sort-key (cdr e)))))))
+
+(defun servers-present (rows)
+  (loop for (name) in *servers*
+        when (find name rows :key (lambda (r) (gethash "server" r)) :test #'string=)
+          collect name))
+
+(defun rows-of (rows scenario server)
+  (remove-if-not (lambda (r) (and (string= (gethash "scenario" r) scenario)
+                                  (string= (gethash "server" r) server)))
+                 rows))
+
+(defun scenario-title (row)
+  (format nil "sleep ~D ms, ~A, ~D connections"
+          (round (or (cell row "sleep_ms") 0))
+          (if (string= (gethash "connection" row) "close") "Connection: close" "keep-alive")
+          (round (or (cell row "connections") 0))))
+
+(defun summarize (runs)
+  "Medians over the successful RUNS of one scenario and server, as a plist."
+  (let ((ok (remove-if-not #'row-ok-p runs)))
+    (flet ((med (column) (median (mapcar (lambda (r) (cell r column)) ok))))
+      (let ((ok-rps (mapcar (lambda (r) (cell r "ok_rps")) ok)))
+        (list :runs (length runs) :ok (length ok)
+              :rps (med "rps") :ok-rps (med "ok_rps")
+              :spread (let ((m (median ok-rps)))
+                        (when (and m (plusp m) (> (length ok) 1))
+                          (/ (- (reduce #'max ok-rps) (reduce #'min ok-rps)) 2 m)))
+              :p50 (med "p50_ms") :p99 (med "p99_ms")
+              :connect (med "err_connect") :read (med "err_read")
+              :write (med "err_write") :timeout (med "err_timeout")
+              :non2xx (med "non2xx"))))))
+
+(defun fmt-errors (s)
+  (let ((errors (list (getf s :connect) (getf s :read) (getf s :write) (getf s :timeout))))
+    (cond ((some #'null errors) "–")
+          ((every #'zerop errors) "0")
+          (t (format nil "~{~D~^/~}" (mapcar #'round errors))))))
+
+;;; Markdown
+
+(defun write-scenario-table (out rows scenario servers)
+  (let* ((stock (summarize (rows-of rows scenario "stock")))
+         (stock-ok (getf stock :ok-rps)))
+    (format out "| server | req/s | 2xx req/s | vs stock | p50 | p99 | socket errors c/r/w/t | non-2xx | runs ok |~%")
+    (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+    (dolist (server servers)
+      (let ((s (summarize (rows-of rows scenario server))))
+        (if (zerop (getf s :ok))
+            (format out "| ~A | failed | | | | | | | 0/~D |~%" (server-label server) (getf s :runs))
+            (format out "| ~A | ~A | ~A~@[ ±~D%~] | ~A | ~A | ~A | ~A | ~A | ~D/~D |~%"
+                    (server-label server) (fmt-int (getf s :rps)) (fmt-int (getf s :ok-rps))
+                    (and (getf s :spread) (round (* 100 (getf s :spread))))
+                    (cond ((string= server "stock") "1.00×")
+                          ((and stock-ok (plusp stock-ok) (getf s :ok-rps))
+                           (fmt-ratio (/ (getf s :ok-rps) stock-ok)))
+                          (t "–"))
+                    (fmt-ms (getf s :p50)) (fmt-ms (getf s :p99)) (fmt-errors s)
+                    (fmt-int (getf s :non2xx)) (getf s :ok) (getf s :runs)))))
+    (terpri out)))
+
+(defun idle-summary (rows server)
+  "Medians of the idle-connections scenario for SERVER, pairing each
+repetition's run with idle connections with its run without."
+  (let* ((with (remove-if-not #'row-ok-p (rows-of rows "idle" server)))
+         (base (remove-if-not #'row-ok-p (rows-of rows "idle-base" server)))
+         (all-with (rows-of rows "idle" server)))
+    (flet ((med (list column) (median (mapcar (lambda (r) (cell r column)) list)))
+           (base-of (r) (find (gethash "rep" r) base :key (lambda (b) (gethash "rep" b))
+                                                     :test #'string=)))
+      (list :runs (length all-with) :ok (length with)
+            :n (med all-with "idle_n") :held (med with "idle_held") :alive (med with "idle_alive")
+            :open-ms (med with "idle_open_ms")
+            :base-rps (med base "ok_rps") :with-rps (med with "ok_rps")
+            :ratio (median (loop for r in with
+                                 for b = (base-of r)
+                                 for x = (cell r "ok_rps")
+                                 for y = (and b (cell b "ok_rps"))
+                                 when (and x y (plusp y)) collect (/ x y)))
+            :p99 (med with "p99_ms")
+            :connect (med with "err_connect") :read (med with "err_read")
+            :write (med with "err_write") :timeout (med with "err_timeout")
+            :non2xx (med with "non2xx")
+            :rss-per-conn (median (loop for r in with
+                                        for a = (cell r "rss_idle_kb")
+                                        for b = (cell r "rss_before_kb")
+                                        for h = (cell r "idle_held")
+                                        when (and a b h (plusp h)) collect (/ (- a b) h)))
+            :threads-before (med with "threads_before") :threads-idle (med with "threads_idle")
+            :note (let ((r (first all-with))) (and r (gethash "note" r)))))))
+
+(defun write-idle-table (out rows servers meta)
+  (format out "Each server, freshly started (sleep 0 ms), first gets ~A without idle ~
+               connections; then the helper opens N keep-alive connections, makes one ~
+               request on each (~A at a time) and holds them open, idle, while the same ~
+               wrk load runs again. RSS and threads are read from `/proc/PID/status` (nginx: master ~
+               and worker summed) before and after the connections are opened.~%~%"
+          (format nil "`wrk -c100` keep-alive for ~A s" (meta meta "duration_s" "?"))
+          (meta meta "idle_batch" "32"))
+  (format out "| server | idle N | held | opened in | still open after load | 2xx req/s without | 2xx req/s with | with/without | p99 with | socket errors c/r/w/t | non-2xx | RSS per idle conn | threads before → with idle |~%")
+  (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+  (dolist (server servers)
+    (let ((s (idle-summary rows server)))
+      (cond ((zerop (getf s :runs)))
+            ((zerop (getf s :ok))
+             (format out "| ~A | ~A | failed | | | | | | | | | | |~%"
+                     (server-label server) (fmt-int (getf s :n))))
+            (t
+             (format out "| ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A → ~A |~%"
+                     (server-label server) (fmt-int (getf s :n)) (fmt-int (getf s :held))
+                     (fmt-ms (getf s :open-ms)) (fmt-int (getf s :alive)) (fmt-int (getf s :base-rps))
+                     (fmt-int (getf s :with-rps)) (fmt-ratio (getf s :ratio))
+                     (fmt-ms (getf s :p99)) (fmt-errors s) (fmt-int (getf s :non2xx))
+                     (if (getf s :rss-per-conn)
+                         (format nil "~,1F KiB" (getf s :rss-per-conn))
+                         "–")
+                     (fmt-int (getf s :threads-before)) (fmt-int (getf s :threads-idle)))))))
+  (terpri out)
+  (let ((notes (loop for server in servers
+                     for note = (getf (idle-summary rows server) :note)
+                     when (and note (plusp (length note)))
+                       collect (format nil "~A: ~A" (server-label server) note))))
+    (when notes
+      (format out "~{- ~A~%~}~%" notes))))
+
+(defun write-method (out meta)
+  (format out "### How it was run~%~%")
+  (format out "- Machine: ~A, ~A cores, ~A RAM; ~A, Linux ~A.~%"
+          (meta meta "cpu" "?") (meta meta "cores" "?") (meta meta "memory" "?")
+          (meta meta "os" "?") (meta meta "kernel" "?"))
+  (format out "- Software: SBCL ~A; Hunchentoot ~A (Debian); ~A; ~A; Gallop ~A.~%"
+          (meta meta "sbcl" "?") (meta meta "hunchentoot" "?") (meta meta "nginx" "?")
+          (meta meta "wrk" "?") (meta meta "gallop" "?"))
+  (format out "- Run `~A` (~A): ~A repetition~:P, ~A s per wrk run, medians over ~
+               repetitions; started ~A, took ~A.~%"
+          (meta meta "run_id" "?") (meta meta "mode" "?")
+          (parse-integer (meta meta "reps" "1") :junk-allowed t)
+          (meta meta "duration_s" "?") (meta meta "started" "?") (meta meta "elapsed" "?"))
+  (format out "- Order: every repetition runs every scenario against every server, ~
+               rotating the server order from one scenario to the next, so slow drifts ~
+               of the machine spread over all servers. Each repetition starts fresh ~
+               server processes for the sleep 0 ms scenarios, again for sleep 1 ms, and ~
+               again for each server's idle-connections scenario~A.~%"
+          (let ((warmup (parse-integer (meta meta "warmup_s" "0") :junk-allowed t)))
+            (if (and warmup (plusp warmup))
+                (format nil "; each freshly started server first gets a ~D s `wrk -c10` warm-up, not recorded" warmup)
+                "; no warm-up")))
+  (format out "- Handler (seed 001): an easy-handler `/yo` returning `\"Hey!\"` ~
+               (`\"Hey NAME!\"` with a `name` parameter), which calls `sleep` only ~
+               when the sleep setting is above 0.~%")
+  (format out "- A run fails (and `make bench*` exits non-zero) when wrk cannot run, ~
+               its output cannot be parsed, no response at all arrived, or the server ~
+               does not answer `GET /yo` with 200 after the run. Socket errors and ~
+               non-2xx answers (e.g. 503) are results, not failures.~%~%")
+  (format out "Servers (all on 127.0.0.1, access and message logs off):~%~%")
+  (dolist (d *server-descriptions*)
+    (format out "- **~A**: ~A~%" (server-label (car d)) (cdr d)))
+  (format out "~%#### Sharing two cores between load and server~%~%~A~%~%"
+          (meta meta "cpu_policy" "?"))
+  (format out "#### Exact commands~%~%```sh~%~A~%```~%~%"
+          (meta meta "commands" "?"))
+  (format out "nginx.conf (`DIR` is a fresh directory under `bench/results/tmp/`):~%~%```nginx~%~A```~%~%"
+          (meta meta "nginx_conf" "?")))
+
+(defun write-results (out meta rows &key svg-name (method t))
+  "The generated markdown: the chart, one table per scenario, the idle
+scenario, failures and how the run was done."
+  (let ((servers (servers-present rows))
+        (scenarios (matrix-scenarios rows)))
+    (format out "## Results~%~%")
+    (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A. Medians of ~A ~
+                 repetition~:P of ~A s wrk runs; \"2xx req/s\" counts only successful ~
+                 answers, and \"vs stock\" compares it with stock Hunchentoot's. ~
+                 \"±\" is half the spread (max − min) over the repetitions.~%~%"
+            (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "cpu" "?")
+            (meta meta "cores" "?") (meta meta "sbcl" "?")
+            (parse-integer (meta meta "reps" "1") :junk-allowed t)
+            (meta meta "duration_s" "?"))
+    (when svg-name
+      (format out "![2xx requests per second by scenario and server](~A)~%~%" svg-name))
+    (dolist (scenario scenarios)
+      (let ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+        (format out "### ~A~%~%" (scenario-title row))
+        (write-scenario-table out rows scenario servers)))
+    (when (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
+      (format out "### Idle connections held open while wrk -c100 runs (keep-alive, sleep 0 ms)~%~%")
+      (write-idle-table out rows servers meta))
+    (let ((failed (remove-if #'row-ok-p rows)))
+      (when failed
+        (format out "### Failed runs~%~%")
+        (dolist (r failed)
+          (format out "- repetition ~A, ~A, ~A: ~A~%"
+                  (gethash "rep" r) (gethash "scenario" r) (server-label (gethash "server" r))
+                  (gethash "status" r)))
+        (terpri out)))
+    (when method
+      (write-method out meta))))
+
+;;; Chart
+
+(defun chart-rows (rows)
+  (let* ((servers (servers-present rows))
+         (scenarios (matrix-scenarios rows))
+         (by-shape (make-hash-table :test #'equal))
+         (shapes '()))
+    ;; One row of panels per connection count; columns are sleep x connection mode.
+    (dolist (scenario scenarios)
+      (let* ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=))
+             (connections (round (or (cell row "connections") 0))))
+        (unless (member connections shapes) (setf shapes (append shapes (list connections))))
+        (push (list :title (format nil "sleep ~D ms, ~A"
+                                   (round (or (cell row "sleep_ms") 0))
+                                   (if (string= (gethash "connection" row) "close")
+                                       "Connection: close" "keep-alive"))
+                    :bars (loop for server in servers
+                                for s = (summarize (rows-of rows scenario server))
+                                collect (list (server-label server) (getf s :ok-rps)
+                                              (if (zerop (getf s :ok)) "failed"
+                                                  (fmt-int (getf s :ok-rps)))
+                                              (server-color (server-kind server))
+                                              (string= server "nginx"))))
+              (gethash connections by-shape))))
+    (append
+     (loop for connections in shapes
+           collect (cons (format nil "~D connections" connections)
+                         (reverse (gethash connections by-shape))))
+     (when (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
+       (let ((summaries (mapcar (lambda (server) (cons server (idle-summary rows server))) servers)))
+         (list (list "Idle keep-alive connections held open during wrk -c100, sleep 0 ms"
+                     (list :title "2xx req/s without idle conns"
+                           :bars (loop for (server . s) in summaries
+                                       collect (list (server-label server) (getf s :base-rps)
+                                                     (if (getf s :base-rps) (fmt-int (getf s :base-rps)) "n/a")
+                                                     (server-color (server-kind server))
+                                                     (string= server "nginx"))))
+                     (list :title "2xx req/s with N idle conns"
+                           :bars (loop for (server . s) in summaries
+                                       collect (list (server-label server) (getf s :with-rps)
+                                                     (if (getf s :with-rps)
+                                                         (format nil "~A (N=~A)" (fmt-int (getf s :with-rps))
+                                                                 (fmt-int (getf s :held)))
+                                                         "n/a")
+                                                     (server-color (server-kind server))
+                                                     (string= server "nginx"))))
+                     (list :title "RSS per idle conn, KiB (lower is better)"
+                           :bars (loop for (server . s) in summaries
+                                       for v = (getf s :rss-per-conn)
+                                       collect (list (server-label server) (and v (max v 0))
+                                                     (if v (format nil "~,1F" v) "n/a")
+                                                     (server-color (server-kind server))
+                                                     (string= server "nginx")))))))))))
+
+(defun write-chart (svg-path meta rows)
+  (write-svg-chart
+   svg-path
+   :title "Gallop vs stock Hunchentoot (and nginx): successful requests per second, higher is better"
+   :subtitle (format nil "run ~A (~A): median of ~A × ~A s wrk runs, ~A; SBCL ~A; server on CPU ~A, wrk -t~A on CPU ~A; // = bar cut, off the panel's scale"
+                     (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "reps" "?")
+                     (meta meta "duration_s" "?") (meta meta "cpu" "?") (meta meta "sbcl" "?")
+                     (meta meta "server_cpus" "any") (meta meta "wrk_threads" "?")
+                     (meta meta "client_cpus" "any"))
+   :legend (loop for server in (servers-present rows)
+                 collect (list (server-label server) (server-color (server-kind server))))
+   :rows (chart-rows rows)))
+
+;;; Files
+
+(defparameter *begin-marker* "<!-- bench:begin -->")
+(defparameter *end-marker* "<!-- bench:end -->")
+
+(defparameter *intro*
+  "# Benchmarks
+
+Gallop's drop-in acceptor and its taskmaster against stock Hunchentoot, with
+Debian's nginx as the reference for what the machine can do, on the seed's
+benchmark matrix (handler sleep 0 and 1 ms, keep-alive and `Connection: close`,
+10, 100 and 400 connections, plus thousands of idle keep-alive connections).
+
+Reproduce with `make bench` (about 17 minutes; installs `wrk` and `nginx-light`
+when missing). `make bench-quick` (one short repetition, under 2 minutes) and
+`make bench-smoke` (seconds; what CI runs) write to `bench/results/tmp/`
+instead. Raw results: `bench/results/*.tsv`, one file per run. Everything
+between the two markers below is generated from the latest full run by
+`bench/run.lisp`; edit only outside them.
+
+")
+
+(defun file-string (path)
+  (with-open-file (in path :external-format :utf-8)
+    (let ((s (make-string (file-length in))))
+      (subseq s 0 (read-sequence s in)))))
+
+(defun write-string-to-file (string path)
+  (ensure-directories-exist path)
+  (with-open-file (out path :direction :output :if-exists :supersede :external-format :utf-8)
+    (write-string string out))
+  path)
+
+(defun splice-generated (old generated)
+  "OLD with the text between the markers replaced by GENERATED (markers kept);
+OLD plus the markers when it has none; the intro plus the markers when OLD is NIL."
+  (let* ((block (format nil "~A~%<!-- Generated by bench/run.lisp; do not edit between these markers. -->~%~%~A~A~%"
+                        *begin-marker* generated *end-marker*))
+         (begin (and old (search *begin-marker* old)))
+         (end (and begin (search *end-marker* old :start2 begin))))
+    (cond ((null old) (concatenate 'string *intro* block))
+          ((and begin end)
+           (let ((after (+ end (length *end-marker*))))
+             ;; Drop the newline that ended the old block: BLOCK brings its own.
+             (when (and (< after (length old)) (char= (char old after) #\Newline))
+               (incf after))
+             (concatenate 'string (subseq old 0 begin) block (subseq old after))))
+          (t (concatenate 'string old (string #\Newline) block)))))
+
+(defun report (tsv-path &key md svg (splice t) (stream *standard-output*))
+  "Write the summary of the run in TSV-PATH: the chart to SVG (if given), the
+markdown to MD (between the markers of an existing file when SPLICE, else the
+whole file), and the tables to STREAM (if non-NIL)."
+  (multiple-value-bind (meta rows) (read-tsv tsv-path)
+    (when svg (write-chart svg meta rows))
+    (let ((generated (with-output-to-string (out)
+                       (write-results out meta rows
+                                      :svg-name (and svg (file-namestring svg))))))
+      (when md
+        (write-string-to-file
+         (if splice
+             (splice-generated (and (probe-file md) (file-string md)) generated)
+             (format nil "# Gallop benchmarks: ~A run ~A~%~%~A"
+                     (meta meta "mode" "?") (meta meta "run_id" "?") generated))
+         md))
+      (when stream
+        (write-results stream meta rows :method nil)
+        (finish-output stream))
+      (values md svg))))

@@ -1,0 +1,996 @@
+;;;; run.lisp -- the benchmark harness behind `make bench`, `make bench-quick`
+;;;; and `make bench-smoke`.
+;;;;
+;;;;   scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main :full)'   ; or :quick, :smoke
+;;;;
+;;;; For each repetition it starts the servers (bench/server.lisp for stock
+;;;; Hunchentoot and Gallop's two modes, plus Debian's nginx), each in its own
+;;;; process on 127.0.0.1, runs wrk against every scenario of seed 001's matrix
+;;;; -- handler sleep 0 and 1 ms x keep-alive and `Connection: close` x 10, 100
+;;;; and 400 connections -- rotating the server order from scenario to
+;;;; scenario, then runs the idle-connections scenario (bench/idle.lisp holds N
+;;;; idle keep-alive connections open while wrk -c100 runs).  Every wrk run
+;;;; becomes a line of bench/results/RUN.tsv as soon as it is done; at the end
+;;;; report.lisp turns the TSV into tables (medians over repetitions),
+;;;; BENCHMARKS.md and an SVG chart (chart.lisp).
+;;;;
+;;;;   mode    reps  wrk run  idle N  warm-up  writes
+;;;;   :full     3     5 s    10000    1 s     bench/results/RUN.tsv, BENCHMARKS.md, BENCHMARKS.svg
+;;;;   :quick    1     1 s     1000    1 s     bench/results/tmp/RUN.{tsv,md,svg}
+;;;;   :smoke    1     1 s      100    none    bench/results/tmp/RUN.{tsv,md,svg}; two scenarios only
+;;;;
+;;;; Environment overrides: BENCH_REPS, BENCH_DURATION (s), BENCH_WARMUP (s), BENCH_IDLE_N,
+;;;; BENCH_IDLE_STOCK_MAX, BENCH_SERVERS (e.g. "gallop,nginx"), BENCH_PORT
+;;;; (base port; servers use PORT+1..PORT+4), BENCH_SERVER_CPUS and
+;;;; BENCH_CLIENT_CPUS (taskset lists, "none" for no pinning),
+;;;; BENCH_WRK_THREADS, BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
+;;;; bench/results/tmp/logs/).
+;;;;
+;;;; The exit code is non-zero when anything failed: a server that does not
+;;;; start or stops answering, wrk that cannot run or whose output cannot be
+;;;; parsed, a run without a single response.  The report is written anyway.
+;;;;
+;;;; CPU pinning -- why: the load generator and the server share this
+;;;; machine's two cores.  Unpinned, the kernel spreads wrk's and the server's
+;;;; threads over both cores, so every number depends on how much CPU wrk
+;;;; happened to take from the server in that run, and a multi-threaded Lisp
+;;;; server gets anything between one and two cores.  So each side gets its own
+;;;; core: servers (all their threads; nginx's master and worker) run under
+;;;; `taskset -c 0`; wrk, the idle helper, curl and this harness under
+;;;; `taskset -c 1`.  wrk runs one thread (-t1) because it owns one core: a
+;;;; second thread would only time-slice with the first.  nginx runs one worker
+;;;; process for the same reason.  The numbers are thus one-core server
+;;;; throughput with no competition from the load generator; a handler's
+;;;; sleep still blocks only its thread, not the core.  (CPU-POLICY below is the
+;;;; same text for BENCHMARKS.md.)
+
+(defpackage #:gallop-bench
+  (:use #:common-lisp)
+  (:export #:main #:report))
+(in-package #:gallop-bench)
+
+(defparameter *bench-dir*
+  (make-pathname :name nil :type nil :version nil :defaults (or *load-truename* *default-pathname-defaults*)))
+(defparameter *repo* (uiop:pathname-parent-directory-pathname *bench-dir*))
+
+(load (merge-pathnames "chart.lisp" *bench-dir*))
+(load (merge-pathnames "report.lisp" *bench-dir*))
+
+;;; Configuration
+
+(defstruct (config (:conc-name cfg-))
+  mode reps duration warmup settle idle-n idle-stock-max scenarios servers port
+  server-cpus client-cpus wrk-threads (wrk-timeout 2)
+  run-id out-dir tmp-dir tsv md svg splice)
+
+(defun env (name)
+  (let ((v (uiop:getenv name)))
+    (and v (plusp (length (string-trim " " v))) (string-trim " " v))))
+
+(defun env-int (name default)
+  (let ((v (env name)))
+    (if v
+        (or (parse-integer v :junk-allowed t)
+            (error "~A=~S is not an integer" name v))
+        default)))
+
+(defun env-cpus (name default)
+  (let ((v (env name)))
+    (cond ((null v) default)
+          ((string-equal v "none") nil)
+          (t v))))
+
+(defun scenario (sleep-ms close-p connections)
+  (list :sleep sleep-ms :close close-p :connections connections))
+
+(defun scenario-key (s)
+  (format nil "s~D-~:[ka~;close~]-c~D" (getf s :sleep) (getf s :close) (getf s :connections)))
+
+(defun scenario-label (s)
+  (format nil "sleep ~D ms, ~:[keep-alive~;Connection: close~], ~D conn"
+          (getf s :sleep) (getf s :close) (getf s :connections)))
+
+(defun full-matrix ()
+  (loop for sleep in '(0 1)
+        append (loop for close in '(nil t)
+                     append (loop for connections in '(10 100 400)
+                                  collect (scenario sleep close connections)))))
+
+(defun cpu-count ()
+  (with-open-file (in "/proc/cpuinfo")
+    (loop for line = (read-line in nil)
+          while line
+          count (uiop:string-prefix-p "processor" line))))
+
+(defun timestamp (&optional (time (get-universal-time)) (style :id))
+  (multiple-value-bind (s mi h d mo y) (decode-universal-time time)
+    (ecase style
+      (:id (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s))
+      (:human (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D" y mo d h mi)))))
+
+(defun make-cfg (mode)
+  (let* ((pin (>= (cpu-count) 2))
+         (run-id (format nil "~A-~(~A~)" (timestamp) mode))
+         (results (merge-pathnames "results/" *bench-dir*))
+         (tmp (merge-pathnames "tmp/" results))
+         (out (if (eq mode :full) results tmp)))
+    (multiple-value-bind (reps duration idle-n warmup scenarios)
+        (ecase mode
+          (:full (values 3 5 10000 1 (full-matrix)))
+          (:quick (values 1 1 1000 1 (full-matrix)))
+          (:smoke (values 1 1 100 0 (list (scenario 0 nil 10) (scenario 1 t 100)))))
+      (make-config
+       :mode mode :run-id run-id
+       :reps (env-int "BENCH_REPS" reps)
+       :duration (max 1 (env-int "BENCH_DURATION" duration))
+       :warmup (env-int "BENCH_WARMUP" warmup)
+       ;; Seconds to let a server settle before reading its RSS.
+       :settle (if (eq mode :smoke) 0.3 1)
+       :idle-n (env-int "BENCH_IDLE_N" idle-n)
+       :idle-stock-max (env-int "BENCH_IDLE_STOCK_MAX" 80)
+       :scenarios scenarios
+       :servers (let ((list (env "BENCH_SERVERS")))
+                  (if list
+                      (let ((names (remove "" (mapcar (lambda (s) (string-trim " " s)) (split list #\,))
+                                           :test #'string=)))
+                        (dolist (n names names)
+                          (unless (assoc n *servers* :test #'string=)
+                            (error "BENCH_SERVERS: unknown server ~S (known: ~{~A~^, ~})"
+                                   n (mapcar #'first *servers*)))))
+                      (mapcar #'first *servers*)))
+       :port (env-int "BENCH_PORT" 18080)
+       :server-cpus (env-cpus "BENCH_SERVER_CPUS" (and pin "0"))
+       :client-cpus (env-cpus "BENCH_CLIENT_CPUS" (and pin "1"))
+       :wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
+       :out-dir out :tmp-dir tmp
+       :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
+       :md (if (eq mode :full)
+               (merge-pathnames "BENCHMARKS.md" *repo*)
+               (merge-pathnames (format nil "~A.md" run-id) out))
+       :svg (if (eq mode :full)
+                (merge-pathnames "BENCHMARKS.svg" *repo*)
+                (merge-pathnames (format nil "~A.svg" run-id) out))
+       :splice (eq mode :full)))))
+
+(defun server-port (cfg name)
+  (+ (cfg-port cfg) 1 (position name *servers* :key #'first :test #'string=)))
+
+;;; Running programs
+
+(defvar *live* '() "Processes this harness started and has not reaped.")
+
+(defparameter *idle-batch* 32
+  "How many idle connections the helper opens at once: below the listen
+backlog of 50 that a stock Hunchentoot acceptor keeps (also with
+GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
+
+(defun pin (cpus program args)
+  "PROGRAM and ARGS, under taskset -c CPUS when CPUS."
+  (if cpus
+      (values "taskset" (list* "-c" cpus program args))
+      (values program args)))
+
+(defun shell-quote (arg)
+  (if (and (plusp (length arg))
+           (every (lambda (c) (or (alphanumericp c) (find c "-_./:=,%+@"))) arg))
+      arg
+      (format nil "'~A'" (uiop:frob-substrings arg '("'") "'\\''"))))
+
+(defun command-line (program args)
+  (format nil "~{~A~^ ~}" (mapcar #'shell-quote (cons program args))))
+
+(defun run-capture (program args)
+  "Run PROGRAM to completion; its output (stdout and stderr) and exit code."
+  (let* ((out (make-string-output-stream))
+         (p (sb-ext:run-program program args :search t :directory (namestring *repo*)
+                                             :input nil :output out :error :output :wait t)))
+    (values (get-output-stream-string out) (sb-ext:process-exit-code p))))
+
+(defun spawn (program args &key input output error)
+  (let ((p (sb-ext:run-program program args :search t :directory (namestring *repo*) :wait nil
+                                            :input input :output output :error error
+                                            :if-output-exists :append :if-error-exists :append)))
+    (push p *live*)
+    p))
+
+(defun alive-p (process)
+  (and process (member (sb-ext:process-status process) '(:running :stopped))))
+
+(defun wait-exit (process seconds)
+  "Wait up to SECONDS for PROCESS to exit; true if it did."
+  (loop with deadline = (+ (get-internal-real-time) (* seconds internal-time-units-per-second))
+        while (alive-p process)
+        do (when (> (get-internal-real-time) deadline) (return-from wait-exit nil))
+           (sleep 0.05))
+  t)
+
+(defun child-pids (pid)
+  "The processes whose parent is PID (from /proc/*/stat)."
+  (loop for dir in (directory "/proc/*/" :resolve-symlinks nil)
+        for id = (parse-integer (or (car (last (pathname-directory dir))) "") :junk-allowed t)
+        for stat = (and id (ignore-errors
+                    (with-open-file (in (format nil "/proc/~D/stat" id)) (read-line in nil))))
+        for close = (and stat (position #\) stat :from-end t))
+        for fields = (and close (split (string-trim " " (subseq stat (1+ close))) #\Space))
+        when (and fields (eql (parse-integer (second fields) :junk-allowed t) pid))
+          collect id))
+
+(defun reap (process)
+  (ignore-errors (sb-ext:process-close process))
+  (setf *live* (remove process *live*)))
+
+(defun kill-process (process &key (grace 5))
+  "SIGTERM PROCESS, SIGKILL it (and its children) after GRACE seconds."
+  (when (alive-p process)
+    (let ((children (child-pids (sb-ext:process-pid process))))
+      (ignore-errors (sb-ext:process-kill process 15))
+      (unless (wait-exit process grace)
+        (dolist (child children) (ignore-errors (sb-unix:unix-kill child 9)))
+        (ignore-errors (sb-ext:process-kill process 9))
+        (wait-exit process 5))))
+  (reap process))
+
+(defun kill-all-live ()
+  (dolist (p *live*) (ignore-errors (kill-process p :grace 1))))
+
+(defun read-line-timeout (stream seconds)
+  "The next line of STREAM, or NIL at end of file or after SECONDS."
+  (let ((deadline (+ (get-internal-real-time) (* seconds internal-time-units-per-second))))
+    (loop
+      (let ((c (read-char-no-hang stream nil :eof)))
+        (cond ((eq c :eof) (return nil))
+              (c (unread-char c stream) (return (read-line stream nil)))
+              ((> (get-internal-real-time) deadline) (return nil))
+              (t (sb-sys:wait-until-fd-usable (sb-sys:fd-stream-fd stream) :input 0.1)))))))
+
+(defun send-line (process line)
+  (ignore-errors
+   (let ((in (sb-ext:process-input process)))
+     (write-line line in)
+     (finish-output in)
+     t)))
+
+(defun proc-status (pid)
+  "VmRSS in KiB and the thread count of PID, from /proc/PID/status."
+  (let ((rss nil) (threads nil))
+    (ignore-errors
+     (with-open-file (in (format nil "/proc/~D/status" pid))
+       (loop for line = (read-line in nil)
+             while line
+             do (cond ((uiop:string-prefix-p "VmRSS:" line)
+                       (setf rss (parse-integer line :start 6 :junk-allowed t)))
+                      ((uiop:string-prefix-p "Threads:" line)
+                       (setf threads (parse-integer line :start 8 :junk-allowed t)))))))
+    (values rss threads)))
+
+(defun tree-status (pid)
+  "PROC-STATUS summed over PID and its children (nginx: master and workers)."
+  (let ((rss 0) (threads 0) (any nil))
+    (dolist (p (cons pid (child-pids pid)))
+      (multiple-value-bind (r th) (proc-status p)
+        (when r (setf any t) (incf rss r) (incf threads (or th 0)))))
+    (if any (values rss threads) (values nil nil))))
+
+(defun find-program (name &rest extra-dirs)
+  (loop for dir in (append (split (or (uiop:getenv "PATH") "") #\:) extra-dirs)
+        for path = (format nil "~A/~A" (string-right-trim "/" dir) name)
+        when (and (plusp (length dir)) (probe-file path))
+          return path))
+
+(defun nginx-program () (find-program "nginx" "/usr/sbin" "/sbin"))
+
+(defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
+
+;;; HTTP check
+
+(defun http-ok-p (port &optional (timeout 3))
+  "True when GET /yo on 127.0.0.1:PORT answers 200 with \"Hey...\"."
+  (multiple-value-bind (out code)
+      (run-capture "curl" (list "-s" "-m" (princ-to-string timeout) "-w" "\\n%{http_code}"
+                                (format nil "http://127.0.0.1:~D/yo?name=bench" port)))
+    (and (eql code 0)
+         (search "Hey" out)
+         (let ((nl (position #\Newline out :from-end t)))
+           (and nl (string= (string-trim '(#\Return #\Space) (subseq out (1+ nl))) "200"))))))
+
+(defun port-free-p (port)
+  (multiple-value-bind (out code)
+      (run-capture "curl" (list "-s" "-m" "1" "-o" "/dev/null" (format nil "http://127.0.0.1:~D/" port)))
+    (declare (ignore out))
+    (eql code 7)))                      ; 7: could not connect
+
+;;; Servers
+
+(defstruct (server (:conc-name srv-)) name port sleep-ms process pid log dir)
+
+(defun lisp-server-p (server) (string/= (srv-name server) "nginx"))
+
+(defun log-path (cfg name port)
+  (merge-pathnames (format nil "logs/~A-~A-~D.log" (cfg-run-id cfg) name port) (cfg-tmp-dir cfg)))
+
+(defun count-cpus (list)
+  "How many CPUs a taskset list such as \"0\", \"0,1\" or \"0-3\" names."
+  (loop for part in (split list #\,)
+        for dash = (position #\- part)
+        sum (if dash
+                (1+ (- (parse-integer part :start (1+ dash)) (parse-integer part :end dash)))
+                1)))
+
+(defun nginx-workers (cfg)
+  (let ((cpus (cfg-server-cpus cfg)))
+    ;; One worker per core nginx may use.
+    (if cpus
+        (princ-to-string (max 1 (count-cpus cpus)))
+        "auto")))
+
+(defun nginx-conf (cfg dir port)
+  (format nil "# Written by bench/run.lisp for one benchmark run.
+# One worker per core nginx may use (taskset); see BENCHMARKS.md.
+worker_processes ~A;
+worker_rlimit_nofile 20000;
+pid ~Anginx.pid;
+error_log ~Aerror.log warn;
+events {
+    # Room for 10000 idle connections plus the load.
+    worker_connections 20000;
+}
+http {
+    access_log off;
+    keepalive_timeout 75s;
+    # Hunchentoot and Gallop never close a busy keep-alive connection; nor does this.
+    keepalive_requests 1000000;
+    client_body_temp_path ~Abody;
+    proxy_temp_path ~Aproxy;
+    fastcgi_temp_path ~Afastcgi;
+    uwsgi_temp_path ~Auwsgi;
+    scgi_temp_path ~Ascgi;
+    server {
+        listen 127.0.0.1:~A;
+        location = /yo {
+            default_type text/plain;
+            return 200 \"Hey!\";
+        }
+    }
+}
+" (nginx-workers cfg) dir dir dir dir dir dir dir port))
+
+(defun nginx-command (cfg dir)
+  (pin (cfg-server-cpus cfg) (or (nginx-program) "nginx")
+       (list "-p" dir "-e" (format nil "~Aerror.log" dir)
+             "-c" (format nil "~Anginx.conf" dir) "-g" "daemon off;")))
+
+(defun server-command (cfg name port sleep-ms)
+  (pin (cfg-server-cpus cfg) (lisp-sh)
+       (list "--load" "bench/server.lisp" "--end-toplevel-options"
+             name (princ-to-string port) (princ-to-string sleep-ms))))
+
+(defun start-server (cfg name sleep-ms)
+  "Start server NAME; it is not ready yet (see WAIT-READY)."
+  (let* ((port (server-port cfg name))
+         (log (namestring (ensure-directories-exist (log-path cfg name port)))))
+    (if (string= name "nginx")
+        (let ((dir (namestring (merge-pathnames (format nil "nginx-~D/" port) (cfg-tmp-dir cfg)))))
+          (ensure-directories-exist dir)
+          (write-string-to-file (nginx-conf cfg dir port) (format nil "~Anginx.conf" dir))
+          (multiple-value-bind (program args) (nginx-command cfg dir)
+            (let ((p (spawn program args :input nil :output log :error log)))
+              (make-server :name name :port port :sleep-ms sleep-ms :process p
+                           :pid (sb-ext:process-pid p) :log log :dir dir))))
+        (multiple-value-bind (program args) (server-command cfg name port sleep-ms)
+          (let ((p (spawn program args :input :stream :output :stream :error log)))
+            (make-server :name name :port port :sleep-ms sleep-ms :process p
+                         :pid (sb-ext:process-pid p) :log log))))))
+
+(defun wait-ready (server &optional (timeout 60))
+  "Wait until SERVER answers GET /yo.  True if it does; else NIL and why.  A
+Lisp server gets TIMEOUT seconds to load (and maybe compile) and say READY,
+then, like nginx, 10 seconds to answer."
+  (let ((p (srv-process server)))
+    (when (lisp-server-p server)
+      (let ((line (read-line-timeout (sb-ext:process-output p) timeout)))
+        (unless (and line (uiop:string-prefix-p "READY " line))
+          (return-from wait-ready
+            (values nil (if (alive-p p)
+                            (format nil "not READY within ~D s" timeout)
+                            (format nil "exited (code ~A) before READY"
+                                    (sb-ext:process-exit-code p))))))
+        (setf (srv-pid server) (parse-integer line :start 6 :junk-allowed t))))
+    (loop with deadline = (+ (get-internal-real-time) (* 10 internal-time-units-per-second))
+          do (when (http-ok-p (srv-port server) 2) (return t))
+             (unless (alive-p p)
+               (return (values nil (format nil "exited (code ~A)" (sb-ext:process-exit-code p)))))
+             (when (> (get-internal-real-time) deadline)
+               (return (values nil "no 200 answer to GET /yo within 10 s")))
+             (sleep 0.1))))
+
+(defun stop-server (server)
+  (when server
+    (let ((p (srv-process server)))
+      (when (lisp-server-p server)
+        (send-line p "quit")
+        (ignore-errors (close (sb-ext:process-input p)))
+        (wait-exit p 5))
+      (kill-process p)
+      (when (srv-dir server)
+        (uiop:delete-directory-tree (pathname (srv-dir server))
+                                    :validate t :if-does-not-exist :ignore)))))
+
+(defun server-stats (server)
+  "GALLOP:STATS (or stock Hunchentoot's thread count) of a Lisp server, or NIL."
+  (when (and server (lisp-server-p server) (alive-p (srv-process server)))
+    (let ((p (srv-process server)))
+      (when (send-line p "stats")
+        (let ((line (read-line-timeout (sb-ext:process-output p) 5)))
+          (when (and line (uiop:string-prefix-p "STATS " line))
+            (ignore-errors
+             (let ((*read-eval* nil) (*package* (find-package :keyword)))
+               (read-from-string line t nil :start 6)))))))))
+
+(defun fmt-stats (plist &optional (keys '(:open :idle :threads :shed :rejected :timeouts)))
+  (format nil "~{~(~A~)=~A~^ ~}"
+          (loop for k in keys
+                for v = (getf plist k)
+                when v append (list k v))))
+
+(defun server-failure (server)
+  "Why SERVER is unusable, or NIL."
+  (cond ((null server) "server did not start")
+        ((not (alive-p (srv-process server)))
+         (format nil "server process exited (code ~A)"
+                 (sb-ext:process-exit-code (srv-process server))))
+        ((not (http-ok-p (srv-port server) 5))
+         "server did not answer GET /yo with 200")))
+
+;;; wrk
+
+(defun words (line)
+  (remove "" (split (substitute #\Space #\Tab (substitute #\Space #\, line)) #\Space)
+          :test #'string=))
+
+(defun number-and-unit (token)
+  (let ((end (or (position-if-not (lambda (c) (or (digit-char-p c) (find c ".-+"))) token)
+                 (length token))))
+    (values (parse-decimal (subseq token 0 end)) (subseq token end))))
+
+(defun to-ms (token)
+  (multiple-value-bind (x unit) (number-and-unit token)
+    (when x
+      (let ((scale (cdr (assoc unit '(("us" . 1/1000) ("ms" . 1) ("s" . 1000) ("m" . 60000)
+                                      ("h" . 3600000) ("" . 1))
+                               :test #'string=))))
+        (and scale (* x scale))))))
+
+(defun parse-wrk (text)
+  "The numbers of wrk --latency's report TEXT as a plist, or NIL when it lacks
+any of requests, duration, Requests/sec and the 50% and 99% latencies."
+  (let ((r (list :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
+    (dolist (line (split text #\Newline))
+      (let ((w (words line)))
+        (cond ((null w))
+              ((and (string= (first w) "Requests/sec:") (second w))
+               (setf (getf r :rps) (parse-decimal (second w))))
+              ((and (>= (length w) 4) (string= (second w) "requests") (string= (third w) "in"))
+               (setf (getf r :requests) (parse-decimal (first w))
+                     (getf r :duration) (let ((ms (to-ms (fourth w)))) (and ms (/ ms 1000)))))
+              ((and (= (length w) 2) (member (first w) '("50%" "75%" "90%" "99%") :test #'string=))
+               (setf (getf r (intern (format nil "P~A" (string-right-trim "%" (first w))) :keyword))
+                     (to-ms (second w))))
+              ((and (string= (first w) "Socket") (equal (second w) "errors:"))
+               (loop for (k v) on (cddr w) by #'cddr
+                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
+                     when key do (setf (getf r key) (parse-decimal v))))
+              ((search "Non-2xx or 3xx responses:" line)
+               (setf (getf r :non2xx) (parse-decimal (car (last w))))))))
+    (when (every (lambda (k) (getf r k)) '(:rps :requests :duration :p50 :p99))
+      r)))
+
+(defun wrk-args (cfg port connections close-p duration)
+  (append (list (format nil "-t~D" (min (cfg-wrk-threads cfg) connections))
+                (format nil "-c~D" connections)
+                (format nil "-d~Ds" duration)
+                "--timeout" (format nil "~Ds" (cfg-wrk-timeout cfg))
+                "--latency")
+          (when close-p (list "-H" "Connection: close"))
+          (list (format nil "http://127.0.0.1:~D/yo" port))))
+
+(defun run-wrk (cfg port connections close-p duration)
+  "Run wrk; its parsed report (or NIL), its output, exit code and command line."
+  (multiple-value-bind (program args)
+      (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg port connections close-p duration))
+    (multiple-value-bind (out code)
+        ;; wrk stops by itself after -d; timeout only guards against a hang.
+        (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30)) program args))
+      (values (parse-wrk out) out code (command-line program args)))))
+
+(defun last-nonblank-line (text)
+  (let ((lines (remove "" (mapcar (lambda (l) (string-trim " " l)) (split text #\Newline))
+                       :test #'string=)))
+    (car (last lines))))
+
+;;; Rows
+
+(defun new-row (cfg rep scenario-key sleep-ms close-p connections server-name)
+  (let ((row (make-hash-table :test #'equal)))
+    (setf (gethash "run_id" row) (cfg-run-id cfg)
+          (gethash "mode" row) (string-downcase (cfg-mode cfg))
+          (gethash "rep" row) rep
+          (gethash "scenario" row) scenario-key
+          (gethash "sleep_ms" row) sleep-ms
+          (gethash "connection" row) (if close-p "close" "keep-alive")
+          (gethash "connections" row) connections
+          (gethash "server" row) server-name
+          (gethash "duration_s" row) (cfg-duration cfg)
+          (gethash "status" row) "ok")
+    row))
+
+(defun fail-row (row reason)
+  (setf (gethash "status" row) (format nil "failed: ~A" reason))
+  row)
+
+(defun measure (cfg row server)
+  "Run wrk for ROW's scenario against SERVER and fill ROW in."
+  (let ((failure (and (null server) "server did not start")))
+    (when failure (return-from measure (fail-row row failure))))
+  (multiple-value-bind (r out code command)
+      (run-wrk cfg (srv-port server) (gethash "connections" row)
+               (string= (gethash "connection" row) "close") (cfg-duration cfg))
+    (setf (gethash "command" row) command)
+    (cond ((null r)
+           (fail-row row (format nil "wrk exit ~A, unparsable output: ~A" code
+                                 (last-nonblank-line out))))
+          (t
+           (let* ((requests (getf r :requests))
+                  (non2xx (getf r :non2xx)))
+             (setf (gethash "requests" row) (round requests)
+                   (gethash "rps" row) (getf r :rps)
+                   ;; wrk's Requests/sec uses the exact run time; its printed
+                   ;; duration is rounded, so scale rather than divide.
+                   (gethash "ok_rps" row) (if (plusp requests)
+                                              (* (getf r :rps) (/ (- requests non2xx) requests))
+                                              0)
+                   (gethash "p50_ms" row) (getf r :p50)
+                   (gethash "p90_ms" row) (getf r :p90)
+                   (gethash "p99_ms" row) (getf r :p99)
+                   (gethash "err_connect" row) (round (getf r :connect))
+                   (gethash "err_read" row) (round (getf r :read))
+                   (gethash "err_write" row) (round (getf r :write))
+                   (gethash "err_timeout" row) (round (getf r :timeout))
+                   (gethash "non2xx" row) (round non2xx))
+             (when (zerop requests)
+               (fail-row row "no response at all")))))
+    ;; The server must still answer afterwards.
+    (let ((failure (server-failure server)))
+      (when failure
+        (fail-row row (format nil "after the run: ~A" failure))))
+    row))
+
+;;; Progress
+
+(defvar *start-time* 0)
+(defvar *steps-done* 0)
+(defvar *steps-total* 1)
+
+(defun clock (seconds)
+  (multiple-value-bind (m s) (floor (round seconds) 60)
+    (format nil "~D:~2,'0D" m s)))
+
+(defun elapsed ()
+  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
+
+(defun progress-begin (rep cfg what server-name)
+  (incf *steps-done*)
+  (format t "~&[~3D/~D | ~A elapsed~@[ | ~~~A left~]] rep ~D/~D | ~A | ~A ... "
+          *steps-done* *steps-total* (clock (elapsed))
+          (and (> *steps-done* 1)
+               (clock (* (/ (elapsed) (1- *steps-done*)) (- *steps-total* (1- *steps-done*)))))
+          rep (cfg-reps cfg) what (server-label server-name))
+  (finish-output))
+
+(defun row-summary (row)
+  (if (row-ok-p row)
+      (format nil "~A req/s (2xx ~A), p99 ~A~:[~;, socket errors ~:*~A~]~:[~;, non-2xx ~:*~A~]"
+              (fmt-int (cell row "rps")) (fmt-int (cell row "ok_rps")) (fmt-ms (cell row "p99_ms"))
+              (let ((e (+ (or (gethash "err_connect" row) 0) (or (gethash "err_read" row) 0)
+                          (or (gethash "err_write" row) 0) (or (gethash "err_timeout" row) 0))))
+                (and (plusp e) e))
+              (let ((n (gethash "non2xx" row))) (and n (plusp n) n)))
+      (gethash "status" row)))
+
+(defun progress-end (text)
+  (format t "~A~%" text)
+  (finish-output))
+
+;;; The run
+
+(defvar *failures* 0)
+
+(defun record (tsv row)
+  (unless (row-ok-p row) (incf *failures*))
+  (write-tsv-row tsv row))
+
+(defun rotate (list k)
+  (let ((m (mod k (max 1 (length list)))))
+    (append (nthcdr m list) (subseq list 0 m))))
+
+(defun start-ready (cfg name sleep-ms)
+  "A running, answering server NAME, or NIL and why (its log may say more)."
+  (let ((server (start-server cfg name sleep-ms)))
+    (multiple-value-bind (ok why) (wait-ready server 60)
+      (if ok
+          server
+          (progn
+            (format t "~&!! ~A did not start: ~A; see ~A~%" (server-label name) why
+                    (enough-namestring (srv-log server) *repo*))
+            (stop-server server)
+            (values nil (format nil "server did not start: ~A" why)))))))
+
+(defun warm-up (cfg servers)
+  (when (plusp (cfg-warmup cfg))
+    (dolist (server servers)
+      (when server
+        (run-wrk cfg (srv-port server) 10 nil (cfg-warmup cfg))))))
+
+(defun run-matrix-group (cfg tsv rep sleep-ms scenarios)
+  "Start every server with handler sleep SLEEP-MS, run SCENARIOS against them
+(rotating the server order), stop them."
+  (let ((servers '()))
+    (unwind-protect
+         (progn
+           ;; Start them all at once (they load in parallel), then wait for each.
+           (let ((started (mapcar (lambda (name) (cons name (start-server cfg name sleep-ms)))
+                                  (cfg-servers cfg))))
+             (dolist (entry started)
+               (let ((server (cdr entry)))
+                 (multiple-value-bind (ok why) (wait-ready server 60)
+                   (if ok
+                       (push (list (car entry) server) servers)
+                       (progn
+                         (format t "~&!! ~A did not start: ~A; see ~A~%"
+                                 (server-label (car entry)) why
+                                 (enough-namestring (srv-log server) *repo*))
+                         (stop-server server)
+                         (push (list (car entry) nil (format nil "server did not start: ~A" why))
+                               servers)))))))
+           (warm-up cfg (mapcar #'second servers))
+           (loop for scenario in scenarios
+                 for si from 0
+                 do (dolist (name (rotate (cfg-servers cfg) (+ rep si)))
+                      ;; ENTRY: (name server-or-nil why-not)
+                      (let* ((entry (assoc name servers :test #'string=))
+                             (server (second entry))
+                             (row (new-row cfg rep (scenario-key scenario) sleep-ms
+                                           (getf scenario :close) (getf scenario :connections)
+                                           name)))
+                        (progress-begin rep cfg (scenario-label scenario) name)
+                        (if server
+                            (measure cfg row server)
+                            (fail-row row (or (third entry) "server did not start")))
+                        (when (and server (lisp-server-p server))
+                          (setf (gethash "note" row) (fmt-stats (server-stats server))))
+                        (record tsv row)
+                        (progress-end (row-summary row))
+                        ;; A server that stopped answering gets one restart.
+                        (when (and server (server-failure server))
+                          (format t "~&!! restarting ~A~%" (server-label name))
+                          (stop-server server)
+                          (multiple-value-bind (new why) (start-ready cfg name sleep-ms)
+                            (setf (second entry) new
+                                  (third entry) why)))))))
+      (dolist (entry servers) (stop-server (second entry))))))
+
+(defun parse-fields (line)
+  "\"HELD held=1 failed=0 ...\" as a plist (:HELD 1 :FAILED 0 ...)."
+  (loop for word in (rest (words line))
+        for eq = (position #\= word)
+        when eq
+          append (list (intern (string-upcase (subseq word 0 eq)) :keyword)
+                       (parse-integer word :start (1+ eq) :junk-allowed t))))
+
+(defun run-idle (cfg tsv rep name)
+  "The idle-connections scenario for server NAME, on a fresh server."
+  (let* ((stock (string= name "stock"))
+         (n (if stock (min (cfg-idle-n cfg) (cfg-idle-stock-max cfg)) (cfg-idle-n cfg)))
+         (base (new-row cfg rep "idle-base" 0 nil 100 name))
+         (row (new-row cfg rep "idle" 0 nil 100 name))
+         (notes '())
+         (server nil)
+         (helper nil))
+    (setf (gethash "idle_n" row) n)
+    (when (and stock (< n (cfg-idle-n cfg)))
+      (push (format nil "N capped at ~D (of ~D): stock Hunchentoot spends a thread per ~
+                         connection and by default has at most 100 (max-thread-count), ~
+                         answering 503 beyond 120 (max-accept-count)"
+                    n (cfg-idle-n cfg))
+            notes))
+    (progress-begin rep cfg (format nil "idle: ~D idle keep-alive conns + wrk -c100" n) name)
+    (unwind-protect
+         (progn
+           (multiple-value-bind (new why) (start-ready cfg name 0)
+             (setf server new)
+             (unless server
+               (fail-row base why)
+               (fail-row row why)
+               (return-from run-idle nil)))
+           (warm-up cfg (list server))
+           (measure cfg base server)
+           (sleep (cfg-settle cfg))
+           (multiple-value-bind (rss threads) (tree-status (srv-pid server))
+             (setf (gethash "rss_before_kb" row) rss
+                   (gethash "threads_before" row) threads))
+           (let ((timeout (+ 30 (ceiling n 100))))
+             (multiple-value-bind (program args)
+                 (pin (cfg-client-cpus cfg) (lisp-sh)
+                      (list "--load" "bench/idle.lisp" "--end-toplevel-options"
+                            (princ-to-string (srv-port server)) (princ-to-string n)
+                            (princ-to-string timeout) (princ-to-string *idle-batch*)))
+               (setf helper (spawn program args :input :stream :output :stream
+                                                :error (namestring (log-path cfg "idle" (srv-port server))))))
+             (let* ((line (read-line-timeout (sb-ext:process-output helper) (+ timeout 30)))
+                    (fields (and line (uiop:string-prefix-p "HELD " line) (parse-fields line))))
+               (unless fields
+                 (fail-row row (format nil "idle helper did not report (~A)" (or line "no output")))
+                 (return-from run-idle nil))
+               (setf (gethash "idle_held" row) (getf fields :held)
+                     (gethash "idle_open_ms" row) (getf fields :ms))
+               (when (plusp (getf fields :failed 0))
+                 (push (format nil "~D of ~D idle connections failed to open (~A)"
+                               (getf fields :failed) n (subseq line 5))
+                       notes))
+               (when (zerop (getf fields :held 0))
+                 (fail-row row "no idle connection could be opened")
+                 (return-from run-idle nil))))
+           (sleep (cfg-settle cfg))
+           (multiple-value-bind (rss threads) (tree-status (srv-pid server))
+             (setf (gethash "rss_idle_kb" row) rss
+                   (gethash "threads_idle" row) threads))
+           (let ((stats (server-stats server)))
+             (when (getf stats :open)
+               (push (format nil "with idle connections: ~A" (fmt-stats stats)) notes)))
+           (measure cfg row server)
+           (when (send-line helper "check")
+             (let ((line (read-line-timeout (sb-ext:process-output helper) 30)))
+               (when (and line (uiop:string-prefix-p "ALIVE " line))
+                 (setf (gethash "idle_alive" row)
+                       (parse-integer line :start 6 :junk-allowed t)))))
+           (let ((stats (server-stats server)))
+             (when (getf stats :open)
+               (push (format nil "after the load: ~A" (fmt-stats stats)) notes))))
+      (setf (gethash "note" row) (format nil "~{~A~^; ~}" (reverse notes)))
+      (when helper
+        (send-line helper "quit")
+        (ignore-errors (close (sb-ext:process-input helper)))
+        (unless (wait-exit helper 10) (kill-process helper))
+        (reap helper))
+      (stop-server server)
+      (record tsv base)
+      (record tsv row)
+      (progress-end (format nil "~A; with ~A idle held: ~A"
+                            (row-summary base) (or (gethash "idle_held" row) 0) (row-summary row))))))
+
+;;; Setup
+
+(defun first-line-with (path prefix)
+  (ignore-errors
+   (with-open-file (in path)
+     (loop for line = (read-line in nil)
+           while line
+           when (uiop:string-prefix-p prefix line)
+             return line))))
+
+(defun after-colon (line)
+  (and line (string-trim " \"	" (subseq line (1+ (or (position #\: line) (position #\= line) -1))))))
+
+(defun machine-meta ()
+  (let ((mem-kb (parse-integer (or (after-colon (first-line-with "/proc/meminfo" "MemTotal")) "0")
+                               :junk-allowed t)))
+    (list (cons "cpu" (or (after-colon (first-line-with "/proc/cpuinfo" "model name")) "?"))
+          (cons "cores" (cpu-count))
+          (cons "memory" (format nil "~,1F GiB" (/ (or mem-kb 0) 1048576)))
+          (cons "os" (or (after-colon (first-line-with "/etc/os-release" "PRETTY_NAME")) "?"))
+          (cons "kernel" (string-trim '(#\Newline) (or (ignore-errors (uiop:read-file-string "/proc/sys/kernel/osrelease")) "?"))))))
+
+(defun software-meta (cfg)
+  (flet ((output-line (program &rest args)
+           (let ((out (ignore-errors (run-capture program args))))
+             (and out (string-trim '(#\Space #\Newline) (first (split out #\Newline)))))))
+    (list (cons "sbcl" (lisp-implementation-version))
+          (cons "hunchentoot"
+                (or (ignore-errors
+                     (handler-bind ((warning #'muffle-warning))
+                       (asdf:component-version (asdf:find-system "hunchentoot"))))
+                    "?"))
+          (cons "nginx" (let ((line (and (member "nginx" (cfg-servers cfg) :test #'string=)
+                                         (output-line (or (nginx-program) "nginx") "-v"))))
+                          (if line
+                              (string-trim " " (subseq line (1+ (or (position #\: line) -1))))
+                              "n/a")))
+          (cons "wrk" (let ((line (output-line "wrk" "-v")))
+                        (if line
+                            (string-trim " " (subseq line 0 (or (search "Copyright" line) (length line))))
+                            "?")))
+          (cons "gallop"
+                (multiple-value-bind (commit code)
+                    (ignore-errors (run-capture "git" '("rev-parse" "--short" "HEAD")))
+                  (if (eql code 0)
+                      (let ((dirty (run-capture "git" '("status" "--porcelain" "--" "src" "gallop.asd"))))
+                        (format nil "commit ~A~:[~; with uncommitted changes in src/~]"
+                                (string-trim '(#\Newline #\Space) commit)
+                                (plusp (length (string-trim '(#\Newline #\Space) dirty)))))
+                      "(not a git checkout)"))))))
+
+(defun cpu-policy (cfg)
+  (if (and (cfg-server-cpus cfg) (cfg-client-cpus cfg))
+      (format nil "The load generator and the server share this machine's ~D cores, so each ~
+side gets its own: every server process (all its threads; nginx's master and worker) runs ~
+under `taskset -c ~A`, and wrk, the idle-connections helper, curl and the harness itself ~
+under `taskset -c ~A`. Unpinned, the kernel spreads wrk's and the server's threads over both ~
+cores, so each number would depend on how much CPU wrk happened to take from the server in ~
+that run, and a multi-threaded Lisp server would get anything between one and two cores. ~
+wrk runs ~D thread~:P (`-t~:*~D`) because it owns ~D core~:P: more threads would only ~
+time-slice with each other. nginx runs ~A worker process~:[es~;~] for the same reason. So the ~
+numbers are each server's throughput on ~A core~:P, with no competition from the load ~
+generator; a handler's `sleep` still blocks only its thread, not the core. Whether wrk itself ~
+is the limit shows in the nginx rows: a Lisp server far below nginx is not limited by wrk."
+              (cpu-count) (cfg-server-cpus cfg) (cfg-client-cpus cfg)
+              (cfg-wrk-threads cfg) (count-cpus (cfg-client-cpus cfg))
+              (nginx-workers cfg) (equal (nginx-workers cfg) "1")
+              (count-cpus (cfg-server-cpus cfg)))
+      (format nil "No CPU pinning in this run (~:[fewer than 2 cores~;BENCH_SERVER_CPUS or ~
+BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D cores, so the load ~
+generator takes CPU from the server it measures; nginx runs `worker_processes ~A`."
+              (>= (cpu-count) 2) (cfg-wrk-threads cfg) (cpu-count) (nginx-workers cfg))))
+
+(defun make-target (cfg)
+  (ecase (cfg-mode cfg) (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke")))
+
+(defun commands-meta (cfg)
+  (let ((env (loop for name in '("BENCH_REPS" "BENCH_DURATION" "BENCH_WARMUP" "BENCH_IDLE_N" "BENCH_IDLE_STOCK_MAX"
+                                 "BENCH_SERVERS" "BENCH_PORT" "BENCH_SERVER_CPUS" "BENCH_CLIENT_CPUS"
+                                 "BENCH_WRK_THREADS" "BENCH_MESSAGE_LOG")
+                   when (env name) collect (format nil "~A=~A" name (shell-quote (env name))))))
+    (with-output-to-string (out)
+      (format out "# the whole run (installs wrk and nginx-light when missing):~%~{~A ~}~A~%"
+              env (make-target cfg))
+      (format out "#   = scripts/deps.sh wrk nginx-light && scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main ~(~S~))'~%"
+              (cfg-mode cfg))
+      (format out "# each Lisp server, KIND = stock | gallop | gallop-tm on PORT = ~{~D~^ | ~}, SLEEP-MS = 0 | 1:~%"
+              (mapcar (lambda (n) (server-port cfg n)) (remove "nginx" (cfg-servers cfg) :test #'string=)))
+      (multiple-value-bind (program args) (server-command cfg "KIND" "PORT" "SLEEP-MS")
+        (format out "~A~%" (uiop:frob-substrings (command-line program args)
+                                                  (list (lisp-sh)) "scripts/lisp.sh")))
+      (when (member "nginx" (cfg-servers cfg) :test #'string=)
+        (format out "# nginx on PORT ~D (nginx.conf below):~%" (server-port cfg "nginx"))
+        (multiple-value-bind (program args) (nginx-command cfg "DIR/")
+          (format out "~A~%" (command-line program args))))
+      (format out "# each measurement: C = ~{~D~^ | ~}, plus -H 'Connection: close' in the close scenarios:~%"
+              (remove-duplicates (mapcar (lambda (s) (getf s :connections)) (cfg-scenarios cfg))))
+      (multiple-value-bind (program args)
+          (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 100 nil (cfg-duration cfg)))
+        (format out "~A~%" (uiop:frob-substrings (command-line program args) '("-c100") "-cC")))
+      (when (plusp (cfg-warmup cfg))
+        (format out "# warm-up after each server start (not recorded):~%")
+        (multiple-value-bind (program args)
+            (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 10 nil (cfg-warmup cfg)))
+          (format out "~A~%" (command-line program args))))
+      (format out "# idle connections: N = ~D (~D for stock Hunchentoot), held open during the -c100 keep-alive run:~%"
+              (cfg-idle-n cfg) (min (cfg-idle-n cfg) (cfg-idle-stock-max cfg)))
+      (multiple-value-bind (program args)
+          (pin (cfg-client-cpus cfg) "scripts/lisp.sh"
+               (list "--load" "bench/idle.lisp" "--end-toplevel-options" "PORT" "N" "TIMEOUT-S"
+                     (princ-to-string *idle-batch*)))
+        (format out "~A" (command-line program args))))))
+
+(defun pin-self (cfg)
+  "Move this harness (every thread) to the client CPUs."
+  (when (cfg-client-cpus cfg)
+    (run-capture "taskset" (list "-a" "-p" "-c" (cfg-client-cpus cfg)
+                                 (princ-to-string (sb-unix:unix-getpid))))))
+
+(defun check-tools (cfg)
+  (let ((missing (append (unless (find-program "wrk") '("wrk"))
+                         (unless (find-program "curl") '("curl"))
+                         (unless (or (null (or (cfg-server-cpus cfg) (cfg-client-cpus cfg)))
+                                     (find-program "taskset"))
+                           '("taskset (util-linux)"))
+                         (unless (or (not (member "nginx" (cfg-servers cfg) :test #'string=))
+                                     (nginx-program))
+                           '("nginx")))))
+    (when missing
+      (error "Missing: ~{~A~^, ~}. Install with: scripts/deps.sh wrk nginx-light" missing))))
+
+(defun precompile (cfg)
+  "Compile Gallop and Hunchentoot once, before servers start in parallel."
+  (format t "~&Compiling gallop (fasls are cached)...~%")
+  (finish-output)
+  (multiple-value-bind (out code)
+      (run-capture (lisp-sh) (list "--eval" "(asdf:load-system \"gallop\")"))
+    (let ((log (log-path cfg "compile" 0)))
+      (write-string-to-file out (ensure-directories-exist log))
+      (unless (eql code 0)
+        (error "Loading gallop failed (exit ~A); see ~A" code (namestring log))))))
+
+(defun check-ports (cfg)
+  (dolist (name (cfg-servers cfg))
+    (let ((port (server-port cfg name)))
+      (unless (port-free-p port)
+        (error "Port ~D on 127.0.0.1 is in use (another benchmark running?); ~
+                set BENCH_PORT to another base port." port)))))
+
+(defun run-all (cfg)
+  (let* ((matrix-sleeps (remove-duplicates (mapcar (lambda (s) (getf s :sleep)) (cfg-scenarios cfg))
+                                           :from-end t))
+         (nservers (length (cfg-servers cfg))))
+    (setf *steps-total* (* (cfg-reps cfg) (+ (* nservers (length (cfg-scenarios cfg))) nservers))
+          *steps-done* 0
+          *failures* 0)
+    (with-open-file (tsv (ensure-directories-exist (cfg-tsv cfg))
+                         :direction :output :if-exists :supersede :external-format :utf-8)
+      (write-tsv-meta tsv (append (list (cons "run_id" (cfg-run-id cfg))
+                                        (cons "mode" (string-downcase (cfg-mode cfg)))
+                                        (cons "started" (timestamp (get-universal-time) :human))
+                                        (cons "reps" (cfg-reps cfg))
+                                        (cons "duration_s" (cfg-duration cfg))
+                                        (cons "warmup_s" (cfg-warmup cfg))
+                                        (cons "idle_n" (cfg-idle-n cfg))
+                                        (cons "idle_batch" *idle-batch*)
+                                        (cons "server_cpus" (or (cfg-server-cpus cfg) "any"))
+                                        (cons "client_cpus" (or (cfg-client-cpus cfg) "any"))
+                                        (cons "wrk_threads" (cfg-wrk-threads cfg)))
+                                  (machine-meta)
+                                  (software-meta cfg)
+                                  (list (cons "cpu_policy" (cpu-policy cfg))
+                                        (cons "commands" (commands-meta cfg))
+                                        (cons "nginx_conf" (nginx-conf cfg "DIR/" "PORT")))))
+      (write-tsv-header tsv)
+      (finish-output tsv)
+      (loop for rep from 1 to (cfg-reps cfg)
+            do (dolist (sleep-ms matrix-sleeps)
+                 (run-matrix-group cfg tsv rep sleep-ms
+                                   (remove-if-not (lambda (s) (eql (getf s :sleep) sleep-ms))
+                                                  (cfg-scenarios cfg))))
+               (dolist (name (rotate (cfg-servers cfg) rep))
+                 (run-idle cfg tsv rep name)))
+      (write-tsv-meta tsv (list (cons "elapsed" (clock (elapsed))))))))
+
+(defun main (&optional (mode :full))
+  "Run the benchmark in MODE (:full, :quick or :smoke), write the report and
+exit: 0 when everything ran, 1 when anything failed."
+  (let ((cfg (make-cfg mode))
+        (code 1))
+    (setf *start-time* (get-internal-real-time))
+    (unwind-protect
+         (handler-case
+             (progn
+               (pin-self cfg)
+               (check-tools cfg)
+               (check-ports cfg)
+               (precompile cfg)
+               (format t "~&~A: ~D repetition~:P x ~D scenarios x ~D servers + idle connections (N=~D), ~D s per run~%"
+                       (make-target cfg) (cfg-reps cfg) (length (cfg-scenarios cfg))
+                       (length (cfg-servers cfg)) (cfg-idle-n cfg) (cfg-duration cfg))
+               (format t "Servers on CPU ~A, wrk -t~D on CPU ~A; results: ~A~%"
+                       (or (cfg-server-cpus cfg) "any") (cfg-wrk-threads cfg)
+                       (or (cfg-client-cpus cfg) "any") (enough-namestring (cfg-tsv cfg) *repo*))
+               (finish-output)
+               (run-all cfg)
+               (format t "~&~%")
+               (report (cfg-tsv cfg) :md (cfg-md cfg) :svg (cfg-svg cfg) :splice (cfg-splice cfg))
+               (unless (and (probe-file (cfg-md cfg)) (probe-file (cfg-svg cfg)))
+                 (error "The report was not written"))
+               (format t "~&Done in ~A. Raw results: ~A~%Summary: ~A~%Chart: ~A~%"
+                       (clock (elapsed))
+                       (enough-namestring (cfg-tsv cfg) *repo*)
+                       (enough-namestring (cfg-md cfg) *repo*)
+                       (enough-namestring (cfg-svg cfg) *repo*))
+               (if (zerop *failures*)
+                   (setf code 0)
+                   (format t "~&~D run~:P FAILED (see \"Failed runs\" in the summary).~%" *failures*)))
+           (sb-sys:interactive-interrupt ()
+             (format t "~&Interrupted.~%")
+             (setf code 130))
+           (error (e)
+             (format t "~&Benchmark harness error: ~A~%" e)
+             (setf code 2)))
+      (kill-all-live))
+    (finish-output)
+    (uiop:quit code)))

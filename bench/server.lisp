@@ -1,0 +1,125 @@
+;;;; server.lisp -- one benchmarked Lisp server, in its own SBCL process.
+;;;;
+;;;;   scripts/lisp.sh --load bench/server.lisp --end-toplevel-options KIND PORT SLEEP-MS
+;;;;
+;;;; KIND is one of
+;;;;   stock      stock Hunchentoot: HUNCHENTOOT:EASY-ACCEPTOR, default taskmaster
+;;;;              (one thread per connection); loads only Hunchentoot.
+;;;;   gallop     Gallop's drop-in acceptor: GALLOP:EASY-ACCEPTOR.
+;;;;   gallop-tm  a stock HUNCHENTOOT:EASY-ACCEPTOR with
+;;;;              :TASKMASTER (MAKE-INSTANCE 'GALLOP:TASKMASTER).
+;;;; All listen on 127.0.0.1:PORT with access and message logging off (set
+;;;; BENCH_MESSAGE_LOG=1 to send Hunchentoot's message log, i.e. errors, to
+;;;; standard error, which the harness keeps in bench/results/tmp/logs/).
+;;;;
+;;;; The handler is seed 001's: an easy-handler /yo answering "Hey!" (or
+;;;; "Hey NAME!") that calls SLEEP only when the sleep setting is above 0.
+;;;;
+;;;; Protocol with the harness (bench/run.lisp), on standard input/output:
+;;;;   the server prints "READY <pid>" once it listens;
+;;;;   "stats" -> one line "STATS <plist>" (GALLOP:STATS, or Hunchentoot's
+;;;;              thread count for stock);
+;;;;   "quit" or end of file -> exit at once.  End of file means the harness is
+;;;;   gone, so a crashed harness never leaves a server behind.
+;;;; Everything else the process prints (compiler chatter, errors) goes to
+;;;; standard error.
+
+(defpackage #:gallop-bench-server
+  (:use #:common-lisp))
+(in-package #:gallop-bench-server)
+
+(defvar *protocol* sb-sys:*stdout*
+  "The harness reads this stream; nothing but protocol lines is written to it.")
+
+;; Keep stdout clean: compiler output and warnings go to stderr.
+(setf *standard-output* *error-output*)
+
+(defun user-args ()
+  ;; SBCL removes its own options, --end-toplevel-options included.
+  (rest sb-ext:*posix-argv*))
+
+(defun die (control &rest args)
+  (format *error-output* "~&bench server: ~?~%" control args)
+  (finish-output *error-output*)
+  (sb-ext:exit :code 2 :abort t))
+
+(defvar *kind*)
+(defvar *port*)
+(defvar *sleep-ms*)
+
+(let ((args (user-args)))
+  (unless (and (= (length args) 3)
+               (member (first args) '("stock" "gallop" "gallop-tm") :test #'string=))
+    (die "usage: server.lisp --end-toplevel-options stock|gallop|gallop-tm PORT SLEEP-MS"))
+  (setf *kind* (intern (string-upcase (first args)) :keyword)
+        *port* (parse-integer (second args))
+        *sleep-ms* (parse-integer (third args))))
+
+;; Stock Hunchentoot loads Hunchentoot alone: Gallop's methods on Hunchentoot's
+;; generic functions are not even present in that process.
+(asdf:load-system (if (eq *kind* :stock) "hunchentoot" "gallop"))
+
+(defparameter *handler-sleep-seconds* (/ *sleep-ms* 1000)
+  "Seed 001's sleep setting.")
+
+(hunchentoot:define-easy-handler (yo :uri "/yo") (name)
+  (setf (hunchentoot:content-type*) "text/plain")
+  (when (plusp *handler-sleep-seconds*)
+    (sleep *handler-sleep-seconds*))
+  (format nil "Hey~@[ ~A~]!" name))
+
+(defun gallop-symbol (name)
+  (or (find-symbol name "GALLOP") (die "GALLOP:~A not found" name)))
+
+(defparameter *log-args*
+  (list :access-log-destination nil
+        :message-log-destination (and (uiop:getenv "BENCH_MESSAGE_LOG")
+                                      (string/= (uiop:getenv "BENCH_MESSAGE_LOG") "0")
+                                      *error-output*)))
+
+(defvar *taskmaster* nil)
+
+(defparameter *acceptor*
+  (ecase *kind*
+    (:stock
+     (apply #'make-instance 'hunchentoot:easy-acceptor
+            :address "127.0.0.1" :port *port* *log-args*))
+    (:gallop
+     (apply #'make-instance (gallop-symbol "EASY-ACCEPTOR")
+            :address "127.0.0.1" :port *port* *log-args*))
+    (:gallop-tm
+     (setf *taskmaster* (make-instance (gallop-symbol "TASKMASTER")))
+     (apply #'make-instance 'hunchentoot:easy-acceptor
+            :address "127.0.0.1" :port *port* :taskmaster *taskmaster* *log-args*))))
+
+(defun stats ()
+  (ecase *kind*
+    (:stock (list :threads (hunchentoot:taskmaster-thread-count
+                            (hunchentoot::acceptor-taskmaster *acceptor*))))
+    (:gallop (funcall (gallop-symbol "STATS") *acceptor*))
+    (:gallop-tm (funcall (gallop-symbol "STATS") *taskmaster*))))
+
+(defun reply (control &rest args)
+  (let ((*print-pretty* nil))
+    (format *protocol* "~?~%" control args))
+  (finish-output *protocol*))
+
+(handler-case (hunchentoot:start *acceptor*)
+  (error (e) (die "cannot start ~(~A~) on port ~D: ~A" *kind* *port* e)))
+
+(reply "READY ~D" (sb-unix:unix-getpid))
+
+(handler-case
+    (loop for line = (read-line *standard-input* nil)
+          while line
+          do (let ((command (string-trim " " line)))
+               (cond ((string= command "stats")
+                      (reply "STATS ~S" (ignore-errors (stats))))
+                     ((string= command "quit")
+                      (return)))))
+  (sb-sys:interactive-interrupt () nil)
+  (error (e) (format *error-output* "~&bench server: control loop: ~A~%" e)))
+
+;; No graceful stop: the harness measures serving, not shutting down, and a
+;; stock Hunchentoot with busy threads could take a while to stop.
+(sb-ext:exit :code 0 :abort t)

@@ -1,0 +1,187 @@
+;;;; request.lisp -- the Clack-style environment of a request, built from the
+;;;; checked request head in the connection's buffer, and its body.
+;;;;
+;;;; The engine has already checked the head (gallop.core's head.lisp), so the
+;;;; request line has exactly three parts, every header line has a colon, and
+;;;; Content-Length / Transfer-Encoding are consistent.
+
+(in-package #:gallop)
+
+(defparameter +method-keywords+
+  (mapcar (lambda (name) (cons (ascii name) (intern name :keyword)))
+          '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
+            "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
+            "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
+            "PURGE")))
+
+(defun method-keyword (buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (loop for (name . keyword) in +method-keywords+
+        when (and (= (- end start) (length (the octets name)))
+                  (loop for i of-type fixnum from start below end
+                        for j of-type fixnum from 0
+                        always (= (aref buffer i) (aref (the octets name) j))))
+          return keyword))
+
+(defun latin1-string (buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((s (make-string (- end start))))
+    (loop for i of-type fixnum from start below end
+          for j of-type fixnum from 0
+          do (setf (schar s j) (code-char (aref buffer i))))
+    s))
+
+(defun lowercase-string (buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((s (make-string (- end start))))
+    (loop for i of-type fixnum from start below end
+          for j of-type fixnum from 0
+          do (let ((b (aref buffer i)))
+               (setf (schar s j) (code-char (if (<= 65 b 90) (+ b 32) b)))))
+    s))
+
+(defun percent-decode (buffer start end)
+  "Decode BUFFER[START,END) (a checked target path) to a string: %XX escapes
+to octets, then UTF-8 (invalid sequences become replacement characters)."
+  (declare (type octets buffer) (type fixnum start end))
+  (if (not (find 37 buffer :start start :end end))
+      (if (loop for i from start below end always (< (aref buffer i) 128))
+          (latin1-string buffer start end)
+          (sb-ext:octets-to-string buffer :start start :end end
+                                          :external-format '(:utf-8 :replacement #\ufffd)))
+      (let ((octets (make-array (- end start) :element-type '(unsigned-byte 8)))
+            (n 0))
+        (loop with i = start
+              while (< i end)
+              do (let ((b (aref buffer i)))
+                   (cond ((and (= b 37) (< (+ i 2) end))
+                          (setf (aref octets n)
+                                (parse-integer (latin1-string buffer (1+ i) (+ i 3)) :radix 16))
+                          (incf i 3))
+                         (t (setf (aref octets n) b) (incf i))))
+                 (incf n))
+        (sb-ext:octets-to-string octets :end n :external-format '(:utf-8 :replacement #\ufffd)))))
+
+(defun trim-bounds (buffer start end)
+  (declare (type octets buffer) (type fixnum start end))
+  (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
+  (loop while (and (< start end) (member (aref buffer start) '(32 9))) do (incf start))
+  (loop while (and (< start end) (member (aref buffer (1- end)) '(32 9))) do (decf end))
+  (values start end))
+
+(defun connection-token-p (value token)
+  "Does the comma-separated header VALUE contain TOKEN (case-insensitive)?"
+  (and value
+       (let ((start 0))
+         (loop for comma = (position #\, value :start start)
+               do (when (string-equal token (string-trim '(#\Space #\Tab) (subseq value start comma)))
+                    (return t))
+                  (if comma (setf start (1+ comma)) (return nil))))))
+
+(defun remote-address-string (c)
+  "The peer address of C as a string, computed once per connection."
+  (or (getf (gallop.core:connection-user-data c) :remote-addr)
+      (let* ((address (connection-remote-address c))
+             (string (cond ((null address) "0.0.0.0")
+                           ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
+                           (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))))
+        (setf (getf (gallop.core:connection-user-data c) :remote-addr) string)
+        string)))
+
+(defun make-env (server c)
+  "The environment property list of the request head buffered on C, and
+whether the client wants the connection kept alive, and whether it is
+HTTP/1.0, and whether it expects 100-continue."
+  (multiple-value-bind (buffer start end) (gallop.core:connection-head c)
+    (declare (type octets buffer) (type fixnum start end))
+    (let* ((line-end (position 10 buffer :start start :end end))
+           (sp1 (position 32 buffer :start start :end line-end))
+           (sp2 (position 32 buffer :start (1+ sp1) :end line-end))
+           (method (method-keyword buffer start sp1))
+           (question (position 63 buffer :start (1+ sp1) :end sp2))
+           (http-1.0 (= (aref buffer (+ sp2 8)) 48))
+           (headers (make-hash-table :test 'equal))
+           (content-type nil)
+           (host nil))
+      ;; header fields: lower-case names; repeated fields joined with ", "
+      (loop with i = (1+ line-end)
+            for eol = (position 10 buffer :start i :end end)
+            while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
+            do (let ((colon (position 58 buffer :start i :end eol)))
+                 (multiple-value-bind (vs ve) (trim-bounds buffer (1+ colon) eol)
+                   (let ((name (lowercase-string buffer i colon))
+                         (value (latin1-string buffer vs ve)))
+                     (let ((old (gethash name headers)))
+                       (setf (gethash name headers)
+                             (if old (concatenate 'string old ", " value) value))))))
+               (setf i (1+ eol)))
+      (setf content-type (gethash "content-type" headers)
+            host (gethash "host" headers))
+      (let* ((connection (gethash "connection" headers))
+             (keep-alive (if http-1.0
+                             (connection-token-p connection "keep-alive")
+                             (not (connection-token-p connection "close"))))
+             (expect (gethash "expect" headers))
+             (colon (and host (position #\: host :from-end t)))
+             (env (list :request-method method
+                        :script-name ""
+                        :path-info (percent-decode buffer (1+ sp1) (or question sp2))
+                        :query-string (and question (latin1-string buffer (1+ question) sp2))
+                        :request-uri (latin1-string buffer (1+ sp1) sp2)
+                        :url-scheme "http"
+                        :server-name (if host (subseq host 0 (or (and colon (not (find #\] host :start colon)) colon)
+                                                                 (length host)))
+                                         (server-address server))
+                        :server-port (server-port server)
+                        :server-protocol (if http-1.0 :http/1.0 :http/1.1)
+                        :remote-addr (remote-address-string c)
+                        :remote-port (connection-remote-port c)
+                        :content-type content-type
+                        :content-length (and (not (gallop.core:connection-chunked-p c))
+                                             (gethash "content-length" headers)
+                                             (gallop.core:connection-body-length c))
+                        :headers headers
+                        :clack.streaming t
+                        :gallop.connection c)))
+        (values env keep-alive http-1.0
+                (and expect (string-equal expect "100-continue")))))))
+
+(define-condition body-too-large (error) ()
+  (:report "The request body is over the limit."))
+
+(defun read-body (c max-bytes)
+  "Read the request body from C (after its head): an octet vector, or NIL if
+there is none.  Signals BODY-TOO-LARGE beyond MAX-BYTES (chunked bodies;
+declared lengths were checked with the head) and CONNECTION-ERROR if the
+client stops sending."
+  (flet ((short () (error 'gallop.core:connection-error :stream c :operation "read body")))
+    (cond ((gallop.core:connection-chunked-p c)
+           (let ((chunks '()) (total 0))
+             (loop
+               (let* ((line (or (gallop.core:connection-read-line c) (short)))
+                      (semicolon (position 59 line))
+                      (size (parse-integer (latin1-string (coerce line 'octets) 0 (or semicolon (length line)))
+                                           :radix 16 :junk-allowed t)))
+                 (unless (and size (>= size 0)) (short))
+                 (when (zerop size)
+                   ;; trailer fields, up to the blank line
+                   (loop for trailer = (or (gallop.core:connection-read-line c) (short))
+                         until (zerop (length trailer)))
+                   (return))
+                 (incf total size)
+                 (when (> total max-bytes) (error 'body-too-large))
+                 (let ((chunk (make-array size :element-type '(unsigned-byte 8))))
+                   (unless (= size (gallop.core:connection-read-octets c chunk)) (short))
+                   (push chunk chunks))
+                 (let ((crlf (gallop.core:connection-read-line c)))
+                   (unless (and crlf (zerop (length crlf))) (short)))))
+             (let ((body (make-array total :element-type '(unsigned-byte 8)))
+                   (position 0))
+               (dolist (chunk (nreverse chunks) body)
+                 (replace body chunk :start1 position)
+                 (incf position (length chunk))))))
+          ((plusp (gallop.core:connection-body-length c))
+           (let ((body (make-array (gallop.core:connection-body-length c)
+                                   :element-type '(unsigned-byte 8))))
+             (unless (= (length body) (gallop.core:connection-read-octets c body)) (short))
+             body)))))

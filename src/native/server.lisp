@@ -1,0 +1,230 @@
+;;;; server.lisp -- the native app API, in the Clack convention:
+;;;;
+;;;;   (gallop:start (lambda (env) '(200 (:content-type "text/plain") ("Hey!")))
+;;;;                 :address "127.0.0.1" :port 4242)
+;;;;
+;;;; An app is a function of the environment (see MAKE-ENV) that returns
+;;;; (STATUS HEADERS BODY), BODY being a list of strings or octet vectors, an
+;;;; octet vector, or a pathname (sent with sendfile); or that returns a
+;;;; function of one argument, a responder, for delayed and streaming
+;;;; responses.  The responder may be called from any thread: with (STATUS
+;;;; HEADERS BODY) it answers; with (STATUS HEADERS) it returns a writer,
+;;;; (lambda (data &key close)), that streams the body in chunks.
+;;;;
+;;;; The app runs in the pool worker that read the request: a fast app pays no
+;;;; thread hand-off, and an app that blocks holds only its own worker while
+;;;; the pool grows around it.
+
+(in-package #:gallop)
+
+(defun respond (ex status headers body)
+  "Write a complete response for EX."
+  (let* ((c (exchange-connection ex))
+         (status (if (integerp status) status 500))
+         (keep-alive (and (exchange-keep-alive ex)
+                          (not (connection-token-p (header-value headers :connection) "close")))))
+    (setf (exchange-keep-alive ex) keep-alive
+          (exchange-responded ex) t)
+    (cond
+      ((or (pathnamep body) (and (consp body) (eq (car body) :file)))
+       (let ((path (if (pathnamep body) body (second body))))
+         (with-open-file (file path :element-type '(unsigned-byte 8))
+           (let ((size (file-length file)))
+             (write-head c status headers :content-length size :keep-alive keep-alive
+                                          :http-1.0 (exchange-http-1.0 ex))
+             (unless (exchange-head-p ex)
+               (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
+      (t
+       (let* ((chunks (if (listp body) (mapcar #'body-octets body) (list (body-octets body))))
+              (length (reduce #'+ chunks :key #'length)))
+         (write-head c status headers
+                     :content-length (unless (no-body-status-p status) length)
+                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
+         (unless (or (exchange-head-p ex) (no-body-status-p status))
+           (dolist (chunk chunks)
+             (gallop.core:connection-write-octets c chunk))))))
+    (gallop.core:connection-flush c)))
+
+(defun start-streaming (ex status headers)
+  "Write the head of a streamed response; return the writer."
+  (let* ((c (exchange-connection ex))
+         (length (header-value headers :content-length))
+         (chunked (and (not length) (not (exchange-http-1.0 ex))
+                       (not (exchange-head-p ex)) (not (no-body-status-p status))))
+         (keep-alive (and (exchange-keep-alive ex) (or length chunked)
+                          (not (connection-token-p (header-value headers :connection) "close")))))
+    (setf (exchange-keep-alive ex) keep-alive
+          (exchange-responded ex) t
+          (exchange-streaming ex) t)
+    (write-head c status headers :chunked chunked :keep-alive keep-alive
+                                 :http-1.0 (exchange-http-1.0 ex))
+    (gallop.core:connection-flush c)
+    (let ((closed nil))
+      (lambda (data &key close)
+        (unless closed
+          (handler-case
+              (progn
+                (when (and data (not (exchange-head-p ex)))
+                  (let ((octets (body-octets data)))
+                    (if chunked
+                        (write-chunk c octets)
+                        (gallop.core:connection-write-octets c octets))))
+                (when close
+                  (setf closed t)
+                  (when chunked
+                    (gallop.core:connection-write-octets c +last-chunk+)))
+                (gallop.core:connection-flush c))
+            (error (e)
+              (setf closed t
+                    (exchange-keep-alive ex) nil)
+              (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))
+          (when closed
+            (complete ex)))
+        nil))))
+
+(defun complete (ex)
+  "The response of EX is finished.  If the worker already left (the app
+answered from another thread), finish the connection from this thread."
+  (loop
+    (case (exchange-state ex)
+      (:open
+       (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :done))
+         (return)))
+      (:suspended
+       (setf (exchange-state ex) :done)
+       (gallop.core:connection-resume (exchange-connection ex) (exchange-keep-alive ex))
+       (return))
+      (:done (return)))))
+
+(defun make-responder (ex)
+  (lambda (response)
+    (destructuring-bind (status headers &optional (body nil body-p)) response
+      (cond ((exchange-responded ex)
+             (error "This request was already answered."))
+            (body-p
+             (handler-case (respond ex status headers body)
+               (error (e)
+                 (setf (exchange-keep-alive ex) nil)
+                 (log-error (exchange-server ex) "Responding failed: ~A" e)))
+             (complete ex)
+             nil)
+            (t (start-streaming ex status headers))))))
+
+(defun internal-error (server ex condition)
+  (log-error server "Error in app: ~A" condition)
+  (setf (exchange-keep-alive ex) nil)
+  (unless (exchange-responded ex)
+    (ignore-errors
+     (respond ex 500 '(:content-type "text/plain; charset=utf-8")
+              (if (server-debug server)
+                  (list (format nil "Internal Server Error~%~%~A~%" condition))
+                  '("Internal Server Error"))))))
+
+(defun serve-request (server c)
+  "The engine's handler: build the environment, read the body, run the app,
+write its response, and tell the engine what to do with C next."
+  (multiple-value-bind (env keep-alive http-1.0 expect-continue) (make-env server c)
+    (let ((ex (make-exchange :connection c :server server :keep-alive keep-alive
+                             :http-1.0 http-1.0
+                             :head-p (eq (getf env :request-method) :head))))
+      (gallop.core:connection-consume-head c)
+      (when (and expect-continue
+                 (or (gallop.core:connection-chunked-p c)
+                     (plusp (gallop.core:connection-body-length c))))
+        (gallop.core:connection-write-octets c +continue-response+)
+        (gallop.core:connection-flush c))
+      (let ((body (handler-case (read-body c (server-max-body-bytes server))
+                    (body-too-large ()
+                      (setf (exchange-keep-alive ex) nil)
+                      (respond ex 413 '(:content-type "text/plain") '("Content Too Large"))
+                      (return-from serve-request (gallop.core:connection-finish c nil))))))
+        (setf (getf env :raw-body)
+              (make-octet-input-stream (or body (make-array 0 :element-type '(unsigned-byte 8))))))
+      (let ((response (handler-case (funcall (server-app server) env)
+                        (error (e) (internal-error server ex e) nil))))
+        (cond ((functionp response)
+               (handler-case (funcall response (make-responder ex))
+                 (error (e) (internal-error server ex e) (complete ex))))
+              ((consp response)
+               (handler-case (destructuring-bind (status headers &optional body) response
+                               (respond ex status headers body))
+                 (error (e) (internal-error server ex e)))
+               (complete ex))
+              ((not (exchange-responded ex))
+               (internal-error server ex "the app returned no response")
+               (complete ex))))
+      ;; Still open: the app answers later from another thread.
+      (gallop.core:connection-suspend c)
+      (if (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))
+          :suspended
+          (progn
+            (gallop.core:connection-unsuspend c)
+            (gallop.core:connection-finish c (exchange-keep-alive ex)))))))
+
+;;; Starting and stopping
+
+(defun make-listen-socket (address port backlog)
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
+      (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
+      (sb-bsd-sockets:socket-bind socket
+                                  (if (or (null address) (string= address "0.0.0.0"))
+                                      #(0 0 0 0)
+                                      (sb-bsd-sockets:host-ent-address
+                                       (sb-bsd-sockets:get-host-by-name address)))
+                                  port)
+      (sb-bsd-sockets:socket-listen socket backlog))
+    socket))
+
+(defun start (app &key (address "127.0.0.1") (port 5000) (backlog 1024)
+                    (max-thread-count 100) (standby-thread-count 4) (thread-idle-timeout 10)
+                    (header-timeout 20) (idle-timeout 20) (read-timeout 20) (write-timeout 20)
+                    (max-body-bytes (* 64 1024 1024)) (max-head-bytes 16384)
+                    (max-queue-length 1024) debug (log *error-output*))
+  "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
+free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
+it.  APP runs in an elastic pool of MAX-THREAD-COUNT workers, keeping
+STANDBY-THREAD-COUNT when idle; timeouts are in seconds (see
+GALLOP.CORE:MAKE-ENGINE).  Errors in APP are logged to LOG and answered with
+500 (with the error text when DEBUG is true)."
+  (check-type app function)
+  (let* ((socket (make-listen-socket address port backlog))
+         (server (%make-server :app app :socket socket :address (or address "0.0.0.0")
+                               :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
+                               :max-body-bytes max-body-bytes :debug debug :log log)))
+    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
+      (let ((engine (gallop.core:make-engine
+                     :name (format nil "gallop-~D" (server-port server))
+                     :handler (lambda (c) (serve-request server c))
+                     :min-threads (max 1 (min standby-thread-count max-thread-count))
+                     :max-threads max-thread-count
+                     :thread-idle-timeout thread-idle-timeout
+                     :header-timeout header-timeout :idle-timeout idle-timeout
+                     :read-timeout read-timeout :write-timeout write-timeout
+                     :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
+                     :max-queue max-queue-length
+                     :log-error (lambda (format-control &rest args)
+                                  (apply #'log-error server format-control args)))))
+        (setf (server-engine server) engine)
+        (gallop.core:engine-start engine :listen-fd (sb-bsd-sockets:socket-file-descriptor socket))))
+    server))
+
+(defun stop (server &key soft)
+  "Stop SERVER: stop accepting, close idle connections, let requests in flight
+finish when SOFT, join every thread, and free the port."
+  (when (server-engine server)
+    (gallop.core:engine-stop (server-engine server) :soft soft)
+    (setf (server-engine server) nil))
+  (when (server-socket server)
+    (sb-bsd-sockets:socket-close (server-socket server))
+    (setf (server-socket server) nil))
+  server)
+
+(defgeneric stats (thing)
+  (:documentation "Connection and pool statistics of a running Gallop server,
+acceptor or taskmaster, as a property list (see GALLOP.CORE:ENGINE-STATS), or
+NIL when it is not running."))
+
+(defmethod stats ((server server))
+  (let ((engine (server-engine server)))
+    (and engine (gallop.core:engine-stats engine))))

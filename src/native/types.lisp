@@ -1,0 +1,46 @@
+;;;; types.lisp -- the native layer's two structures: a running server, and
+;;;; one request/response exchange on a connection.
+;;;;
+;;;; EXCHANGE-STATE is the hand-off between the worker that ran the app and a
+;;;; thread that answers later: :OPEN while the worker is still in the app;
+;;;; the first of "response complete" (:OPEN -> :DONE, the worker finishes the
+;;;; connection) and "worker leaves" (:OPEN -> :SUSPENDED, the answering thread
+;;;; finishes it) wins, by compare-and-swap.
+
+(in-package #:gallop)
+
+(defstruct (server (:constructor %make-server) (:copier nil))
+  (app nil :type function)
+  (engine nil)
+  (socket nil)
+  (address "127.0.0.1" :type string)
+  (port 0 :type fixnum)
+  (max-body-bytes 0 :type fixnum)
+  (debug nil)
+  (log nil))
+
+(defmethod print-object ((server server) stream)
+  (print-unreadable-object (server stream :type t)
+    (format stream "~A:~D" (server-address server) (server-port server))))
+
+(defun log-error (server format-control &rest args)
+  (let ((log (server-log server)))
+    (when log
+      (ignore-errors
+       (format log "~&[gallop ~A] ~?~%" (iso-time) format-control args)
+       (finish-output log)))))
+
+(defun iso-time ()
+  (multiple-value-bind (s m h day month year) (decode-universal-time (get-universal-time))
+    (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D:~2,'0D" year month day h m s)))
+
+(defstruct (exchange (:copier nil))
+  (connection nil)
+  (server nil)
+  (keep-alive t)
+  (http-1.0 nil)
+  (head-p nil)
+  (state :open :type (member :open :done :suspended))
+  (responded nil)
+  (streaming nil))
+

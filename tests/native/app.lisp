@@ -1,0 +1,233 @@
+;;;; app.lisp -- the native app API (GALLOP:START) over real sockets.
+
+(in-package #:gallop-tests)
+
+(def-suite native :in gallop :description "The native app API.")
+(in-suite native)
+
+(defmacro with-app ((server app &rest options) &body body)
+  `(let ((,server (gallop:start ,app ,@options
+                                     :address "127.0.0.1" :port 0
+                                     :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
+     (unwind-protect (progn ,@body)
+       (gallop:stop ,server))))
+
+(defun read-all-octets (stream)
+  (let ((out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop for b = (read-byte stream nil nil) while b do (vector-push-extend b out))
+    out))
+
+(defun env-echo-app (env)
+  "Answers with a line per interesting environment entry."
+  (let ((body (read-all-octets (getf env :raw-body))))
+    (list 200 '(:content-type "text/plain; charset=utf-8")
+          (list (format nil "method=~A~%path=~A~%query=~A~%uri=~A~%protocol=~A~%~
+                             host=~A~%remote=~A~%x-test=~A~%content-length=~A~%body=~A~%"
+                        (getf env :request-method) (getf env :path-info)
+                        (getf env :query-string) (getf env :request-uri)
+                        (getf env :server-protocol) (getf env :server-name)
+                        (getf env :remote-addr) (gethash "x-test" (getf env :headers))
+                        (getf env :content-length)
+                        (map 'string #'code-char body))))))
+
+(defun native-port (server) (gallop:server-port server))
+
+(test native-get-builds-the-environment
+  (with-app (server #'env-echo-app)
+    (let ((response (get-request (native-port server) "/a%20b/%C3%A9t%C3%A9?x=1&y=%20" "X-Test: yes")))
+      (is (= 200 (response-status response)))
+      (is (equal "text/plain; charset=utf-8" (header response "Content-Type")))
+      (is (header response "Date"))
+      (let ((text (sb-ext:octets-to-string (coerce (response-body response) '(vector (unsigned-byte 8)))
+                                           :external-format :utf-8)))
+        (is (search "method=GET" text))
+        (is (search (format nil "path=/a b/été~%") text))
+        (is (search (format nil "query=x=1&y=%20~%") text))
+        (is (search (format nil "uri=/a%20b/%C3%A9t%C3%A9?x=1&y=%20~%") text))
+        (is (search "protocol=HTTP/1.1" text))
+        (is (search "host=127.0.0.1" text))
+        (is (search "remote=127.0.0.1" text))
+        (is (search "x-test=yes" text))))))
+
+(test native-post-bodies-content-length-and-chunked
+  (with-app (server #'env-echo-app)
+    (let ((response (request (native-port server)
+                             (concatenate 'string
+                                          (crlf "POST /p HTTP/1.1" "Host: x" "Content-Length: 11")
+                                          "hello world"))))
+      (is (search "body=hello world" (body-string response)))
+      (is (search "content-length=11" (body-string response))))
+    (let ((response (request (native-port server)
+                             (concatenate 'string
+                                          (crlf "POST /p HTTP/1.1" "Host: x" "Transfer-Encoding: chunked")
+                                          (format nil "5;ext=1~C~Chello~C~C6~C~C world~C~C0~C~CX-Trailer: t~C~C~C~C"
+                                                  #\Return #\Linefeed #\Return #\Linefeed
+                                                  #\Return #\Linefeed #\Return #\Linefeed
+                                                  #\Return #\Linefeed #\Return #\Linefeed
+                                                  #\Return #\Linefeed)))))
+      (is (= 200 (response-status response)))
+      (is (search "body=hello world" (body-string response))))))
+
+(test native-keep-alive-close-http-1.0-and-head
+  (with-app (server (lambda (env) (declare (ignore env)) '(200 (:content-type "text/plain") ("Hey!"))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (dotimes (i 3)
+               (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+               (let ((r (read-response socket)))
+                 (is (= 200 (response-status r)))
+                 (is (string= "Hey!" (body-string r)))))
+             (send socket (crlf "HEAD / HTTP/1.1" "Host: x"))
+             (let ((r (read-response socket :head-only t)))
+               (is (= 200 (response-status r)))
+               (is (equal "4" (header r "Content-Length"))))
+             (send socket (crlf "GET / HTTP/1.1" "Host: x" "Connection: close"))
+             (let ((r (read-response socket)))
+               (is (equalp "close" (header r "Connection")))
+               (is (string= "Hey!" (body-string r))))
+             (is (closed-by-peer-p socket)))
+        (usocket:socket-close socket)))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (crlf "GET / HTTP/1.0" "Connection: keep-alive"))
+             (let ((r (read-response socket)))
+               (is (equalp "keep-alive" (header r "Connection"))))
+             (send socket (crlf "GET / HTTP/1.0"))
+             (is (string= "Hey!" (body-string (read-response socket))))
+             (is (closed-by-peer-p socket)))
+        (usocket:socket-close socket)))
+    (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))
+
+(test native-pipelined-requests-in-order
+  (with-app (server (lambda (env) (list 200 nil (list (getf env :path-info)))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (format nil "~{~A~}" (loop for i below 20
+                                                     collect (crlf (format nil "GET /~D HTTP/1.1" i)
+                                                                   "Host: x"))))
+             (dotimes (i 20)
+               (is (string= (format nil "/~D" i) (body-string (read-response socket))))))
+        (usocket:socket-close socket)))))
+
+(test native-responder-called-from-another-thread
+  (let ((timer-threads '()))
+    (with-app (server (lambda (env)
+                        (if (string= (getf env :path-info) "/later")
+                            (lambda (responder)
+                              (push (sb-thread:make-thread
+                                     (lambda ()
+                                       (sleep 0.3)
+                                       (funcall responder '(200 (:content-type "text/plain") ("later")))))
+                                    timer-threads))
+                            '(200 nil ("now")))))
+      (let* ((port (native-port server))
+             (later nil)
+             (client (sb-thread:make-thread
+                      (lambda () (setf later (get-request port "/later"))))))
+        ;; While /later waits, its worker is free: other requests are served.
+        (sleep 0.05)
+        (is (string= "now" (body-string (get-request port "/now"))))
+        (sb-thread:join-thread client)
+        (is (= 200 (response-status later)))
+        (is (string= "later" (body-string later))))
+      ;; keep-alive across a delayed response
+      (let ((socket (connect (native-port server))))
+        (unwind-protect
+             (progn
+               (send socket (crlf "GET /later HTTP/1.1" "Host: x"))
+               (is (string= "later" (body-string (read-response socket))))
+               (send socket (crlf "GET /now HTTP/1.1" "Host: x"))
+               (is (string= "now" (body-string (read-response socket)))))
+          (usocket:socket-close socket))))
+    (mapc #'sb-thread:join-thread timer-threads)))
+
+(test native-streaming-writer
+  (with-app (server (lambda (env)
+                      (declare (ignore env))
+                      (lambda (responder)
+                        (let ((writer (funcall responder '(200 (:content-type "text/plain")))))
+                          (sb-thread:make-thread
+                           (lambda ()
+                             (dotimes (i 3)
+                               (funcall writer (format nil "chunk ~D;" i))
+                               (sleep 0.02))
+                             (funcall writer "end" :close t)))))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (dotimes (i 2)
+             (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+             (let ((r (read-response socket)))
+               (is (equalp "chunked" (header r "Transfer-Encoding")))
+               (is (string= "chunk 0;chunk 1;chunk 2;end" (body-string r)))))
+        (usocket:socket-close socket)))))
+
+(test native-file-body-with-sendfile
+  (let ((path (format nil "/tmp/gallop-test-file-~D" (sb-posix:getpid))))
+    (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)
+                              :if-exists :supersede)
+      (dotimes (i 300000) (write-byte (mod (* i 7) 256) out)))
+    (unwind-protect
+         (with-app (server (lambda (env) (declare (ignore env))
+                             (list 200 '(:content-type "application/octet-stream") (pathname path))))
+           (let ((r (get-request (native-port server) "/file")))
+             (is (= 200 (response-status r)))
+             (is (= 300000 (length (response-body r))))
+             (is (loop for i below 300000 always (= (aref (response-body r) i) (mod (* i 7) 256))))))
+      (delete-file path))))
+
+(test native-app-error-gives-500-logged-once
+  (let ((log (make-string-output-stream)))
+    (with-app (server (lambda (env)
+                        (if (string= (getf env :path-info) "/fail")
+                            (error "native deliberate failure")
+                            '(200 nil ("ok"))))
+                      :log log)
+      (is (= 500 (response-status (get-request (native-port server) "/fail"))))
+      (is (= 200 (response-status (get-request (native-port server) "/ok")))))
+    (is (= 1 (count-matches "native deliberate failure" (get-output-stream-string log))))))
+
+(test native-body-limits-and-expect-continue
+  (with-app (server #'env-echo-app :max-body-bytes 100)
+    ;; declared too large: refused before the body is sent
+    (is (= 413 (response-status (request (native-port server)
+                                         (crlf "POST / HTTP/1.1" "Host: x" "Content-Length: 1000"
+                                               "Expect: 100-continue")))))
+    ;; chunked and too large: refused while reading
+    (is (= 413 (response-status
+                (request (native-port server)
+                         (concatenate 'string
+                                      (crlf "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked")
+                                      (format nil "C8~C~C~A~C~C0~C~C~C~C"
+                                              #\Return #\Linefeed (make-string 200 :initial-element #\a)
+                                              #\Return #\Linefeed #\Return #\Linefeed
+                                              #\Return #\Linefeed))))))
+    ;; 100-continue for an acceptable body
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (crlf "POST / HTTP/1.1" "Host: x" "Content-Length: 5" "Expect: 100-continue"))
+             (let ((interim (read-response socket :head-only t)))
+               (is (= 100 (response-status interim))))
+             (send socket "12345")
+             (is (search "body=12345" (body-string (read-response socket)))))
+        (usocket:socket-close socket)))))
+
+(test native-soft-stop-waits-for-a-delayed-response
+  (let* ((server (gallop:start (lambda (env) (declare (ignore env))
+                                 (lambda (responder)
+                                   (sb-thread:make-thread
+                                    (lambda () (sleep 0.5)
+                                      (funcall responder '(200 nil ("done")))))))
+                               :address "127.0.0.1" :port 0 :log nil))
+         (threads (thread-count))
+         (response nil)
+         (client (sb-thread:make-thread
+                  (lambda () (setf response (get-request (gallop:server-port server) "/"))))))
+    (is (wait-until (lambda () (= 1 (getf (gallop:stats server) :in-flight)))))
+    (gallop:stop server :soft t)
+    (sb-thread:join-thread client)
+    (is (string= "done" (body-string response)))
+    (is (wait-until (lambda () (< (thread-count) threads))))))
