@@ -11,7 +11,7 @@
 (in-package #:gallop-bench)
 
 (defparameter *server-colors*
-  '((:stock . "#8c8c8c") (:gallop . "#1f77b4") (:gallop-tm . "#2ca02c") (:nginx . "#e8a33d"))
+  '((:stock . "#8c8c8c") (:gallop . "#1f77b4") (:gallop-tm . "#2ca02c") (:native . "#d62728") (:nginx . "#e8a33d"))
   "Bar colour of each server kind.")
 
 (defun server-color (kind)

@@ -17,6 +17,7 @@
   '(("stock" :stock "Hunchentoot (stock)")
     ("gallop" :gallop "gallop:easy-acceptor")
     ("gallop-tm" :gallop-tm "gallop:taskmaster")
+    ("native" :native "gallop:start (native)")
     ("nginx" :nginx "nginx (reference)"))
   "Each server: its name in the TSV, its kind, its label in tables and charts.")
 
@@ -28,6 +29,7 @@
   '(("stock" . "`(make-instance 'hunchentoot:easy-acceptor :address \"127.0.0.1\" :port P :access-log-destination nil :message-log-destination nil)`: the default one-thread-per-connection taskmaster (max-thread-count 100, max-accept-count 120, listen backlog 50). Its process loads Hunchentoot only.")
     ("gallop" . "`(make-instance 'gallop:easy-acceptor ...same initargs...)`: the drop-in acceptor (Gallop's defaults: pool of 4 to 100 workers, listen backlog 1024).")
     ("gallop-tm" . "`(make-instance 'hunchentoot:easy-acceptor ...same initargs... :taskmaster (make-instance 'gallop:taskmaster))`: Gallop's taskmaster on a stock acceptor (Hunchentoot's listener thread accepts, listen backlog 50).")
+    ("native" . "`(gallop:start app :address \"127.0.0.1\" :port P)`: Gallop's native app API, with a Clack-style app doing what /yo does (own HTTP/1.1 parsing and writing, no Hunchentoot). Its process does not load Gallop's Hunchentoot layer.")
     ("nginx" . "Debian's nginx, `return 200 \"Hey!\"` for `/yo`, one worker process, access log off: the reference for what this machine can do. It never sleeps, so in the sleep 1 ms scenarios it is the machine's ceiling, not a peer.")))
 
 ;;; TSV

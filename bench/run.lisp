@@ -21,7 +21,7 @@
 ;;;;
 ;;;; Environment overrides: BENCH_REPS, BENCH_DURATION (s), BENCH_WARMUP (s), BENCH_IDLE_N,
 ;;;; BENCH_IDLE_STOCK_MAX, BENCH_SERVERS (e.g. "gallop,nginx"), BENCH_PORT
-;;;; (base port; servers use PORT+1..PORT+4), BENCH_SERVER_CPUS and
+;;;; (base port; servers use PORT+1..PORT+5), BENCH_SERVER_CPUS and
 ;;;; BENCH_CLIENT_CPUS (taskset lists, "none" for no pinning),
 ;;;; BENCH_WRK_THREADS, BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
 ;;;; bench/results/tmp/logs/).
@@ -853,7 +853,7 @@ generator takes CPU from the server it measures; nginx runs `worker_processes ~A
               env (make-target cfg))
       (format out "#   = scripts/deps.sh wrk nginx-light && scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main ~(~S~))'~%"
               (cfg-mode cfg))
-      (format out "# each Lisp server, KIND = stock | gallop | gallop-tm on PORT = ~{~D~^ | ~}, SLEEP-MS = 0 | 1:~%"
+      (format out "# each Lisp server, KIND = stock | gallop | gallop-tm | native on PORT = ~{~D~^ | ~}, SLEEP-MS = 0 | 1:~%"
               (mapcar (lambda (n) (server-port cfg n)) (remove "nginx" (cfg-servers cfg) :test #'string=)))
       (multiple-value-bind (program args) (server-command cfg "KIND" "PORT" "SLEEP-MS")
         (format out "~A~%" (uiop:frob-substrings (command-line program args)

@@ -8,6 +8,9 @@
 ;;;;   gallop     Gallop's drop-in acceptor: GALLOP:EASY-ACCEPTOR.
 ;;;;   gallop-tm  a stock HUNCHENTOOT:EASY-ACCEPTOR with
 ;;;;              :TASKMASTER (MAKE-INSTANCE 'GALLOP:TASKMASTER).
+;;;;   native     Gallop's native app API, GALLOP:START with a Clack-style app
+;;;;              doing what /yo does; loads gallop/native (and Hunchentoot,
+;;;;              only so that this file reads, not Gallop's Hunchentoot layer).
 ;;;; All listen on 127.0.0.1:PORT with access and message logging off (set
 ;;;; BENCH_MESSAGE_LOG=1 to send Hunchentoot's message log, i.e. errors, to
 ;;;; standard error, which the harness keeps in bench/results/tmp/logs/).
@@ -49,15 +52,18 @@
 
 (let ((args (user-args)))
   (unless (and (= (length args) 3)
-               (member (first args) '("stock" "gallop" "gallop-tm") :test #'string=))
-    (die "usage: server.lisp --end-toplevel-options stock|gallop|gallop-tm PORT SLEEP-MS"))
+               (member (first args) '("stock" "gallop" "gallop-tm" "native") :test #'string=))
+    (die "usage: server.lisp --end-toplevel-options stock|gallop|gallop-tm|native PORT SLEEP-MS"))
   (setf *kind* (intern (string-upcase (first args)) :keyword)
         *port* (parse-integer (second args))
         *sleep-ms* (parse-integer (third args))))
 
 ;; Stock Hunchentoot loads Hunchentoot alone: Gallop's methods on Hunchentoot's
 ;; generic functions are not even present in that process.
-(asdf:load-system (if (eq *kind* :stock) "hunchentoot" "gallop"))
+(asdf:load-system (case *kind* (:stock "hunchentoot") (:native "gallop/native") (t "gallop")))
+;; This file names Hunchentoot's symbols, so the reader needs the package even
+;; for the native server, which never starts an acceptor.
+(asdf:load-system "hunchentoot")
 
 (defparameter *handler-sleep-seconds* (/ *sleep-ms* 1000)
   "Seed 001's sleep setting.")
@@ -67,6 +73,25 @@
   (when (plusp *handler-sleep-seconds*)
     (sleep *handler-sleep-seconds*))
   (format nil "Hey~@[ ~A~]!" name))
+
+(defun query-parameter (query name)
+  "The value of NAME in the query string QUERY (no decoding: the benchmark's
+names are plain)."
+  (when query
+    (let ((prefix (concatenate 'string name "=")))
+      (loop for part in (uiop:split-string query :separator "&")
+            when (uiop:string-prefix-p prefix part)
+              return (subseq part (length prefix))))))
+
+(defun native-app (env)
+  "The native counterpart of /yo."
+  (if (string= (getf env :path-info) "/yo")
+      (progn
+        (when (plusp *handler-sleep-seconds*)
+          (sleep *handler-sleep-seconds*))
+        (list 200 '(:content-type "text/plain")
+              (list (format nil "Hey~@[ ~A~]!" (query-parameter (getf env :query-string) "name")))))
+      '(404 (:content-type "text/plain") ("Not Found"))))
 
 (defun gallop-symbol (name)
   (or (find-symbol name "GALLOP") (die "GALLOP:~A not found" name)))
@@ -80,7 +105,7 @@
 (defvar *taskmaster* nil)
 
 (defparameter *acceptor*
-  (ecase *kind*
+  (case *kind*
     (:stock
      (apply #'make-instance 'hunchentoot:easy-acceptor
             :address "127.0.0.1" :port *port* *log-args*))
@@ -92,8 +117,11 @@
      (apply #'make-instance 'hunchentoot:easy-acceptor
             :address "127.0.0.1" :port *port* :taskmaster *taskmaster* *log-args*))))
 
+(defvar *native-server* nil)
+
 (defun stats ()
   (ecase *kind*
+    (:native (funcall (gallop-symbol "STATS") *native-server*))
     (:stock (list :threads (hunchentoot:taskmaster-thread-count
                             (hunchentoot::acceptor-taskmaster *acceptor*))))
     (:gallop (funcall (gallop-symbol "STATS") *acceptor*))
@@ -104,7 +132,11 @@
     (format *protocol* "~?~%" control args))
   (finish-output *protocol*))
 
-(handler-case (hunchentoot:start *acceptor*)
+(handler-case (if (eq *kind* :native)
+                  (setf *native-server*
+                        (funcall (gallop-symbol "START") #'native-app
+                                 :address "127.0.0.1" :port *port* :log nil))
+                  (funcall (find-symbol "START" "HUNCHENTOOT") *acceptor*))
   (error (e) (die "cannot start ~(~A~) on port ~D: ~A" *kind* *port* e)))
 
 (reply "READY ~D" (sb-unix:unix-getpid))

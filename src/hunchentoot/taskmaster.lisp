@@ -17,6 +17,9 @@
 
 (in-package #:gallop)
 
+(defconstant +minimum-backlog+ 1024
+  "The listen backlog GALLOP:TASKMASTER gives a stock acceptor's socket.")
+
 (defvar *connection* nil
   "The Gallop connection the current worker is serving, if any.")
 
@@ -164,6 +167,12 @@ new connections get 503.")
                                (usocket:socket (acceptor-listen-usocket acceptor)))))
           (t
            (gallop.core:engine-start engine)
+           ;; Connections cost no thread here, so let the kernel queue bursts
+           ;; instead of refusing them: Hunchentoot's default backlog is 50.
+           ;; listen(2) again on a listening socket just resizes its queue.
+           (let ((listener (usocket:socket (acceptor-listen-usocket acceptor))))
+             (when (< (hunchentoot:acceptor-listen-backlog acceptor) +minimum-backlog+)
+               (sb-bsd-sockets:socket-listen listener +minimum-backlog+)))
            (setf (slot-value tm 'listener)
                  (hunchentoot:start-thread
                   tm (lambda () (hunchentoot:accept-connections acceptor))
