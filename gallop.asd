@@ -69,5 +69,7 @@
                (:file "hunchentoot/lifecycle")
                (:file "hunchentoot/ssl")
                (:file "hunchentoot/connections")
-               (:file "native/app"))
+               (:file "native/app")
+               (:file "native/parser")
+               (:file "clack/handler"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

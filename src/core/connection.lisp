@@ -431,3 +431,43 @@ after what is buffered."
 close it.  Called by the handler, in its worker."
   (setf (slot-value c 'close-requested) t
         (slot-value c 'park-requested) keep-alive))
+
+(defun connection-write-latin1 (c string)
+  "Buffer the characters of STRING as latin-1 octets (others become ?; CR and
+LF become spaces, so a header value cannot inject a header)."
+  (declare (type string string))
+  (with-slots (outbuf out-fill) c
+    (let ((buffer (or outbuf (setf outbuf (acquire-buffer))))
+          (n (length string)))
+      (declare (type octets buffer) (type fixnum n))
+      (when (> n (- (length buffer) out-fill))
+        (flush-output c))
+      (if (> n (length buffer))
+          (connection-write-octets c (map 'octets (lambda (ch) (let ((code (char-code ch)))
+                                                                 (cond ((or (= code 13) (= code 10)) 32)
+                                                                       ((< code 256) code)
+                                                                       (t 63))))
+                                          string))
+          (let ((fill out-fill))
+            (declare (type fixnum fill))
+            (dotimes (i n)
+              (let ((code (char-code (char string i))))
+                (setf (aref buffer (+ fill i))
+                      (cond ((or (= code 13) (= code 10)) 32)
+                            ((< code 256) code)
+                            (t 63)))))
+            (setf out-fill (+ fill n))))))
+  nil)
+
+(defun connection-write-decimal (c n)
+  "Buffer the decimal digits of the non-negative integer N."
+  (declare (type (integer 0) n))
+  (let ((digits (make-array 20 :element-type '(unsigned-byte 8)))
+        (i 20))
+    (declare (dynamic-extent digits) (type fixnum i))
+    (loop do (multiple-value-bind (q r) (floor n 10)
+               (decf i)
+               (setf (aref digits i) (+ 48 r)
+                     n q))
+          until (zerop n))
+    (connection-write-octets c digits i 20)))

@@ -92,17 +92,7 @@
 (defun write-header-value (c value)
   "Write VALUE (a string, or anything PRINC can show) as latin-1; CR and LF
 become spaces, so a value can't inject a header."
-  (let* ((string (if (stringp value) value (princ-to-string value)))
-         (octets (make-array (length string) :element-type '(unsigned-byte 8))))
-    (dotimes (i (length string))
-      (let ((code (char-code (char string i))))
-        (setf (aref octets i) (cond ((or (= code 13) (= code 10)) 32)
-                                    ((< code 256) code)
-                                    (t 63)))))
-    (gallop.core:connection-write-octets c octets)))
-
-(defun write-decimal (c n)
-  (gallop.core:connection-write-octets c (ascii (princ-to-string n))))
+  (gallop.core:connection-write-latin1 c (if (stringp value) value (princ-to-string value))))
 
 ;;; Bodies
 
@@ -136,7 +126,7 @@ and the app did not give one), Transfer-Encoding and Connection."
                (gallop.core:connection-write-octets c +crlf+))
     (when (and content-length (not has-length))
       (gallop.core:connection-write-octets c +content-length-prefix+)
-      (write-decimal c content-length)
+      (gallop.core:connection-write-decimal c content-length)
       (gallop.core:connection-write-octets c +crlf+)))
   (when chunked
     (gallop.core:connection-write-octets c +chunked-line+))

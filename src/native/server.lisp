@@ -35,8 +35,11 @@
              (unless (exchange-head-p ex)
                (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
       (t
-       (let* ((chunks (if (listp body) (mapcar #'body-octets body) (list (body-octets body))))
-              (length (reduce #'+ chunks :key #'length)))
+       (let* ((chunks (cond ((null body) '())
+                            ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
+                            ((listp body) (mapcar #'body-octets body))
+                            (t (list (body-octets body)))))
+              (length (loop for chunk in chunks sum (length (the octets chunk)))))
          (write-head c status headers
                      :content-length (unless (no-body-status-p status) length)
                      :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
@@ -120,6 +123,10 @@ answered from another thread), finish the connection from this thread."
                   (list (format nil "Internal Server Error~%~%~A~%" condition))
                   '("Internal Server Error"))))))
 
+(defparameter +empty-body+ (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
+  "The :RAW-BODY of every request without a body: always at end of file, so
+threads can share it.")
+
 (defun serve-request (server c)
   "The engine's handler: build the environment, read the body, run the app,
 write its response, and tell the engine what to do with C next."
@@ -139,7 +146,7 @@ write its response, and tell the engine what to do with C next."
                       (respond ex 413 '(:content-type "text/plain") '("Content Too Large"))
                       (return-from serve-request (gallop.core:connection-finish c nil))))))
         (setf (getf env :raw-body)
-              (make-octet-input-stream (or body (make-array 0 :element-type '(unsigned-byte 8))))))
+              (if body (make-octet-input-stream body) +empty-body+)))
       (let ((response (handler-case (funcall (server-app server) env)
                         (error (e) (internal-error server ex e) nil))))
         (cond ((functionp response)
