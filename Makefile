@@ -19,7 +19,7 @@ serve: deps
 test: deps
 	@set -o pipefail; \
 	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --eval '(gallop-tests:main)' 2>&1 \
-	   | grep -v '^;\|^WARNING: System definition file'
+	   | grep -av '^;\|^WARNING: System definition file'
 
 clean:
 	rm -rf ~/.cache/common-lisp/sbcl-*$(CURDIR)

@@ -6,20 +6,30 @@
 ;;;; Connections are registered EPOLLONESHOT, so an event goes to exactly one
 ;;;; worker and the connection stays disarmed until it is re-armed.
 ;;;;
-;;;; Elasticity: when a worker takes an event and no other worker is left
-;;;; waiting, it asks the maker thread for one more worker (up to MAX-THREADS).
-;;;; The maker grants it only while the process leaves CPU idle (under
-;;;; +GROWTH-CPU-LIMIT+ of the CPUs it may run on, sampled every 5 ms, one new
-;;;; worker per sample): then the busy workers are blocked (sleeping, waiting
-;;;; on a database) and another worker adds throughput.  When the CPUs are saturated, another thread would
-;;;; only add contention and tail latency, so the pool does not grow.  Thread
-;;;; creation is serialised through the maker because SBCL creates threads
-;;;; under one global mutex.  A worker that waits IDLE-TIMEOUT-MS without an
-;;;; event leaves while more than MIN-THREADS remain.
+;;;; Elasticity has two levels, both decided by the maker thread, which
+;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
+;;;; per request).  RUN PERMITS bound how many workers wait in or
+;;;; serve from epoll at once (ALLOWED); the other threads wait for a permit.
+;;;; ALLOWED starts at the number of CPUs this process may run on, because
+;;;; for work that computes, more runnable workers than CPUs only add
+;;;; preemption in mid-request (tail latency) and no throughput.  Every 5 ms
+;;;; the maker thread samples the process's CPU use: when no permit holder is
+;;;; free (all busy) and the CPUs are under +GROWTH-CPU-LIMIT+, the busy
+;;;; workers must be blocked (sleeping, waiting on a database), so it adds a
+;;;; permit, and a thread when none is waiting for one (up to MAX-THREADS).
+;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
+;;;; permit back (down to the CPU count); the holder that notices gives it up.
+;;;; Thread creation is serialised through the maker because SBCL creates
+;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
+;;;; without work leaves while more than MIN-THREADS remain.
 ;;;;
 ;;;; Invariants:
 ;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK.
 ;;;;  - IDLE counts the workers inside epoll_wait; it only changes atomically.
+;;;;  - HOLDERS counts the workers holding a run permit, free permits are the
+;;;;    count of the PERMITS semaphore, and HOLDERS + free permits = ALLOWED
+;;;;    once holders over the limit have given theirs up (compare-and-swap on
+;;;;    HOLDERS, so exactly the surplus leaves).
 ;;;;  - A worker that leaves removes itself from THREADS and pushes itself onto
 ;;;;    RETIRED under LOCK; the maker (or POOL-STOP) joins the retired ones, so
 ;;;;    every thread the pool started is joined.
@@ -39,6 +49,9 @@
   (max-threads 100 :type (integer 1))
   (idle-timeout-ms 10000 :type fixnum)
   (idle 0 :type sb-ext:word)
+  (allowed 1 :type fixnum)
+  (holders 0 :type sb-ext:word)
+  (permits (sb-thread:make-semaphore :name "gallop run permits"))
   (lock (sb-thread:make-mutex :name "gallop pool"))
   (threads '() :type list)
   (thread-count 0 :type fixnum)
@@ -80,6 +93,11 @@ seconds."
         (pool-wake-fd pool) (make-eventfd)
         (pool-stopping pool) nil)
   (epoll-ctl (pool-epfd pool) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
+  (let ((allowed (min (allowed-cpu-count) (pool-max-threads pool))))
+    (setf (pool-allowed pool) allowed
+          (pool-holders pool) 0
+          (pool-permits pool) (sb-thread:make-semaphore :name "gallop run permits"
+                                                        :count allowed)))
   (setf (pool-maker pool)
         (start-pool-thread pool (lambda () (maker-loop pool))
                            (format nil "~A-thread-maker" (pool-name pool))))
@@ -107,10 +125,6 @@ maker thread, or from POOL-START."
             (decf (pool-thread-count pool)))
           (when (pool-log-error pool) (funcall (pool-log-error pool) e)))))))
 
-(defun request-worker (pool)
-  "Ask the maker thread for one more worker."
-  (sb-thread:signal-semaphore (pool-maker-semaphore pool)))
-
 (defun join-retired (pool)
   (let ((retired (sb-thread:with-mutex ((pool-lock pool))
                    (shiftf (pool-retired pool) '()))))
@@ -118,39 +132,56 @@ maker thread, or from POOL-START."
       (sb-thread:join-thread thread :default nil))))
 
 (defconstant +growth-cpu-limit+ 0.85
-  "The pool grows only while the process uses less than this share of its CPUs.")
+  "Permits are added only while the process uses less than this share of its CPUs.")
+
+(defconstant +shrink-cpu-limit+ 0.95
+  "Above this share of its CPUs, the process gives permits back.")
+
+(defun add-permit (pool)
+  (incf (pool-allowed pool))
+  (sb-thread:signal-semaphore (pool-permits pool)))
+
+(defun remove-permit (pool)
+  "Take one permit back: a free one at once, else the next holder to notice
+gives its up."
+  (decf (pool-allowed pool))
+  (sb-thread:try-semaphore (pool-permits pool)))
 
 (defun maker-loop (pool)
   (let* ((cpus (allowed-cpu-count))
+         (floor (min cpus (pool-max-threads pool)))
          (last-cpu (process-cpu-us))
          (last-wall (get-internal-real-time))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
-         (load 1.0)
-         (fresh nil))
+         (idle-samples 0))
     (loop
       (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
       (join-retired pool)
       (when (pool-stopping pool)
         (return))
-      ;; One load sample per 5 ms, and at most one new worker per sample, so
-      ;; the effect of the last one is measured before the next.
-      (let ((wall (get-internal-real-time)))
-        (when (>= (* us-per-unit (- wall last-wall)) 5000)
-          (let ((cpu (process-cpu-us)))
-            (setf load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall)))
-                  last-cpu cpu
-                  last-wall wall
-                  fresh t))))
-      ;; Requests that piled up while we were creating collapse into one check.
+      ;; Requests that piled up collapse into this one look.
       (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
         (when (plusp piled)
           (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
-      (when (and fresh
-                 (zerop (pool-idle pool))
-                 (< (pool-thread-count pool) (pool-max-threads pool))
-                 (< load +growth-cpu-limit+))
-        (setf fresh nil)
-        (spawn-worker pool)))))
+      ;; One CPU sample per 5 ms, and at most one change per sample, so the
+      ;; effect of the last change is measured before the next.
+      (let ((wall (get-internal-real-time)))
+        (when (>= (* us-per-unit (- wall last-wall)) 5000)
+          (let* ((cpu (process-cpu-us))
+                 (load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall)))))
+            (setf last-cpu cpu
+                  last-wall wall)
+            (setf idle-samples (if (> (pool-idle pool) 1) (1+ idle-samples) 0))
+            (cond ((and (zerop (pool-idle pool))
+                        (< load +growth-cpu-limit+)
+                        (< (pool-allowed pool) (pool-max-threads pool)))
+                   (add-permit pool)
+                   (when (< (pool-thread-count pool) (pool-allowed pool))
+                     (spawn-worker pool)))
+                  ((and (> (pool-allowed pool) floor)
+                        (or (> load +shrink-cpu-limit+) (> idle-samples 200)))
+                   (setf idle-samples 0)
+                   (remove-permit pool)))))))))
 
 (defun leave-pool (pool already-counted-out)
   (let ((self sb-thread:*current-thread*))
@@ -168,15 +199,53 @@ maker thread, or from POOL-START."
       (decf (pool-thread-count pool))
       t)))
 
+(defun acquire-permit (pool)
+  "Wait for a run permit.  True with one; NIL when stopping, or when no permit
+came for IDLE-TIMEOUT-MS and this thread may leave the pool (then it was
+counted out of THREAD-COUNT)."
+  (loop
+    (when (pool-stopping pool)
+      (return nil))
+    (cond ((sb-thread:wait-on-semaphore (pool-permits pool)
+                                        :timeout (/ (pool-idle-timeout-ms pool) 1000))
+           (when (pool-stopping pool)
+             (sb-thread:signal-semaphore (pool-permits pool))
+             (return nil))
+           (sb-ext:atomic-incf (pool-holders pool))
+           (return t))
+          ((try-retire pool)
+           (return :retired)))))
+
+(defun surplus-holder-p (pool)
+  "True, having given up this worker's permit, when more workers hold permits
+than ALLOWED."
+  (loop
+    (let ((holders (pool-holders pool)))
+      (when (<= holders (pool-allowed pool))
+        (return nil))
+      (when (eql holders (sb-ext:compare-and-swap (pool-holders pool) holders (1- holders)))
+        (return t)))))
+
+(defun release-permit (pool)
+  (sb-ext:atomic-decf (pool-holders pool))
+  (sb-thread:signal-semaphore (pool-permits pool)))
+
 (defun worker-loop (pool)
   (let ((events (make-event-buffer 1))
         (epfd (pool-epfd pool))
         (dispatch (pool-dispatch pool))
         (timeout (pool-idle-timeout-ms pool))
-        (counted-out nil))
+        (counted-out nil)
+        (holding nil))
     (declare (type function dispatch) (type fixnum epfd timeout))
     (unwind-protect
          (loop
+           (unless holding
+             (let ((permit (acquire-permit pool)))
+               (case permit
+                 ((nil) (return))
+                 (:retired (setf counted-out t) (return))
+                 (t (setf holding t)))))
            (let ((started (now-ms)))
              (sb-ext:atomic-incf (pool-idle pool))
              (let ((n (epoll-wait epfd events 1 timeout)))
@@ -192,13 +261,14 @@ maker thread, or from POOL-START."
                       (let ((data (event-data events 0)))
                         (when (= data +wake-data+)
                           (return))
-                        (when (and (zerop (pool-idle pool))
-                                   (< (pool-thread-count pool) (pool-max-threads pool)))
-                          (request-worker pool))
                         (handler-case (funcall dispatch data (event-flags events 0))
                           (error (e)
                             (let ((log (pool-log-error pool)))
-                              (when log (ignore-errors (funcall log e))))))))))))
+                              (when log (ignore-errors (funcall log e))))))))))
+             (when (surplus-holder-p pool)
+               (setf holding nil))))
+      (when holding
+        (release-permit pool))
       (free-event-buffer events)
       (leave-pool pool counted-out))))
 
@@ -212,6 +282,8 @@ every thread the pool started is joined.  Closes the epoll set."
   (when (>= (pool-wake-fd pool) 0)
     (signal-eventfd (pool-wake-fd pool)))
   (sb-thread:signal-semaphore (pool-maker-semaphore pool))
+  ;; Threads waiting for a permit: let each see STOPPING.
+  (sb-thread:signal-semaphore (pool-permits pool) (1+ (pool-thread-count pool)))
   (when (pool-maker pool)
     (sb-thread:join-thread (pool-maker pool) :default nil)
     (setf (pool-maker pool) nil))
