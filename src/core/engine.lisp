@@ -49,6 +49,7 @@
   (max-request-line-bytes 8192 :type fixnum)
   (max-queue 1024 :type fixnum)
   (retry-after 1 :type fixnum)
+  (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters
   (accepted 0 :type sb-ext:word)
   (closed 0 :type sb-ext:word)
@@ -96,11 +97,10 @@
 (defparameter +response-431+ (make-error-response 431 "Request Header Fields Too Large"))
 
 (defun response-503 (engine)
-  (let ((cached (get 'response-503 (engine-retry-after engine))))
-    (or cached
-        (setf (get 'response-503 (engine-retry-after engine))
-              (make-error-response 503 "Service Unavailable"
-                                   :retry-after (engine-retry-after engine))))))
+  (or (engine-response-503 engine)
+      (setf (engine-response-503 engine)
+            (make-error-response 503 "Service Unavailable"
+                                 :retry-after (engine-retry-after engine)))))
 
 (defun engine-stats (engine)
   "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
