@@ -45,3 +45,22 @@ left to the GC."
             (setf (svref (buffer-pool-free pool) n) buffer
                   (buffer-pool-count pool) (1+ n)))))))
   nil)
+
+;;; Scanning octets: typed loops, so no generic sequence function runs on the
+;;; hot path.
+
+(declaim (inline line-end))
+(defun line-end (buffer start end)
+  "Index of the LF ending the line that starts at START, before END."
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (loop for i of-type fixnum from start below end
+        when (= (aref buffer i) 10) return i))
+
+(declaim (inline octet-position))
+(defun octet-position (octet buffer start end)
+  "Index of the first OCTET in BUFFER[START,END), or NIL."
+  (declare (type octets buffer) (type fixnum start end) (type (unsigned-byte 8) octet)
+           (optimize speed))
+  (loop for i of-type fixnum from start below end
+        when (= (aref buffer i) octet) return i))
+

@@ -172,7 +172,7 @@ within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
                  (incf i))
         (setf scan i))
       (let ((limits engine))
-        (cond ((and (null (position 10 buffer :start start :end end))
+        (cond ((and (null (octet-position 10 buffer start end))
                     (> (- end start) (engine-max-request-line-bytes limits)))
                :line-too-long)
               ((> (- end start) (engine-max-head-bytes limits))

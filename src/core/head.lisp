@@ -76,18 +76,15 @@
                            for j of-type fixnum from 0
                            always (= (aref buffer i) (aref (the octets name) j))))))
 
-(defun line-end (buffer start end)
-  "Index of the LF ending the line that starts at START, before END."
-  (declare (type octets buffer) (type fixnum start end))
-  (position 10 buffer :start start :end end))
-
 (defun content (buffer start end)
   "START and END of BUFFER[START,END) without the CR before END, and without
 surrounding spaces and tabs."
   (declare (type octets buffer) (type fixnum start end))
   (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
-  (loop while (and (< start end) (member (aref buffer start) '(32 9))) do (incf start))
-  (loop while (and (< start end) (member (aref buffer (1- end)) '(32 9))) do (decf end))
+  (loop while (and (< start end) (let ((b (aref buffer start))) (or (= b 32) (= b 9))))
+        do (incf start))
+  (loop while (and (< start end) (let ((b (aref buffer (1- end)))) (or (= b 32) (= b 9))))
+        do (decf end))
   (values start end))
 
 (defun check-request-line (buffer start end)
@@ -164,7 +161,7 @@ status that refuses it, or NIL."
               do (let ((b (aref buffer start)))
                    (when (or (= b 32) (= b 9)) ; obsolete line folding
                      (return-from check-head 400))
-                   (let ((colon (position 58 buffer :start start :end end)))
+                   (let ((colon (octet-position 58 buffer start end)))
                      (unless (and colon (> colon start)
                                   (loop for i from start below colon
                                         always (tchar-p (aref buffer i))))

@@ -44,7 +44,7 @@
   "Decode BUFFER[START,END) (a checked target path) to a string: %XX escapes
 to octets, then UTF-8 (invalid sequences become replacement characters)."
   (declare (type octets buffer) (type fixnum start end))
-  (if (not (find 37 buffer :start start :end end))
+  (if (not (gallop.core:octet-position 37 buffer start end))
       (if (loop for i from start below end always (< (aref buffer i) 128))
           (latin1-string buffer start end)
           (sb-ext:octets-to-string buffer :start start :end end
@@ -65,8 +65,10 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
 (defun trim-bounds (buffer start end)
   (declare (type octets buffer) (type fixnum start end))
   (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
-  (loop while (and (< start end) (member (aref buffer start) '(32 9))) do (incf start))
-  (loop while (and (< start end) (member (aref buffer (1- end)) '(32 9))) do (decf end))
+  (loop while (and (< start end) (let ((b (aref buffer start))) (or (= b 32) (= b 9))))
+        do (incf start))
+  (loop while (and (< start end) (let ((b (aref buffer (1- end)))) (or (= b 32) (= b 9))))
+        do (decf end))
   (values start end))
 
 (defun connection-token-p (value token)
@@ -94,20 +96,20 @@ whether the client wants the connection kept alive, and whether it is
 HTTP/1.0, and whether it expects 100-continue."
   (multiple-value-bind (buffer start end) (gallop.core:connection-head c)
     (declare (type octets buffer) (type fixnum start end))
-    (let* ((line-end (position 10 buffer :start start :end end))
-           (sp1 (position 32 buffer :start start :end line-end))
-           (sp2 (position 32 buffer :start (1+ sp1) :end line-end))
+    (let* ((line-end (gallop.core:octet-position 10 buffer start end))
+           (sp1 (gallop.core:octet-position 32 buffer start line-end))
+           (sp2 (gallop.core:octet-position 32 buffer (1+ sp1) line-end))
            (method (method-keyword buffer start sp1))
-           (question (position 63 buffer :start (1+ sp1) :end sp2))
+           (question (gallop.core:octet-position 63 buffer (1+ sp1) sp2))
            (http-1.0 (= (aref buffer (+ sp2 8)) 48))
            (headers (make-hash-table :test 'equal))
            (content-type nil)
            (host nil))
       ;; header fields: lower-case names; repeated fields joined with ", "
       (loop with i = (1+ line-end)
-            for eol = (position 10 buffer :start i :end end)
+            for eol = (gallop.core:octet-position 10 buffer i end)
             while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
-            do (let ((colon (position 58 buffer :start i :end eol)))
+            do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
                  (multiple-value-bind (vs ve) (trim-bounds buffer (1+ colon) eol)
                    (let ((name (lowercase-string buffer i colon))
                          (value (latin1-string buffer vs ve)))
