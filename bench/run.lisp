@@ -125,7 +125,7 @@
        :duration (max 1 (env-int "BENCH_DURATION" duration))
        :warmup (env-int "BENCH_WARMUP" warmup)
        ;; Seconds to let a server settle before reading its RSS.
-       :settle (if (eq mode :smoke) 0.3 1)
+       :settle (if (eq mode :full) 1 0.3)
        :idle-n (env-int "BENCH_IDLE_N" idle-n)
        :idle-stock-max (env-int "BENCH_IDLE_STOCK_MAX" 80)
        :scenarios scenarios
