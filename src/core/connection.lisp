@@ -216,7 +216,7 @@ serves the next buffered request, or (when stopping) closes it."
            ;; TLS: buffered cipher state can't be parked; wait here for the
            ;; next request, bounded by the idle timeout, and give up on stop.
            (when (= in-start in-end)
-             (sb-ext:atomic-decf (engine-in-flight engine))
+             (end-in-flight engine)
              (let ((ready (unwind-protect
                                (poll-fds fd +pollin+ (engine-stop-fd engine)
                                          (engine-idle-timeout-ms engine))

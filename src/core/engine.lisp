@@ -68,6 +68,13 @@
 (defun engine-running-p (engine)
   (eq (engine-state engine) :running))
 
+(defun end-in-flight (engine)
+  "One request less in flight; wake a soft stop waiting for the last one."
+  (when (and (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
+             (not (engine-running-p engine)))
+    (sb-thread:with-mutex ((engine-lock engine))
+      (sb-thread:condition-broadcast (engine-idle-queue engine)))))
+
 (defun log-engine-error (engine format-control &rest args)
   (let ((log (engine-log-error engine)))
     (if log

@@ -76,9 +76,9 @@
                            for j of-type fixnum from 0
                            always (= (aref buffer i) (aref (the octets name) j))))))
 
-(defun content (buffer start end)
+(defun field-bounds (buffer start end)
   "START and END of BUFFER[START,END) without the CR before END, and without
-surrounding spaces and tabs."
+surrounding spaces and tabs: the bounds of a header field's value."
   (declare (type octets buffer) (type fixnum start end))
   (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
   (loop while (and (< start end) (let ((b (aref buffer start))) (or (= b 32) (= b 9))))
@@ -166,7 +166,7 @@ status that refuses it, or NIL."
                                   (loop for i from start below colon
                                         always (tchar-p (aref buffer i))))
                        (return-from check-head 400))
-                     (multiple-value-bind (vs ve) (content buffer (1+ colon) end)
+                     (multiple-value-bind (vs ve) (field-bounds buffer (1+ colon) end)
                        (unless (loop for i from vs below ve always (vchar-p (aref buffer i)))
                          (return-from check-head 400))
                        (cond ((region= buffer start colon +content-length+)

@@ -32,6 +32,6 @@
    #:engine-running-p #:engine-pool #:engine-stats
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error
    ;; utilities used by the layers above
-   #:octet-position
+   #:octet-position #:field-bounds
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd))

@@ -272,9 +272,6 @@ than ALLOWED."
       (free-event-buffer events)
       (leave-pool pool counted-out))))
 
-(defun pool-thread-count* (pool)
-  (sb-thread:with-mutex ((pool-lock pool)) (pool-thread-count pool)))
-
 (defun pool-stop (pool)
   "Stop the pool: every worker exits once its current event is served, and
 every thread the pool started is joined.  Closes the epoll set."

@@ -269,16 +269,13 @@ until then."
 
 (defun connection-unsuspend (c)
   "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
-  (sb-ext:atomic-decf (engine-in-flight (connection-engine c))))
+  (end-in-flight (connection-engine c)))
 
 (defun connection-resume (c keep-alive)
   "Finish a suspended request from any thread: serve the next request if one
 is buffered and KEEP-ALIVE, else park C in epoll, or close it."
   (let ((engine (connection-engine c)))
-    (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
-      (unless (engine-running-p engine)
-        (sb-thread:with-mutex ((engine-lock engine))
-          (sb-thread:condition-broadcast (engine-idle-queue engine)))))
+    (end-in-flight engine)
     (if (and keep-alive (engine-running-p engine))
         (handler-case (serve-connection engine c)
           (error (e)
@@ -306,10 +303,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
                      (error (e)
                        (log-engine-error engine "Error serving ~A: ~A" c e)
                        (setf close-requested t park-requested nil)))
-                (when (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
-                  (unless (engine-running-p engine)
-                    (sb-thread:with-mutex ((engine-lock engine))
-                      (sb-thread:condition-broadcast (engine-idle-queue engine)))))))
+                (end-in-flight engine)))
       ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
       (return-from run-handler :suspended))
     (cond ((not close-requested)

@@ -62,15 +62,6 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
                  (incf n))
         (sb-ext:octets-to-string octets :end n :external-format '(:utf-8 :replacement #\ufffd)))))
 
-(defun trim-bounds (buffer start end)
-  (declare (type octets buffer) (type fixnum start end))
-  (when (and (> end start) (= (aref buffer (1- end)) 13)) (decf end))
-  (loop while (and (< start end) (let ((b (aref buffer start))) (or (= b 32) (= b 9))))
-        do (incf start))
-  (loop while (and (< start end) (let ((b (aref buffer (1- end)))) (or (= b 32) (= b 9))))
-        do (decf end))
-  (values start end))
-
 (defun connection-token-p (value token)
   "Does the comma-separated header VALUE contain TOKEN (case-insensitive)?"
   (and value
@@ -110,7 +101,7 @@ HTTP/1.0, and whether it expects 100-continue."
             for eol = (gallop.core:octet-position 10 buffer i end)
             while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
             do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
-                 (multiple-value-bind (vs ve) (trim-bounds buffer (1+ colon) eol)
+                 (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
                    (let ((name (lowercase-string buffer i colon))
                          (value (latin1-string buffer vs ve)))
                      (let ((old (gethash name headers)))
