@@ -3,7 +3,7 @@
 ;;;; Every call that can block (epoll_wait, poll, read, send, accept4) can
 ;;;; return -1/EINTR at any time: SBCL stops threads for GC with a signal, and
 ;;;; the kernel never restarts epoll_wait or poll.  The wrappers below retry on
-;;;; EINTR where that is right, and return -1 with the errno as a second value
+;;;; EINTR where that is right (never for close), and return -1 with the errno as a second value
 ;;;; otherwise, so callers can tell EAGAIN from a real failure without consing.
 ;;;;
 ;;;; struct epoll_event is PACKED on x86-64: 12 bytes, events (u32) at offset 0
@@ -149,8 +149,9 @@ handed back by epoll_wait.  Returns T on success, NIL and the errno on failure."
     fd))
 
 (defun close-fd (fd)
-  (loop for r = (%close fd)
-        while (and (< r 0) (= (%errno) +eintr+)))
+  "close(2) FD once.  Never retried, not even on EINTR: Linux frees the fd
+number whatever close returns, and another thread may already have it."
+  (%close fd)
   (values))
 
 (defun shutdown-fd (fd how)
