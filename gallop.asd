@@ -62,6 +62,7 @@
                (:file "util")
                (:file "core/engine")
                (:file "core/head")
+               (:file "core/emfile")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")
