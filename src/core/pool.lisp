@@ -262,7 +262,7 @@ than ALLOWED."
                         (when (= data +wake-data+)
                           (return))
                         (handler-case (funcall dispatch data (event-flags events 0))
-                          (error (e)
+                          (serious-condition (e)
                             (let ((log (pool-log-error pool)))
                               (when log (ignore-errors (funcall log e))))))))))
              (when (surplus-holder-p pool)

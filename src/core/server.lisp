@@ -212,7 +212,7 @@ let the housekeeper drain and close C.  The caller owns C."
                (= (connection-token c) token)
                (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked))
       (handler-case (serve-connection engine c)
-        (error (e)
+        (serious-condition (e)
           ;; A bug, not the client's doing: log it, and don't leak the fd.
           (log-engine-error engine "Internal error serving ~A: ~A" c e)
           (unless (member (connection-state c) '(:closed :detached :draining))
@@ -278,7 +278,7 @@ is buffered and KEEP-ALIVE, else park C in epoll, or close it."
     (end-in-flight engine)
     (if (and keep-alive (engine-running-p engine))
         (handler-case (serve-connection engine c)
-          (error (e)
+          (serious-condition (e)
             (log-engine-error engine "Error resuming ~A: ~A" c e)
             (unless (member (connection-state c) '(:closed :detached :draining))
               (close-connection c))))
@@ -289,7 +289,11 @@ is buffered and KEEP-ALIVE, else park C in epoll, or close it."
   (reject-connection c response))
 
 (defun run-handler (engine c)
-  "Run the engine's handler on C.  Returns :PARK (the handler is done with
+  "Run the engine's handler on C.  Any serious condition the handler lets
+escape (an error, or SBCL's control stack exhaustion, which is a
+STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
+the worker's thread, where it would kill the process or park the thread in
+the debugger.  Returns :PARK (the handler is done with
 this request and the connection may serve another), :CLOSE, :DETACHED (the
 handler kept the stream) or :SUSPENDED (the handler returned :SUSPENDED after
 CONNECTION-SUSPEND: another thread will finish the request)."
@@ -300,7 +304,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
     (when (eq :suspended
               (unwind-protect
                    (handler-case (funcall (the function (engine-handler engine)) c)
-                     (error (e)
+                     (serious-condition (e)
                        (log-engine-error engine "Error serving ~A: ~A" c e)
                        (setf close-requested t park-requested nil)))
                 (end-in-flight engine)))

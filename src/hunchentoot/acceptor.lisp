@@ -31,3 +31,14 @@ The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
 (defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-SSL-ACCEPTOR."))
+
+(defmethod hunchentoot:handle-request :around ((acceptor acceptor) request)
+  ;; Hunchentoot turns handler ERRORs into 500s, but SBCL's control stack
+  ;; exhaustion is a STORAGE-CONDITION: unwind it here, inside the request,
+  ;; and answer 500 like any other handler failure.
+  (declare (ignore request))
+  (handler-case (call-next-method)
+    (storage-condition (condition)
+      (hunchentoot:log-message* :error "~A" condition)
+      (setf (hunchentoot:return-code*) hunchentoot:+http-internal-server-error+)
+      (hunchentoot:abort-request-handler))))

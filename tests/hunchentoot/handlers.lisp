@@ -92,3 +92,11 @@
         (close stream)))
      :name "detached writer"))
   nil)
+
+(defun bottomless (n)
+  "Recurses until the control stack is exhausted."
+  (1+ (bottomless (1+ n))))
+
+(hunchentoot:define-easy-handler (handle-deep :uri "/deep") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (princ-to-string (bottomless 0)))

@@ -181,3 +181,12 @@
         while position
         count t
         do (setf start (1+ position))))
+
+(test stack-exhaustion-in-a-handler-leaves-the-server-serving
+  ;; SBCL signals a STORAGE-CONDITION, not an ERROR: it must not escape to
+  ;; the worker thread (which would end the process without a debugger).
+  (with-server (server 'gallop:easy-acceptor)
+    (is (= 500 (response-status (get-request (port-of server) "/deep"))))
+    (is (= 200 (response-status (get-request (port-of server) "/yo"))))
+    ;; and the worker that hit it is back in the pool
+    (is (wait-until (lambda () (zerop (stat server :in-flight)))))))

@@ -231,3 +231,11 @@
     (sb-thread:join-thread client)
     (is (string= "done" (body-string response)))
     (is (wait-until (lambda () (< (thread-count) threads))))))
+
+(test native-stack-exhaustion-gives-500
+  (with-app (server (lambda (env)
+                      (if (string= (getf env :path-info) "/deep")
+                          (list 200 nil (list (princ-to-string (bottomless 0))))
+                          '(200 nil ("ok")))))
+    (is (= 500 (response-status (get-request (native-port server) "/deep"))))
+    (is (= 200 (response-status (get-request (native-port server) "/ok"))))))
