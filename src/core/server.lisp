@@ -293,10 +293,10 @@ is buffered and KEEP-ALIVE, else park C in epoll, or close it."
 escape (an error, or SBCL's control stack exhaustion, which is a
 STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
 the worker's thread, where it would kill the process or park the thread in
-the debugger.  Returns :PARK (the handler is done with
-this request and the connection may serve another), :CLOSE, :DETACHED (the
-handler kept the stream) or :SUSPENDED (the handler returned :SUSPENDED after
-CONNECTION-SUSPEND: another thread will finish the request)."
+the debugger.  Returns :PARK (the handler is done with this request and the
+connection may serve another), :CLOSE, :DETACHED (the handler kept the stream)
+or :SUSPENDED (the handler returned :SUSPENDED after CONNECTION-SUSPEND:
+another thread will finish the request)."
   (with-slots (boundary park-requested close-requested head-started) c
     (setf boundary nil park-requested nil close-requested nil head-started nil)
     (sb-ext:atomic-incf (engine-requests engine))
@@ -315,9 +315,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
            (setf boundary nil park-requested nil
                  (connection-state c) :detached)
            :detached)
-          (park-requested
-           (setf boundary nil park-requested nil close-requested nil)
-           :park)
+          (park-requested :park)
           (t :close))))
 
 ;;; The housekeeper
