@@ -82,7 +82,8 @@ server closed the connection before sending a status line."
                                       (cons (subseq line 0 colon)
                                             (string-trim " " (subseq line (1+ colon)))))))
              (response (make-response :status status :headers headers)))
-        (unless head-only
+        ;; Interim (1xx) answers have no body.
+        (unless (or head-only (< status 200))
           (setf (response-body response)
                 (let ((length (cdr (assoc "Content-Length" headers :test #'string-equal)))
                       (chunked (search "chunked" (or (cdr (assoc "Transfer-Encoding" headers
@@ -133,6 +134,27 @@ no further bytes."
 (defun get-request (port path &rest extra-headers)
   (request port (apply #'crlf (format nil "GET ~A HTTP/1.1" path) "Host: 127.0.0.1"
                        extra-headers)))
+
+(defun count-matches (needle haystack)
+  "How many times NEEDLE occurs in HAYSTACK."
+  (loop with start = 0
+        for position = (search needle haystack :start2 start)
+        while position
+        count t
+        do (setf start (1+ position))))
+
+;;; Native servers (GALLOP:START)
+
+(defmacro with-app ((server app &rest options) &body body)
+  "Serve APP with GALLOP:START on 127.0.0.1 and a free port, run BODY, and
+always stop it."
+  `(let ((,server (gallop:start ,app ,@options
+                                     :address "127.0.0.1" :port 0
+                                     :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
+     (unwind-protect (progn ,@body)
+       (gallop:stop ,server))))
+
+(defun native-port (server) (gallop:server-port server))
 
 ;;; Resources of this process
 

@@ -26,10 +26,16 @@
   ((errno :initarg :errno :initform 0 :reader connection-error-errno)
    (operation :initarg :operation :initform "I/O" :reader connection-error-operation))
   (:report (lambda (c s)
-             (format s "~A failed on ~A: errno ~D"
-                     (connection-error-operation c) (stream-error-stream c)
-                     (connection-error-errno c))))
-  (:documentation "A read or write on a connection failed (reset, broken pipe)."))
+             (let ((errno (connection-error-errno c)))
+               (format s "~A failed on ~A: ~A"
+                       (connection-error-operation c) (stream-error-stream c)
+                       (case errno
+                         (0 "the client closed the connection")
+                         (32 "the client closed the connection (broken pipe)")
+                         (104 "the client reset the connection")
+                         (t (format nil "errno ~D" errno)))))))
+  (:documentation "A read or write on a connection failed: mostly the client
+went away (end of file, reset, broken pipe)."))
 
 (define-condition connection-timeout-error (connection-error)
   ()
@@ -37,6 +43,19 @@
              (format s "~A timed out on ~A"
                      (connection-error-operation c) (stream-error-stream c))))
   (:documentation "A read or write on a connection made no progress in time."))
+
+(define-condition handler-timeout (serious-condition)
+  ((seconds :initarg :seconds :initform nil :reader handler-timeout-seconds))
+  (:report (lambda (c s)
+             (if (handler-timeout-seconds c)
+                 (format s "The request handler ran past its deadline of ~A s and was interrupted."
+                         (handler-timeout-seconds c))
+                 (format s "The request handler was interrupted: the server is stopping."))))
+  (:documentation "Signalled in a worker whose request handler ran past the
+engine's HANDLER-TIMEOUT, or still ran when a hard stop gave up waiting for
+it.  It is a SERIOUS-CONDITION, not an ERROR, so that handlers that catch
+every ERROR (IGNORE-ERRORS, HANDLER-CASE on ERROR) still unwind; their
+UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
 
 (defclass connection (sb-gray:fundamental-binary-input-stream
                       sb-gray:fundamental-binary-output-stream)
@@ -65,6 +84,23 @@
    (boundary :initform nil)
    (park-requested :initform nil)
    (close-requested :initform nil)
+   (sent :initform 0 :type fixnum
+         :documentation "Bytes of the current response sent so far (0: none).")
+   (handler-thread :initform nil
+                   :documentation "The worker running the handler on this connection, or NIL.")
+   (handler-serial :initform 0 :type fixnum
+                   :documentation "Counts handler runs on this connection, so that a
+deadline interrupt meant for one request never hits the next.")
+   (interrupted :initform nil
+                :documentation "True once the handler was interrupted: close after it.")
+   (expect-continue :initform nil
+                    :documentation "True if the request asked for 100 Continue.")
+   (body-check :initform nil
+               :documentation "State of the chunked-body checker (chunks.lisp), or NIL.")
+   (head-left :initform 0 :type fixnum)
+   (chunk-left :initform 0 :type fixnum)
+   (chunk-total :initform 0 :type fixnum)
+   (line :initform 0 :type fixnum)
    (remote-address :initarg :remote-address :initform nil :reader connection-remote-address)
    (remote-port :initarg :remote-port :initform 0 :reader connection-remote-port)
    (local-address :initform nil)
@@ -212,17 +248,21 @@ when the connection should instead go back to the engine, which parks it,
 serves the next buffered request, or (when stopping) closes it."
   (with-slots (boundary park-requested owner-stream in-start in-end engine fd) c
     (cond ((not (engine-running-p engine)) nil)
+          ((slot-value c 'interrupted) nil)
           (owner-stream
            ;; TLS: buffered cipher state can't be parked; wait here for the
            ;; next request, bounded by the idle timeout, and give up on stop.
            (when (= in-start in-end)
              (end-in-flight engine)
+             (disarm-handler-deadline c)
              (let ((ready (unwind-protect
                                (poll-fds fd +pollin+ (engine-stop-fd engine)
                                          (engine-idle-timeout-ms engine))
                             (sb-ext:atomic-incf (engine-in-flight engine)))))
                (unless (eq ready :ready)
                  (return-from leave-boundary nil))))
+           ;; The next request on this TLS connection gets a deadline of its own.
+           (arm-handler-deadline c)
            (setf boundary nil)
            t)
           (t
@@ -274,7 +314,7 @@ serves the next buffered request, or (when stopping) closes it."
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (< start end)
           do (multiple-value-bind (n errno) (send-from fd buffer start end)
-               (cond ((>= n 0) (incf start n))
+               (cond ((>= n 0) (incf start n) (incf (the fixnum (slot-value c 'sent)) n))
                      ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                      (t (error 'connection-error :stream c :errno errno
                                                  :operation "write")))))))
@@ -377,7 +417,8 @@ Returns the index after the last byte read: less than END only at end of file."
 
 (defun connection-read-line (c)
   "Read bytes up to and including LF; return them as an octet vector without
-the line end, or NIL at end of file.  For chunked-body framing only."
+the line end, NIL at end of file, or :TOO-LONG past 1 KiB.  For chunked-body
+framing only."
   (let ((line (make-array 16 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
     (loop
       (let ((b (sb-gray:stream-read-byte c)))
@@ -386,8 +427,7 @@ the line end, or NIL at end of file.  For chunked-body framing only."
                                   (when (and (plusp n) (= (aref line (1- n)) 13))
                                     (decf (fill-pointer line)))
                                   line)))
-              ((> (length line) 1024)
-               (error 'connection-error :stream c :operation "chunk line"))
+              ((> (length line) 1024) (return :too-long))
               (t (vector-push-extend b line)))))))
 
 (defun connection-write-octets (c octets &optional (start 0) (end (length octets)))
@@ -420,7 +460,8 @@ after what is buffered."
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (plusp count)
           do (multiple-value-bind (n errno) (send-file-chunk fd file-fd offset (min count (* 1024 1024)))
-               (cond ((plusp n) (incf offset n) (decf count n))
+               (cond ((plusp n) (incf offset n) (decf count n)
+                      (incf (the fixnum (slot-value c 'sent)) n))
                      ((and (minusp n) (= errno +eagain+))
                       (wait-for-fd c +pollout+ timeout "sendfile"))
                      ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))

@@ -43,11 +43,13 @@
   (idle-timeout-ms 20000 :type fixnum)
   (read-timeout-ms 20000 :type fixnum)
   (write-timeout-ms 20000 :type fixnum)
+  (handler-timeout-ms 0 :type fixnum) ; 0: handlers run as long as they like
   (linger-ms 2000 :type fixnum)
   (max-head-bytes 16384 :type fixnum)
   (max-body-bytes (* 64 1024 1024) :type fixnum)
   (max-request-line-bytes 8192 :type fixnum)
   (max-queue 1024 :type fixnum)
+  (check-chunked-bodies nil) ; see chunks.lisp
   (retry-after 1 :type fixnum)
   (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters
@@ -56,6 +58,7 @@
   (requests 0 :type sb-ext:word)
   (shed 0 :type sb-ext:word)
   (timeouts 0 :type sb-ext:word)
+  (aborted 0 :type sb-ext:word)
   (rejected 0 :type sb-ext:word)
   (pending 0 :type sb-ext:word)
   (in-flight 0 :type sb-ext:word)
@@ -63,6 +66,11 @@
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
   (last-emfile-ms 0 :type fixnum))
+
+(defun note-client-abort (engine)
+  "Count a request the client gave up on.  Not logged: clients close and
+reset connections all the time, and it is not the server's fault."
+  (sb-ext:atomic-incf (engine-aborted engine)))
 
 (declaim (inline engine-running-p))
 (defun engine-running-p (engine)
@@ -103,6 +111,9 @@
 (defparameter +response-505+ (make-error-response 505 "HTTP Version Not Supported"))
 (defparameter +response-431+ (make-error-response 431 "Request Header Fields Too Large"))
 
+(defparameter +response-100+ (encode-ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
+                                                   #\Return #\Linefeed #\Return #\Linefeed)))
+
 (defun response-503 (engine)
   (or (engine-response-503 engine)
       (setf (engine-response-503 engine)
@@ -114,7 +125,9 @@
 epoll), :ACTIVE (owned by a worker or by a handler that detached them),
 :IN-FLIGHT requests, :PENDING (accepted, not yet served), totals :ACCEPTED,
 :CLOSED, :REQUESTS, :SHED (503 at accept), :REJECTED (400/408/414/431),
-:TIMEOUTS, and the pool's :THREADS and :IDLE-THREADS."
+:TIMEOUTS, :ABORTED (requests the client gave up on: it closed or reset the
+connection while a handler read or answered), and the pool's :THREADS and
+:IDLE-THREADS."
   (let ((open 0) (idle 0) (active 0)
         (table (engine-table engine)))
     (loop for c across table
@@ -133,5 +146,6 @@ epoll), :ACTIVE (owned by a worker or by a handler that detached them),
             :shed (engine-shed engine)
             :rejected (engine-rejected engine)
             :timeouts (engine-timeouts engine)
+            :aborted (engine-aborted engine)
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle pool) 0)))))

@@ -15,7 +15,8 @@
 ;;;;   501  a method this server does not know, or a transfer coding other
 ;;;;        than chunked
 ;;;;   505  an HTTP version other than 1.0 and 1.1
-;;;; It records the body's framing in the connection's BODY-LENGTH and CHUNKED.
+;;;; It records the body's framing in the connection's BODY-LENGTH and CHUNKED,
+;;;; and whether the client expects 100 Continue in EXPECT-CONTINUE.
 
 (in-package #:gallop.core)
 
@@ -66,6 +67,8 @@
 (defparameter +content-length+ (encode-ascii "content-length"))
 (defparameter +transfer-encoding+ (encode-ascii "transfer-encoding"))
 (defparameter +host+ (encode-ascii "host"))
+(defparameter +expect+ (encode-ascii "expect"))
+(defparameter +100-continue+ (encode-ascii "100-continue"))
 (defparameter +chunked+ (encode-ascii "chunked"))
 
 (defun known-method-p (buffer start end)
@@ -143,7 +146,7 @@ status that refuses it or NIL, and the HTTP minor version (0 or 1)."
 (defun check-head (c)
   "Check the complete request head buffered in connection C.  Returns the
 status that refuses it, or NIL."
-  (with-slots (inbuf in-start scan engine body-length chunked) c
+  (with-slots (inbuf in-start scan engine body-length chunked expect-continue) c
     (let* ((buffer inbuf)
            (head-end scan)
            (line-end (line-end buffer in-start head-end))
@@ -151,7 +154,7 @@ status that refuses it, or NIL."
            (transfer-encoding nil)
            (hosts 0))
       (declare (type octets buffer) (type fixnum head-end))
-      (setf body-length 0 chunked nil)
+      (setf body-length 0 chunked nil expect-continue nil)
       (multiple-value-bind (status minor) (check-request-line buffer in-start line-end)
         (when status (return-from check-head status))
         ;; header fields
@@ -182,7 +185,9 @@ status that refuses it, or NIL."
                                 (return-from check-head 501))
                               (setf transfer-encoding t))
                              ((region= buffer start colon +host+)
-                              (incf hosts)))))
+                              (incf hosts))
+                             ((region= buffer start colon +expect+)
+                              (setf expect-continue (region= buffer vs ve +100-continue+))))))
                    (setf start (1+ end))))
         (cond ((and transfer-encoding content-length) 400)
               ((and transfer-encoding (= minor 0)) 400)

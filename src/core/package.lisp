@@ -25,12 +25,13 @@
    #:connection-flush #:connection-send-file
    #:connection-finish #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error
-   #:connection-timeout-error
+   #:connection-timeout-error #:handler-timeout #:handler-timeout-seconds
+   #:request-body-error #:request-body-error-status
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
    #:engine-running-p #:engine-pool #:engine-stats
-   #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error
+   #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    ;; utilities used by the layers above
    #:octet-position #:field-bounds
    #:set-nonblocking #:raise-fd-limit #:fd-limit

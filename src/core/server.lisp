@@ -21,9 +21,9 @@
 (defun make-engine (&key (name "gallop") handler raw
                       (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
                       (header-timeout 20) (idle-timeout 20) (read-timeout 20)
-                      (write-timeout 20) (max-head-bytes 16384) (max-body-bytes (* 64 1024 1024))
+                      (write-timeout 20) handler-timeout (max-head-bytes 16384) (max-body-bytes (* 64 1024 1024))
                       (max-request-line-bytes 8192) (max-queue 1024) (retry-after 1)
-                      thread-starter log-error)
+                      check-chunked-bodies thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
@@ -31,21 +31,28 @@ connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
 requests and CLOSE when done.  Timeouts are in seconds: HEADER-TIMEOUT for a
 whole request head, IDLE-TIMEOUT between keep-alive requests, READ-TIMEOUT and
 WRITE-TIMEOUT for progress while a worker reads a body or writes a response.
+HANDLER-TIMEOUT, when given, is a deadline for the handler's whole run on one
+request: past it the worker is interrupted with HANDLER-TIMEOUT (the
+condition), the client gets 503 if nothing of a response was sent yet, and
+the connection is closed.
 MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
 MAX-BODY-BYTES bounds a declared Content-Length (413).  MAX-QUEUE bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
-RETRY-AFTER."
+RETRY-AFTER.  CHECK-CHUNKED-BODIES makes the connection stream check chunked
+request bodies as the handler reads them (see chunks.lisp)."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw
                                 :header-timeout-ms (ms header-timeout)
                                 :idle-timeout-ms (ms idle-timeout)
                                 :read-timeout-ms (ms read-timeout)
                                 :write-timeout-ms (ms write-timeout)
+                                :handler-timeout-ms (if handler-timeout (ms handler-timeout) 0)
                                 :max-head-bytes max-head-bytes
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-queue max-queue :retry-after retry-after
+                                :check-chunked-bodies check-chunked-bodies
                                 :log-error log-error)))
       (setf (engine-pool engine)
             (make-pool :name name :min-threads min-threads :max-threads max-threads
@@ -253,7 +260,13 @@ leave C as the handler decided.  The caller owns C."
         (when ready
           (let ((refusal (and (not raw) (check-head c))))
             (when refusal
-              (return (reject c (error-response refusal)))))
+              (return (reject c (error-response refusal))))
+            (when (and (not raw) (slot-value c 'chunked) (engine-check-chunked-bodies engine))
+              (case (read-chunked-body c)
+                ((nil))
+                (:closed (return (close-connection c)))
+                (400 (return (reject c +response-400+)))
+                (413 (return (reject c +response-413+))))))
           (ecase (run-handler engine c)
             (:park (unless (engine-running-p engine)
                      (return (close-connection c))))
@@ -288,28 +301,97 @@ is buffered and KEEP-ALIVE, else park C in epoll, or close it."
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
   (reject-connection c response))
 
+(defvar *handler-connection* nil
+  "In a worker, while it runs the engine's handler: the connection served.
+A deadline interrupt acts only while this is bound to its connection.")
+
+(defun arm-handler-deadline (c)
+  "Note that this thread now runs the handler on C, and start C's handler
+deadline, if the engine has one."
+  (let ((timeout (engine-handler-timeout-ms (connection-engine c))))
+    (setf (slot-value c 'sent) 0
+          (slot-value c 'handler-serial) (logand (1+ (slot-value c 'handler-serial))
+                                                 most-positive-fixnum)
+          (slot-value c 'handler-thread) sb-thread:*current-thread*)
+    (when (plusp timeout)
+      (schedule c (+ (now-ms) timeout)))))
+
+(defun disarm-handler-deadline (c)
+  (setf (slot-value c 'handler-thread) nil))
+
+(defun interrupt-handler (c thread serial seconds)
+  "Make THREAD, if it still runs handler run number SERIAL on C, signal
+HANDLER-TIMEOUT (SECONDS NIL: the server is stopping).  Any thread."
+  (sb-thread:interrupt-thread
+   thread
+   (lambda ()
+     ;; Runs in THREAD, at whatever it was doing: act only inside the
+     ;; handler run meant, never in the worker's own bookkeeping.
+     (when (and (eq *handler-connection* c)
+                (eql (slot-value c 'handler-serial) serial)
+                (eq (slot-value c 'handler-thread) sb-thread:*current-thread*))
+       (setf (slot-value c 'interrupted) t)
+       ;; ERROR, not SIGNAL: unless something in the handler unwinds it,
+       ;; RUN-HANDLER's HANDLER-CASE does.
+       (error 'handler-timeout :seconds seconds)))))
+
+(defun answer-interrupted-handler (engine c condition)
+  "After HANDLER-TIMEOUT cut a handler short: log CONDITION (NIL: the layer
+above caught and logged it), and answer 503 if no byte of a response went
+out yet.  Over TLS the engine can't write for the handler: its layer answers."
+  (when condition
+    (log-engine-error engine "~A (~A)" condition c))
+  (when (and (zerop (the fixnum (slot-value c 'sent))) (not (engine-raw-p engine)))
+    (setf (slot-value c 'out-fill) 0)
+    (let ((response (response-503 engine)))
+      (send-from (connection-fd c) response 0 (length response)))))
+
 (defun run-handler (engine c)
   "Run the engine's handler on C.  Any serious condition the handler lets
 escape (an error, or SBCL's control stack exhaustion, which is a
 STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
 the worker's thread, where it would kill the process or park the thread in
-the debugger.  Returns :PARK (the handler is done with this request and the
-connection may serve another), :CLOSE, :DETACHED (the handler kept the stream)
-or :SUSPENDED (the handler returned :SUSPENDED after CONNECTION-SUSPEND:
-another thread will finish the request)."
-  (with-slots (boundary park-requested close-requested head-started) c
-    (setf boundary nil park-requested nil close-requested nil head-started nil)
+the debugger.  A handler cut short by its deadline closes C too, after a 503
+if it had not answered.  Returns :PARK (the handler is done with this request
+and the connection may serve another), :CLOSE, :DETACHED (the handler kept
+the stream) or :SUSPENDED (the handler returned :SUSPENDED after
+CONNECTION-SUSPEND: another thread will finish the request)."
+  (with-slots (boundary park-requested close-requested head-started sent interrupted) c
+    (setf boundary nil park-requested nil close-requested nil head-started nil
+          sent 0 interrupted nil)
     (sb-ext:atomic-incf (engine-requests engine))
     (sb-ext:atomic-incf (engine-in-flight engine))
-    (when (eq :suspended
-              (unwind-protect
-                   (handler-case (funcall (the function (engine-handler engine)) c)
-                     (serious-condition (e)
-                       (log-engine-error engine "Error serving ~A: ~A" c e)
-                       (setf close-requested t park-requested nil)))
-                (end-in-flight engine)))
-      ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
-      (return-from run-handler :suspended))
+    (arm-handler-deadline c)
+    (let ((result
+            (unwind-protect
+                 (handler-case (let ((*handler-connection* c))
+                                 (funcall (the function (engine-handler engine)) c))
+                   (handler-timeout (e)
+                     (answer-interrupted-handler engine c e)
+                     (setf interrupted :answered)
+                     nil)
+                   (connection-error (e)
+                     ;; The client went away or stalled (timeouts are
+                     ;; counted where they happen): close, quietly.
+                     (unless (typep e 'connection-timeout-error)
+                       (note-client-abort engine))
+                     (setf close-requested t park-requested nil)
+                     nil)
+                   (serious-condition (e)
+                     (log-engine-error engine "Error serving ~A: ~A" c e)
+                     (setf close-requested t park-requested nil)
+                     nil))
+              (disarm-handler-deadline c)
+              (end-in-flight engine))))
+      (when (eq result :suspended)
+        ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
+        (return-from run-handler :suspended)))
+    (when interrupted
+      (unless (eq interrupted :answered)
+        ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
+        ;; PROCESS-CONNECTION makes it an error it logs): still answer.
+        (answer-interrupted-handler engine c nil))
+      (setf close-requested t park-requested nil))
     (cond ((not close-requested)
            ;; The handler kept the stream: it is an ordinary stream from now on.
            (setf boundary nil park-requested nil
@@ -375,7 +457,19 @@ when part of a request head had arrived), else schedule it again."
       (:draining
        (if (due-p)
            (close-connection c)
-           (wheel-schedule (engine-wheel engine) c (connection-deadline c)))))))
+           (wheel-schedule (engine-wheel engine) c (connection-deadline c))))
+      (:active
+       ;; A handler deadline (see ARM-HANDLER-DEADLINE); without a handler
+       ;; running, the entry is stale and PARK schedules C again.
+       (let ((thread (slot-value c 'handler-thread))
+             (serial (slot-value c 'handler-serial)))
+         (when (and thread (plusp (engine-handler-timeout-ms engine)))
+           (if (due-p)
+               (handler-case
+                   (interrupt-handler c thread serial
+                                      (/ (engine-handler-timeout-ms engine) 1000.0))
+                 (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
+               (wheel-schedule (engine-wheel engine) c (connection-deadline c)))))))))
 
 (defun close-idle-connections (engine)
   "Close every parked and draining connection.  Used by ENGINE-STOP, once the
@@ -445,15 +539,39 @@ calls ENGINE-ADOPT-FD."
                            (format nil "~A-housekeeper" (engine-name engine))))
   engine)
 
-(defun wait-for-in-flight (engine)
-  (sb-thread:with-mutex ((engine-lock engine))
+(defun wait-for-in-flight (engine &optional timeout-ms)
+  "Wait until no request is in flight, or TIMEOUT-MS passed.  True if none is."
+  (let ((end (and timeout-ms (+ (now-ms) timeout-ms))))
     (loop until (zerop (engine-in-flight engine))
-          do (sb-thread:condition-wait (engine-idle-queue engine) (engine-lock engine)
-                                       :timeout 1))))
+          do (when (and end (>= (now-ms) end))
+               (return-from wait-for-in-flight nil))
+             ;; Woken by END-IN-FLIGHT; the timeout only bounds a missed wake-up.
+             ;; (CONDITION-WAIT returns without the mutex when it times out.)
+             (sb-thread:with-mutex ((engine-lock engine))
+               (when (plusp (engine-in-flight engine))
+                 (unless (sb-thread:condition-wait (engine-idle-queue engine)
+                                                   (engine-lock engine) :timeout 0.1)
+                   (sb-thread:grab-mutex (engine-lock engine)))))))
+  t)
+
+(defconstant +hard-stop-grace-ms+ 1000
+  "How long a hard stop waits for handlers after cutting their sockets,
+before it interrupts the ones still running.")
+
+(defun interrupt-running-handlers (engine)
+  "Signal HANDLER-TIMEOUT in every worker still running a handler."
+  (loop for c across (engine-table engine)
+        when c
+          do (let ((thread (slot-value c 'handler-thread))
+                   (serial (slot-value c 'handler-serial)))
+               (when (and thread (eq (connection-state c) :active))
+                 (log-engine-error engine "Stopping: interrupting the handler of ~A" c)
+                 (ignore-errors (interrupt-handler c thread serial nil))))))
 
 (defun engine-stop (engine &key soft)
   "Stop ENGINE: stop accepting, close idle connections, let in-flight requests
-finish (when SOFT) or cut their sockets (otherwise), and join every thread.
+finish (when SOFT) or cut their sockets (otherwise; handlers still running a
+second later are interrupted with HANDLER-TIMEOUT), and join every thread.
 Connections a handler detached are left to it.  The listen socket itself
 belongs to the caller, who closes it afterwards."
   (when (eq (engine-state engine) :running)
@@ -463,11 +581,15 @@ belongs to the caller, who closes it afterwards."
       (sb-thread:join-thread (engine-housekeeper engine) :default nil)
       (setf (engine-housekeeper engine) nil))
     (close-idle-connections engine)
-    (if soft
-        (wait-for-in-flight engine)
-        (loop for c across (engine-table engine)
-              when (and c (eq (connection-state c) :active))
-                do (shutdown-fd (connection-fd c) +shut-rdwr+)))
+    (cond (soft (wait-for-in-flight engine))
+          (t
+           (loop for c across (engine-table engine)
+                 when (and c (eq (connection-state c) :active))
+                   do (shutdown-fd (connection-fd c) +shut-rdwr+))
+           ;; A handler that is not reading or writing (sleeping, computing,
+           ;; waiting on a database) didn't notice: interrupt it.
+           (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
+             (interrupt-running-handlers engine))))
     (pool-stop (engine-pool engine))
     ;; Workers that finished after the first pass closed their connections
     ;; instead of parking them; catch any that raced with it.

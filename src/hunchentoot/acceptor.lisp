@@ -34,10 +34,15 @@ The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
 
 (defmethod hunchentoot:handle-request :around ((acceptor acceptor) request)
   ;; Hunchentoot turns handler ERRORs into 500s, but SBCL's control stack
-  ;; exhaustion is a STORAGE-CONDITION: unwind it here, inside the request,
-  ;; and answer 500 like any other handler failure.
+  ;; exhaustion is a STORAGE-CONDITION, and a handler past its deadline gets
+  ;; GALLOP:HANDLER-TIMEOUT, another SERIOUS-CONDITION: unwind them here,
+  ;; inside the request, and answer 500 or 503 (the connection then closes).
   (declare (ignore request))
   (handler-case (call-next-method)
+    (handler-timeout (condition)
+      (hunchentoot:log-message* :error "~A" condition)
+      (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+)
+      (hunchentoot:abort-request-handler))
     (storage-condition (condition)
       (hunchentoot:log-message* :error "~A" condition)
       (setf (hunchentoot:return-code*) hunchentoot:+http-internal-server-error+)

@@ -58,6 +58,10 @@ Defaults to the acceptor's read timeout.")
    (idle-timeout :initarg :idle-timeout :initform nil
                  :documentation "Seconds a keep-alive connection may stay idle.
 Defaults to the acceptor's read timeout.")
+   (handler-timeout :initarg :handler-timeout :initform nil
+                    :documentation "Seconds a request's handler may run (none by
+default).  Past it GALLOP:HANDLER-TIMEOUT is signalled in the handler's thread:
+the client gets 503 and the connection is closed.")
    (max-head-bytes :initarg :max-head-bytes
                    :documentation "Request heads over this many bytes get 431.")
    (max-request-line-bytes :initarg :max-request-line-bytes
@@ -132,7 +136,7 @@ new connections get 503.")
   (let ((read-timeout (or (hunchentoot:acceptor-read-timeout acceptor) 20))
         (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
     (with-slots (max-thread-count standby-thread-count thread-idle-timeout
-                 header-timeout idle-timeout max-head-bytes max-request-line-bytes
+                 header-timeout idle-timeout handler-timeout max-head-bytes max-request-line-bytes
                  max-body-bytes) tm
       (gallop.core:make-engine
        :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
@@ -145,10 +149,14 @@ new connections get 503.")
        :idle-timeout (or idle-timeout read-timeout)
        :read-timeout read-timeout
        :write-timeout write-timeout
+       :handler-timeout handler-timeout
        :max-head-bytes max-head-bytes
        :max-request-line-bytes max-request-line-bytes
        :max-body-bytes max-body-bytes
        :max-queue (taskmaster-max-queue-length tm)
+       ;; chunga answers bad framing with no response and two log entries,
+       ;; and has no size limit: Gallop reads and checks chunked bodies first.
+       :check-chunked-bodies t
        :thread-starter (lambda (thunk name)
                          (hunchentoot:start-thread tm thunk :name name))
        :log-error (lambda (format-control &rest args)

@@ -9,7 +9,10 @@
                 #:connection-user-data #:connection-remote-address
                 #:connection-remote-port #:connection-local-address
                 #:connection-local-port)
+  (:import-from #:gallop.core #:handler-timeout)
   (:export
+   ;; signalled in a handler that ran past its deadline (:HANDLER-TIMEOUT)
+   #:handler-timeout
    ;; native app API (Clack convention)
    #:start
    #:stop

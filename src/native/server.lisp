@@ -80,7 +80,8 @@
             (error (e)
               (setf closed t
                     (exchange-keep-alive ex) nil)
-              (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))
+              (unless (client-gone-p (exchange-server ex) e)
+                (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e))))
           (when closed
             (complete ex)))
         nil))))
@@ -108,20 +109,37 @@ answered from another thread), finish the connection from this thread."
              (handler-case (respond ex status headers body)
                (error (e)
                  (setf (exchange-keep-alive ex) nil)
-                 (log-error (exchange-server ex) "Responding failed: ~A" e)))
+                 (unless (client-gone-p (exchange-server ex) e)
+                   (log-error (exchange-server ex) "Responding failed: ~A" e))))
              (complete ex)
              nil)
             (t (start-streaming ex status headers))))))
 
+(defun client-gone-p (server condition)
+  "True (and counted) when CONDITION means the client went away: not worth a
+log line, and nobody to answer."
+  (when (and (typep condition 'gallop.core:connection-error)
+             (not (typep condition 'gallop.core:connection-timeout-error)))
+    (let ((engine (server-engine server)))
+      (when engine (gallop.core:note-client-abort engine)))
+    t))
+
 (defun internal-error (server ex condition)
-  (log-error server "Error in app: ~A" condition)
-  (setf (exchange-keep-alive ex) nil)
-  (unless (exchange-responded ex)
-    (ignore-errors
-     (respond ex 500 '(:content-type "text/plain; charset=utf-8")
-              (if (server-debug server)
-                  (list (format nil "Internal Server Error~%~%~A~%" condition))
-                  '("Internal Server Error"))))))
+  "The app failed with CONDITION: log it once, answer 500 (503 when it ran
+past its deadline) unless it already answered, and close the connection."
+  (let ((timeout (typep condition 'handler-timeout)))
+    (setf (exchange-keep-alive ex) nil)
+    (when (client-gone-p server condition)
+      (return-from internal-error))
+    (log-error server "~:[Error in app~;App interrupted~]: ~A" timeout condition)
+    (unless (exchange-responded ex)
+      (ignore-errors
+       (respond ex (if timeout 503 500) '(:content-type "text/plain; charset=utf-8")
+                (cond ((server-debug server)
+                       (list (format nil "~:[Internal Server Error~;Service Unavailable~]~%~%~A~%"
+                                     timeout condition)))
+                      (timeout '("Service Unavailable"))
+                      (t '("Internal Server Error"))))))))
 
 (defparameter +empty-body+ (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
   "The :RAW-BODY of every request without a body: always at end of file, so
@@ -135,20 +153,28 @@ write its response, and tell the engine what to do with C next."
                              :http-1.0 http-1.0
                              :head-p (eq (getf env :request-method) :head))))
       (gallop.core:connection-consume-head c)
+      ;; (For a chunked body the engine read it already, after its own 100.)
       (when (and expect-continue
-                 (or (gallop.core:connection-chunked-p c)
-                     (plusp (gallop.core:connection-body-length c))))
+                 (not (gallop.core:connection-chunked-p c))
+                 (plusp (gallop.core:connection-body-length c)))
         (gallop.core:connection-write-octets c +continue-response+)
         (gallop.core:connection-flush c))
       (let ((body (handler-case (read-body c (server-max-body-bytes server))
                     (body-too-large ()
                       (setf (exchange-keep-alive ex) nil)
                       (respond ex 413 '(:content-type "text/plain") '("Content Too Large"))
+                      (return-from serve-request (gallop.core:connection-finish c nil)))
+                    (bad-body-framing ()
+                      (setf (exchange-keep-alive ex) nil)
+                      (respond ex 400 '(:content-type "text/plain") '("Bad Request"))
                       (return-from serve-request (gallop.core:connection-finish c nil))))))
         (setf (getf env :raw-body)
               (if body (make-octet-input-stream body) +empty-body+)))
       (let ((response (handler-case (funcall (server-app server) env)
-                        (serious-condition (e) (internal-error server ex e) nil))))
+                        (serious-condition (e)
+                          (internal-error server ex e)
+                          (complete ex)
+                          nil))))
         (cond ((functionp response)
                (handler-case (funcall response (make-responder ex))
                  (serious-condition (e) (internal-error server ex e) (complete ex))))
@@ -186,6 +212,7 @@ write its response, and tell the engine what to do with C next."
 (defun start (app &key (address "127.0.0.1") (port 5000) (backlog 1024)
                     (max-thread-count 100) (standby-thread-count 4) (thread-idle-timeout 10)
                     (header-timeout 20) (idle-timeout 20) (read-timeout 20) (write-timeout 20)
+                    handler-timeout
                     (max-body-bytes (* 64 1024 1024)) (max-head-bytes 16384)
                     (max-queue-length 1024) debug (log *error-output*))
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
@@ -193,7 +220,11 @@ free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
 it.  APP runs in an elastic pool of MAX-THREAD-COUNT workers, keeping
 STANDBY-THREAD-COUNT when idle; timeouts are in seconds (see
 GALLOP.CORE:MAKE-ENGINE).  Errors in APP are logged to LOG and answered with
-500 (with the error text when DEBUG is true)."
+500 (with the error text when DEBUG is true).  HANDLER-TIMEOUT (seconds, none
+by default) bounds how long APP may run on one request in its worker: past
+it, GALLOP:HANDLER-TIMEOUT is signalled in APP's thread, the client gets 503
+and the connection is closed.  A delayed response (APP returned a function)
+is bounded only while that function runs in the worker."
   (check-type app function)
   (let* ((socket (make-listen-socket address port backlog))
          (server (%make-server :app app :socket socket :address (or address "0.0.0.0")
@@ -208,6 +239,9 @@ GALLOP.CORE:MAKE-ENGINE).  Errors in APP are logged to LOG and answered with
                      :thread-idle-timeout thread-idle-timeout
                      :header-timeout header-timeout :idle-timeout idle-timeout
                      :read-timeout read-timeout :write-timeout write-timeout
+                     :handler-timeout handler-timeout
+                     ;; The engine reads and checks chunked bodies before the app runs.
+                     :check-chunked-bodies t
                      :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
                      :max-queue max-queue-length
                      :log-error (lambda (format-control &rest args)

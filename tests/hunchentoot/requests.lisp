@@ -175,13 +175,6 @@
     (let ((text (get-output-stream-string log)))
       (is (= 1 (count-matches "deliberate test error" text))))))
 
-(defun count-matches (needle haystack)
-  (loop with start = 0
-        for position = (search needle haystack :start2 start)
-        while position
-        count t
-        do (setf start (1+ position))))
-
 (test stack-exhaustion-in-a-handler-leaves-the-server-serving
   ;; SBCL signals a STORAGE-CONDITION, not an ERROR: it must not escape to
   ;; the worker thread (which would end the process without a debugger).

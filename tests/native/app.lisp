@@ -5,12 +5,6 @@
 (def-suite native :in gallop :description "The native app API.")
 (in-suite native)
 
-(defmacro with-app ((server app &rest options) &body body)
-  `(let ((,server (gallop:start ,app ,@options
-                                     :address "127.0.0.1" :port 0
-                                     :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
-     (unwind-protect (progn ,@body)
-       (gallop:stop ,server))))
 
 (defun read-all-octets (stream)
   (let ((out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
@@ -30,7 +24,6 @@
                         (getf env :content-length)
                         (map 'string #'code-char body))))))
 
-(defun native-port (server) (gallop:server-port server))
 
 (test native-get-builds-the-environment
   (with-app (server #'env-echo-app)
@@ -185,8 +178,16 @@
                             (error "native deliberate failure")
                             '(200 nil ("ok"))))
                       :log log)
-      (is (= 500 (response-status (get-request (native-port server) "/fail"))))
-      (is (= 200 (response-status (get-request (native-port server) "/ok")))))
+      (let ((socket (connect (native-port server))))
+        (unwind-protect
+             (progn
+               (send socket (crlf "GET /fail HTTP/1.1" "Host: x"))
+               (is (= 500 (response-status (read-response socket))))
+               ;; and the connection is closed, not left waiting
+               (is (closed-by-peer-p socket)))
+          (usocket:socket-close socket)))
+      (is (= 200 (response-status (get-request (native-port server) "/ok"))))
+      (is (wait-until (lambda () (zerop (getf (gallop:stats server) :in-flight))))))
     (is (= 1 (count-matches "native deliberate failure" (get-output-stream-string log))))))
 
 (test native-body-limits-and-expect-continue
