@@ -67,6 +67,7 @@
                (:file "core/deadline")
                (:file "core/aborts")
                (:file "core/chunks")
+               (:file "core/shutdown")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

@@ -471,16 +471,28 @@ when part of a request head had arrived), else schedule it again."
                  (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
                (wheel-schedule (engine-wheel engine) c (connection-deadline c)))))))))
 
-(defun close-idle-connections (engine)
-  "Close every parked and draining connection.  Used by ENGINE-STOP, once the
+(defun close-idle-connections (engine &key keep-readable)
+  "Close every parked and draining connection; with KEEP-READABLE, leave the
+parked ones whose client already sent more, for a worker to serve.  Returns
+how many parked connections were left.  Used by ENGINE-STOP, once the
 housekeeper has exited."
-  (loop for c across (engine-table engine)
-        when c
-          do (case (connection-state c)
-               (:parked
-                (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
-                  (close-connection c)))
-               (:draining (close-connection c)))))
+  (let ((left 0))
+    (loop for c across (engine-table engine)
+          when c
+            do (case (connection-state c)
+                 (:parked
+                  (if (and keep-readable
+                           (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
+                      (incf left)
+                      (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active)
+                                :parked)
+                        (close-connection c))))
+                 (:draining (close-connection c))))
+    left))
+
+(defconstant +soft-stop-input-grace-ms+ 1000
+  "How long a soft stop keeps serving requests that clients had already sent
+on idle keep-alive connections when it began.")
 
 (defun housekeeper-loop (engine)
   (let ((events (make-event-buffer 64))
@@ -570,7 +582,8 @@ before it interrupts the ones still running.")
 
 (defun engine-stop (engine &key soft)
   "Stop ENGINE: stop accepting, close idle connections, let in-flight requests
-finish (when SOFT) or cut their sockets (otherwise; handlers still running a
+finish (when SOFT: with those already sent on idle connections, answered
+with Connection: close) or cut their sockets (otherwise; handlers still running a
 second later are interrupted with HANDLER-TIMEOUT), and join every thread.
 Connections a handler detached are left to it.  The listen socket itself
 belongs to the caller, who closes it afterwards."
@@ -580,9 +593,19 @@ belongs to the caller, who closes it afterwards."
     (when (engine-housekeeper engine)
       (sb-thread:join-thread (engine-housekeeper engine) :default nil)
       (setf (engine-housekeeper engine) nil))
-    (close-idle-connections engine)
-    (cond (soft (wait-for-in-flight engine))
+    (cond (soft
+           ;; A request that arrived on an idle connection just before the
+           ;; stop is served (with Connection: close) rather than cut off:
+           ;; close only the idle connections with nothing to read, until
+           ;; the others were served or the grace ran out.
+           (let ((end (+ (now-ms) +soft-stop-input-grace-ms+)))
+             (loop while (and (plusp (close-idle-connections engine :keep-readable t))
+                              (< (now-ms) end))
+                   do (sleep 0.005)))
+           (close-idle-connections engine)
+           (wait-for-in-flight engine))
           (t
+           (close-idle-connections engine)
            (loop for c across (engine-table engine)
                  when (and c (eq (connection-state c) :active))
                    do (shutdown-fd (connection-fd c) +shut-rdwr+))

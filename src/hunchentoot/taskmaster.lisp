@@ -226,6 +226,15 @@ new connections get 503.")
   (declare (ignore socket))
   nil)
 
+(defmethod hunchentoot:handle-request :around ((acceptor hunchentoot:acceptor) request)
+  ;; A response written while the server stops says so: the connection
+  ;; closes after it (Hunchentoot would announce keep-alive).
+  (declare (ignore request))
+  (multiple-value-prog1 (call-next-method)
+    (when (and *connection*
+               (not (gallop.core:engine-running-p (gallop.core:connection-engine *connection*))))
+      (setf (hunchentoot:header-out :connection) "Close"))))
+
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.
 

@@ -17,11 +17,17 @@
 
 (in-package #:gallop)
 
+(defun accepting-p (server)
+  "True unless SERVER is stopping: then responses say Connection: close."
+  (let ((engine (server-engine server)))
+    (and engine (gallop.core:engine-running-p engine))))
+
 (defun respond (ex status headers body)
   "Write a complete response for EX."
   (let* ((c (exchange-connection ex))
          (status (if (integerp status) status 500))
          (keep-alive (and (exchange-keep-alive ex)
+                          (accepting-p (exchange-server ex))
                           (not (connection-token-p (header-value headers :connection) "close")))))
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t)
@@ -55,6 +61,7 @@
          (chunked (and (not length) (not (exchange-http-1.0 ex))
                        (not (exchange-head-p ex)) (not (no-body-status-p status))))
          (keep-alive (and (exchange-keep-alive ex) (or length chunked)
+                          (accepting-p (exchange-server ex))
                           (not (connection-token-p (header-value headers :connection) "close")))))
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t
