@@ -77,5 +77,7 @@
                (:file "hunchentoot/connections")
                (:file "native/app")
                (:file "native/parser")
-               (:file "clack/handler"))
+               (:file "clack/handler")
+               ;; run in a child process by core/shutdown
+               (:static-file "child/stop-server.lisp"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
