@@ -58,18 +58,50 @@
            (is (= 404 status)))
       (hunchentoot:stop server))))
 
-(test a-failed-handshake-leaves-the-server-serving
-  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor)))
+(defun tls-client-hello-start ()
+  "The first bytes of a TLS ClientHello record: a handshake that starts and
+never finishes."
+  (coerce #(22 3 1 0 200 1 0 0 196 3 3) '(vector (unsigned-byte 8))))
+
+(test failed-handshakes-leave-the-server-serving-and-leak-nothing
+  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor))
+        (silent '()))
     (hunchentoot:start server)
     (unwind-protect
          (progn
-           ;; Plain HTTP to a TLS port: the handshake fails, the server lives on.
-           (let ((socket (connect (port-of server))))
-             (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
-             (handler-case (read-to-eof (usocket:socket-stream socket))
-               (error () nil))
-             (usocket:socket-close socket))
-           (multiple-value-bind (body status) (https server "/yo")
-             (is (= 200 status))
-             (is (string= "Hey!" body))))
+           ;; Warm up: one real handshake creates what cl+ssl keeps for good.
+           (is (= 200 (nth-value 1 (https server "/yo"))))
+           (let ((fds (fd-count))
+                 (threads (thread-count)))
+             (dotimes (i 5)
+               ;; Plain HTTP to a TLS port: the handshake fails at once.
+               (let ((socket (connect (port-of server))))
+                 (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
+                 (handler-case (read-to-eof (usocket:socket-stream socket))
+                   (error () nil))
+                 (usocket:socket-close socket))
+               ;; Half a ClientHello, then FIN; and then RST.
+               (dolist (how '(:close :reset))
+                 (let ((socket (connect (port-of server))))
+                   (write-sequence (tls-client-hello-start) (usocket:socket-stream socket))
+                   (force-output (usocket:socket-stream socket))
+                   (sleep 0.02)
+                   (abort-connection socket how)))
+               ;; Connect and send nothing (held in epoll, no thread), then
+               ;; go away below.
+               (push (connect (port-of server)) silent))
+             (multiple-value-bind (body status) (https server "/yo")
+               (is (= 200 status))
+               (is (string= "Hey!" body)))
+             (is (wait-until (lambda () (zerop (stat server :in-flight))) :timeout 15)
+                 "~S" (gallop:stats server))
+             (mapc #'usocket:socket-close silent)
+             (setf silent '())
+             (is (wait-until (lambda () (zerop (stat server :open))) :timeout 15)
+                 "connections left open: ~S" (gallop:stats server))
+             (is (wait-until (lambda () (<= (fd-count) fds)) :timeout 5)
+                 "fds: ~D before, ~D after" fds (fd-count))
+             (is (wait-until (lambda () (<= (thread-count) threads)) :timeout 15)
+                 "threads: ~D before, ~D after" threads (thread-count))))
+      (mapc #'usocket:socket-close silent)
       (hunchentoot:stop server))))
