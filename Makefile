@@ -45,3 +45,21 @@ bench-quick:
 bench-smoke:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :smoke)'
+
+# Soak test (bench/soak.lisp): millions of requests mixing keep-alive, close, slow and
+# aborted clients against Gallop's two server kinds; fails when the server's RSS, fds or
+# threads grow more than 10% after the warm-up, or it stops answering.
+#   make soak        2,000,000 requests per server kind, about 3 min
+#   make soak-short  200,000 requests per server kind, under a minute (CI)
+# Both install wrk first when missing.
+SOAK = $(LISP) --load bench/soak.lisp --eval
+
+.PHONY: soak soak-short
+
+soak:
+	@scripts/deps.sh wrk
+	@$(SOAK) '(gallop-soak:main :full)'
+
+soak-short:
+	@scripts/deps.sh wrk
+	@$(SOAK) '(gallop-soak:main :short)'

@@ -17,11 +17,25 @@
 ;;;;
 ;;;; The handler is seed 001's: an easy-handler /yo answering "Hey!" (or
 ;;;; "Hey NAME!") that calls SLEEP only when the sleep setting is above 0.
+;;;; /big answers 1 MiB of octets (no sleep), for every kind: the soak test
+;;;; (bench/soak.lisp) reads part of it and hangs up, so that the server's
+;;;; writes fail in mid-response.  The benchmark itself only requests /yo.
+;;;;
+;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
+;;;; (default 10), and BENCH_TIMEOUT (seconds) the read and write timeouts,
+;;;; from which Gallop's header and keep-alive idle timeouts default (20 s;
+;;;; BENCH_IDLE_TIMEOUT still sets the idle one).  The soak test shortens
+;;;; them so that soon after its load stops the pool is back to its standby
+;;;; threads and no deadline of a closed connection is pending, before it
+;;;; measures the server.
 ;;;;
 ;;;; Protocol with the harness (bench/run.lisp), on standard input/output:
 ;;;;   the server prints "READY <pid>" once it listens;
 ;;;;   "stats" -> one line "STATS <plist>" (GALLOP:STATS, or Hunchentoot's
 ;;;;              thread count for stock);
+;;;;   "gc"    -> a full garbage collection, then "GC <dynamic usage in bytes>"
+;;;;              (the soak test calls it before reading RSS, so that
+;;;;              samples do not depend on when the last collection ran);
 ;;;;   "quit" or end of file -> exit at once.  End of file means the harness is
 ;;;;   gone, so a crashed harness never leaves a server behind.
 ;;;; Everything else the process prints (compiler chatter, errors) goes to
@@ -74,6 +88,16 @@
     (sleep *handler-sleep-seconds*))
   (format nil "Hey~@[ ~A~]!" name))
 
+(defparameter *big-body*
+  (let ((body (make-array (* 1024 1024) :element-type '(unsigned-byte 8))))
+    (dotimes (i (length body) body)
+      (setf (aref body i) (+ 97 (mod i 26)))))
+  "The 1 MiB answer of /big: letters, built once.")
+
+(hunchentoot:define-easy-handler (big :uri "/big") ()
+  (setf (hunchentoot:content-type*) "application/octet-stream")
+  *big-body*)
+
 (defun query-parameter (query name)
   "The value of NAME in the query string QUERY (no decoding: the benchmark's
 names are plain)."
@@ -84,23 +108,30 @@ names are plain)."
               return (subseq part (length prefix))))))
 
 (defun native-app (env)
-  "The native counterpart of /yo."
-  (if (string= (getf env :path-info) "/yo")
-      (progn
-        (when (plusp *handler-sleep-seconds*)
-          (sleep *handler-sleep-seconds*))
-        (list 200 '(:content-type "text/plain")
-              (list (format nil "Hey~@[ ~A~]!" (query-parameter (getf env :query-string) "name")))))
-      '(404 (:content-type "text/plain") ("Not Found"))))
+  "The native counterpart of /yo and /big."
+  (let ((path (getf env :path-info)))
+    (cond ((string= path "/yo")
+           (when (plusp *handler-sleep-seconds*)
+             (sleep *handler-sleep-seconds*))
+           (list 200 '(:content-type "text/plain")
+                 (list (format nil "Hey~@[ ~A~]!" (query-parameter (getf env :query-string) "name")))))
+          ((string= path "/big")
+           (list 200 '(:content-type "application/octet-stream") *big-body*))
+          (t
+           '(404 (:content-type "text/plain") ("Not Found"))))))
 
 (defun gallop-symbol (name)
   (or (find-symbol name "GALLOP") (die "GALLOP:~A not found" name)))
 
+(defparameter *message-log*
+  (and (uiop:getenv "BENCH_MESSAGE_LOG")
+       (string/= (uiop:getenv "BENCH_MESSAGE_LOG") "0")
+       *error-output*)
+  "Where errors are logged (standard error), or NIL for nowhere.")
+
 (defparameter *log-args*
   (list :access-log-destination nil
-        :message-log-destination (and (uiop:getenv "BENCH_MESSAGE_LOG")
-                                      (string/= (uiop:getenv "BENCH_MESSAGE_LOG") "0")
-                                      *error-output*)))
+        :message-log-destination *message-log*))
 
 (defvar *taskmaster* nil)
 
@@ -111,22 +142,51 @@ names are plain)."
 read timeout, 20 s).  Holding ~19,000 idle connections takes longer than 20 s
 to set up, so that run raises it.")
 
+(defparameter *thread-idle-timeout*
+  (let ((v (uiop:getenv "BENCH_THREAD_IDLE_TIMEOUT")))
+    (and v (plusp (length v)) (parse-integer v)))
+  "Seconds an idle worker beyond the standby count stays in Gallop's pool
+(default: Gallop's own, 10 s).")
+
+(defparameter *timeout*
+  (let ((v (uiop:getenv "BENCH_TIMEOUT")))
+    (and v (plusp (length v)) (parse-integer v)))
+  "Seconds for the acceptor's read and write timeouts, and so for Gallop's
+header and idle timeouts (default: 20 s).")
+
+(defun gallop-options ()
+  "The pool and keep-alive timeouts set from the environment, as initargs of
+GALLOP:TASKMASTER and keywords of GALLOP:START alike."
+  (append (and *idle-timeout* (list :idle-timeout *idle-timeout*))
+          (and *thread-idle-timeout* (list :thread-idle-timeout *thread-idle-timeout*))))
+
+(defun acceptor-timeout-args ()
+  "The read and write timeouts of a Hunchentoot acceptor, from BENCH_TIMEOUT."
+  (and *timeout* (list :read-timeout *timeout* :write-timeout *timeout*)))
+
+(defun native-timeout-args ()
+  "GALLOP:START's timeouts from BENCH_TIMEOUT (after GALLOP-OPTIONS, whose
+:IDLE-TIMEOUT comes first and so wins)."
+  (and *timeout* (list :read-timeout *timeout* :write-timeout *timeout*
+                       :header-timeout *timeout* :idle-timeout *timeout*)))
+
 (defun gallop-taskmaster ()
-  (apply #'make-instance (gallop-symbol "TASKMASTER")
-         (and *idle-timeout* (list :idle-timeout *idle-timeout*))))
+  (apply #'make-instance (gallop-symbol "TASKMASTER") (gallop-options)))
 
 (defparameter *acceptor*
   (case *kind*
     (:stock
      (apply #'make-instance 'hunchentoot:easy-acceptor
-            :address "127.0.0.1" :port *port* *log-args*))
+            :address "127.0.0.1" :port *port* (append (acceptor-timeout-args) *log-args*)))
     (:gallop
      (apply #'make-instance (gallop-symbol "EASY-ACCEPTOR")
-            :address "127.0.0.1" :port *port* :taskmaster (gallop-taskmaster) *log-args*))
+            :address "127.0.0.1" :port *port* :taskmaster (gallop-taskmaster)
+            (append (acceptor-timeout-args) *log-args*)))
     (:gallop-tm
      (setf *taskmaster* (gallop-taskmaster))
      (apply #'make-instance 'hunchentoot:easy-acceptor
-            :address "127.0.0.1" :port *port* :taskmaster *taskmaster* *log-args*))))
+            :address "127.0.0.1" :port *port* :taskmaster *taskmaster*
+            (append (acceptor-timeout-args) *log-args*)))))
 
 (defvar *native-server* nil)
 
@@ -146,8 +206,8 @@ to set up, so that run raises it.")
 (handler-case (if (eq *kind* :native)
                   (setf *native-server*
                         (apply (gallop-symbol "START") #'native-app
-                               :address "127.0.0.1" :port *port* :log nil
-                               (and *idle-timeout* (list :idle-timeout *idle-timeout*))))
+                               :address "127.0.0.1" :port *port* :log *message-log*
+                               (append (gallop-options) (native-timeout-args))))
                   (funcall (find-symbol "START" "HUNCHENTOOT") *acceptor*))
   (error (e) (die "cannot start ~(~A~) on port ~D: ~A" *kind* *port* e)))
 
@@ -159,6 +219,9 @@ to set up, so that run raises it.")
           do (let ((command (string-trim " " line)))
                (cond ((string= command "stats")
                       (reply "STATS ~S" (ignore-errors (stats))))
+                     ((string= command "gc")
+                      (sb-ext:gc :full t)
+                      (reply "GC ~D" (sb-kernel:dynamic-usage)))
                      ((string= command "quit")
                       (return)))))
   (sb-sys:interactive-interrupt () nil)
