@@ -8,6 +8,11 @@
 ;;;; Invariants: FREE[0, COUNT) holds buffers of length +BUFFER-SIZE+ that
 ;;;; nobody owns; FREE[COUNT, end) holds NIL.  At most +MAX-FREE-BUFFERS+ are
 ;;;; kept: the rest go to the GC, so a burst does not pin memory forever.
+;;;;
+;;;; A worker serving keep-alive requests takes and gives back two buffers
+;;;; per request, so each worker thread also keeps up to
+;;;; +THREAD-CACHED-BUFFERS+ in *THREAD-BUFFERS* (bound per worker): those
+;;;; cost no lock.  Other threads see the global value, NIL.
 
 (in-package #:gallop.core)
 
@@ -23,10 +28,25 @@
 
 (defvar *buffer-pool* (make-buffer-pool))
 
+(defconstant +thread-cached-buffers+ 4)
+
+(defvar *thread-buffers* nil
+  "In a worker thread: a cons whose car is a list of free buffers this thread
+keeps, and whose cdr is their count.  NIL elsewhere.")
+
+(defmacro with-thread-buffers (&body body)
+  "Run BODY (a worker's loop) with a buffer cache of its own."
+  `(let ((*thread-buffers* (cons '() 0)))
+     ,@body))
+
 (defun acquire-buffer ()
   "An octet buffer of +BUFFER-SIZE+ bytes, from the free list when it can."
-  (let ((pool *buffer-pool*))
-    (or (sb-thread:with-mutex ((buffer-pool-lock pool))
+  (let ((pool *buffer-pool*)
+        (cache *thread-buffers*))
+    (or (and cache (plusp (the fixnum (cdr cache)))
+             (progn (decf (the fixnum (cdr cache)))
+                    (pop (car cache))))
+        (sb-thread:with-mutex ((buffer-pool-lock pool))
           (let ((n (buffer-pool-count pool)))
             (when (plusp n)
               (setf (buffer-pool-count pool) (1- n))
@@ -38,7 +58,12 @@
 left to the GC."
   (declare (type octets buffer))
   (when (= (length buffer) +buffer-size+)
-    (let ((pool *buffer-pool*))
+    (let ((pool *buffer-pool*)
+          (cache *thread-buffers*))
+      (when (and cache (< (the fixnum (cdr cache)) +thread-cached-buffers+))
+        (push buffer (car cache))
+        (incf (the fixnum (cdr cache)))
+        (return-from release-buffer nil))
       (sb-thread:with-mutex ((buffer-pool-lock pool))
         (let ((n (buffer-pool-count pool)))
           (when (< n +max-free-buffers+)

@@ -45,17 +45,17 @@ MAX-BODY-BYTES (413)."))
 (defun start-body-check (c head-bytes)
   "Begin checking the chunked body of the request whose head, HEAD-BYTES
 long, is about to be read from C."
-  (with-slots (body-check head-left chunk-left chunk-total line) c
+  (with-connection-slots (body-check head-left chunk-left chunk-total line) c
     (setf body-check :size head-left head-bytes chunk-left 0 chunk-total 0 line 0)))
 
 (defun body-check-fail (c status)
-  (setf (slot-value c 'body-check) nil)
+  (setf (conn-slot c body-check) nil)
   (error 'request-body-error :status status))
 
 (defun check-body-bytes (c buffer start end)
   "Feed BUFFER[START,END), bytes just read from C, to C's chunked-body checker."
   (declare (type octets buffer) (type fixnum start end))
-  (with-slots (body-check head-left chunk-left chunk-total line engine) c
+  (with-connection-slots (body-check head-left chunk-left chunk-total line engine) c
     (declare (type fixnum head-left chunk-left chunk-total line))
     (let ((skip (min head-left (- end start))))
       (decf head-left skip)
@@ -115,7 +115,7 @@ long, is about to be read from C."
 checked on C into C's input buffer, checking it.  Returns NIL when the whole
 body is buffered, 400 or 413 when it must be refused, or :CLOSED when the
 client went away.  Blocks (bounded by the read timeout) in a worker."
-  (with-slots (fd inbuf in-start in-end scan engine body-check expect-continue) c
+  (with-connection-slots (fd inbuf in-start in-end scan engine body-check expect-continue) c
     (start-body-check c (- scan in-start))
     (handler-case
         (progn
@@ -129,6 +129,7 @@ client went away.  Blocks (bounded by the read timeout) in a worker."
                      (return-from read-chunked-body 413))
                    (let ((buffer inbuf))
                      (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+                       (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
                        (cond ((plusp n)
                               (check-body-bytes c buffer in-end (+ in-end n))
                               (incf in-end n))

@@ -3,9 +3,15 @@
 ;;;; between requests.
 ;;;;
 ;;;; States (slot STATE, changed with compare-and-swap where two threads race):
-;;;;   :PARKED    registered (armed, one-shot) in the pool's epoll set; nobody
-;;;;              runs on it.  The housekeeper may close it once DEADLINE passed.
-;;;;   :ACTIVE    exactly one worker owns it (it won the CAS :PARKED -> :ACTIVE).
+;;;;   :PARKED    waiting in the pool's epoll set (registered once,
+;;;;              edge-triggered); nobody runs on it.  The housekeeper may
+;;;;              close it once DEADLINE passed.
+;;;;   :ACTIVE    exactly one worker owns it (it won the CAS :PARKED -> :ACTIVE),
+;;;;              or a thread that will answer a suspended request.
+;;;;   :DIRTY     still owned as :ACTIVE, but an event came meanwhile (input
+;;;;              arrived); the owner's PARK then fails and it reads again.
+;;;;              Only the owner leaves :ACTIVE or :DIRTY; an event only moves
+;;;;              :PARKED -> :ACTIVE (taking ownership) or :ACTIVE -> :DIRTY.
 ;;;;   :DETACHED  the request handler kept the stream (Hunchentoot's
 ;;;;              DETACH-SOCKET); its owner closes it with CLOSE.
 ;;;;   :DRAINING  an error response was sent and the write side shut; the
@@ -59,10 +65,10 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
 
 (defclass connection (sb-gray:fundamental-binary-input-stream
                       sb-gray:fundamental-binary-output-stream)
-  ((fd :initarg :fd :reader connection-fd :type fixnum)
-   (engine :initarg :engine :reader connection-engine)
-   (token :initarg :token :reader connection-token :type (unsigned-byte 64))
-   (state :initform :parked :accessor connection-state)
+  ((fd :initarg :fd :type fixnum)
+   (engine :initarg :engine)
+   (token :initarg :token :type (unsigned-byte 64))
+   (state :initform :parked)
    (inbuf :initform nil :type (or null octets))
    (in-start :initform 0 :type fixnum)
    (in-end :initform 0 :type fixnum)
@@ -70,12 +76,18 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
          :documentation "Where the search for the end of the request head resumes.")
    (outbuf :initform nil :type (or null octets))
    (out-fill :initform 0 :type fixnum)
-   (deadline :initform 0 :type fixnum :accessor connection-deadline)
-   (wheel-tick :initform -1 :type fixnum :reader connection-wheel-tick
+   (deadline :initform 0 :type fixnum)
+   (wheel-tick :initform -1 :type fixnum
                :documentation "The tick of this connection's entry in the timing wheel, or -1.")
    (head-started :initform nil
                  :documentation "When the first byte of a still-incomplete head arrived.")
    (fresh :initform t :documentation "True until the first request is served.")
+   (peer-closed :initform nil
+                :documentation "True once an event said the client half-closed.")
+   (drained :initform nil
+            :documentation "True when the last read from the socket returned less
+than it asked for: the socket had nothing more then, so any later input
+raises an event.")
    (raw :initarg :raw :initform nil
         :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
    (body-length :initform 0 :type fixnum
@@ -101,50 +113,115 @@ deadline interrupt meant for one request never hits the next.")
    (chunk-left :initform 0 :type fixnum)
    (chunk-total :initform 0 :type fixnum)
    (line :initform 0 :type fixnum)
-   (remote-address :initarg :remote-address :initform nil :reader connection-remote-address)
-   (remote-port :initarg :remote-port :initform 0 :reader connection-remote-port)
+   (remote-address :initarg :remote-address :initform nil)
+   (remote-port :initarg :remote-port :initform 0)
    (local-address :initform nil)
    (local-port :initform nil)
-   (user-data :initarg :user-data :initform nil :accessor connection-user-data
+   (user-data :initarg :user-data :initform nil
               :documentation "What the layer above keeps with this connection.")
-   (owner-stream :initform nil :accessor connection-owner-stream
+   (owner-stream :initform nil
                  :documentation "A stream wrapping this one (TLS), if any.")
    (close-hook :initarg :close-hook :initform nil
                :documentation "Called instead of close(2) to release the fd."))
   (:documentation "A client connection, and the binary stream the layers above
 read requests from and write responses to."))
 
+;;; Slot access.  The hot path reads and writes these slots millions of times
+;;; a second; SLOT-VALUE and PCL's accessors dispatch through caches on each
+;;; call.  CONNECTION is never subclassed, so each slot's location is fixed
+;;; once the class is finalized: CONN-SLOT reads it directly.
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter *connection-slot-types*
+    '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
+      (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
+      (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
+      (head-left . fixnum) (chunk-left . fixnum) (chunk-total . fixnum) (line . fixnum)
+      (inbuf . (or null octets)) (outbuf . (or null octets)))
+    "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
+
+(defun connection-slot-location (name)
+  (let ((class (find-class 'connection)))
+    (unless (sb-mop:class-finalized-p class)
+      (sb-mop:finalize-inheritance class))
+    (sb-mop:slot-definition-location
+     (or (find name (sb-mop:class-slots class) :key #'sb-mop:slot-definition-name)
+         (error "CONNECTION has no slot ~S" name)))))
+
+(defmacro %conn-slot (c name)
+  "The place of slot NAME of the connection C, untyped (for COMPARE-AND-SWAP)."
+  `(sb-mop:standard-instance-access ,c (load-time-value (connection-slot-location ',name) t)))
+
+(defmacro conn-slot (c name)
+  "The place of slot NAME of the connection C."
+  (let ((type (cdr (assoc name *connection-slot-types*))))
+    (if type
+        `(the ,type (%conn-slot ,c ,name))
+        `(%conn-slot ,c ,name))))
+
+(defmacro with-connection-slots ((&rest names) c &body body)
+  "WITH-SLOTS for a connection, through CONN-SLOT."
+  (let ((var (gensym "CONNECTION")))
+    `(let ((,var ,c))
+       (declare (ignorable ,var))
+       (symbol-macrolet ,(loop for name in names collect `(,name (conn-slot ,var ,name)))
+         ,@body))))
+
+(declaim (inline connection-fd connection-engine connection-token connection-state
+                 (setf connection-state) connection-deadline (setf connection-deadline)
+                 connection-wheel-tick connection-remote-address connection-remote-port
+                 connection-user-data (setf connection-user-data)
+                 connection-owner-stream (setf connection-owner-stream)))
+(defun connection-fd (c) (conn-slot c fd))
+(defun connection-engine (c) (conn-slot c engine))
+(defun connection-token (c) (conn-slot c token))
+(defun connection-state (c) (conn-slot c state))
+(defun (setf connection-state) (value c) (setf (conn-slot c state) value))
+(defun connection-deadline (c) (conn-slot c deadline))
+(defun (setf connection-deadline) (value c) (setf (conn-slot c deadline) value))
+(defun connection-wheel-tick (c) (conn-slot c wheel-tick))
+(defun connection-remote-address (c) (conn-slot c remote-address))
+(defun connection-remote-port (c) (conn-slot c remote-port))
+(defun connection-user-data (c)
+  "What the layer above keeps with this connection."
+  (conn-slot c user-data))
+(defun (setf connection-user-data) (value c) (setf (conn-slot c user-data) value))
+(defun connection-owner-stream (c)
+  "A stream wrapping this one (TLS), if any."
+  (conn-slot c owner-stream))
+(defun (setf connection-owner-stream) (value c) (setf (conn-slot c owner-stream) value))
+
 (defmethod print-object ((c connection) stream)
   (print-unreadable-object (c stream :type t :identity t)
     (format stream "fd ~D ~(~A~)" (connection-fd c) (connection-state c))))
 
 (defun connection-local-address (c)
-  (with-slots (local-address local-port fd) c
+  (with-connection-slots (local-address local-port fd) c
     (unless local-address
       (multiple-value-setq (local-address local-port) (socket-local-name fd)))
     local-address))
 
 (defun connection-local-port (c)
   (connection-local-address c)
-  (slot-value c 'local-port))
+  (conn-slot c local-port))
 
 (defun connection-mark-boundary (c)
   "Tell C that a response is complete and the next read starts a new request.
 That read answers end-of-file (ending the layer above's request loop) unless a
 complete request head is already buffered; the connection is then parked in
 epoll rather than closed."
-  (setf (slot-value c 'boundary) t))
+  (setf (conn-slot c boundary) t))
 
 ;;; Buffers
 
 (declaim (inline ensure-inbuf))
 (defun ensure-inbuf (c)
-  (with-slots (inbuf) c
+  (with-connection-slots (inbuf) c
     (or inbuf (setf inbuf (acquire-buffer)))))
 
 (defun release-buffers (c)
   "Give back the buffers of C that hold nothing."
-  (with-slots (inbuf in-start in-end scan outbuf out-fill) c
+  (with-connection-slots (inbuf in-start in-end scan outbuf out-fill) c
     (when (and inbuf (= in-start in-end))
       (release-buffer inbuf)
       (setf inbuf nil in-start 0 in-end 0 scan 0))
@@ -155,7 +232,7 @@ epoll rather than closed."
 (defun make-room (c max)
   "Make space after IN-END in the input buffer: move unread bytes to the
 front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
-  (with-slots (inbuf in-start in-end scan) c
+  (with-connection-slots (inbuf in-start in-end scan) c
     (let ((buffer (ensure-inbuf c)))
       (declare (type octets buffer))
       (cond ((< in-end (length buffer)) t)
@@ -180,7 +257,7 @@ front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
   "Look for the blank line that ends the request head in the unread input.
 Returns :COMPLETE, :INCOMPLETE, :LINE-TOO-LONG (no end of the request line
 within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
-  (with-slots (inbuf in-start in-end scan engine) c
+  (with-connection-slots (inbuf in-start in-end scan engine) c
     (unless inbuf
       (return-from scan-head :incomplete))
     (let ((buffer inbuf)
@@ -229,12 +306,13 @@ engine is stopping); signals CONNECTION-TIMEOUT-ERROR after TIMEOUT-MS."
 (defun fill-input (c)
   "Read more input into the empty buffer of C, blocking (bounded by the read
 timeout) until some arrives.  Returns NIL at end of file."
-  (with-slots (fd inbuf in-start in-end scan engine) c
+  (with-connection-slots (fd inbuf in-start in-end scan engine) c
     (let ((buffer (ensure-inbuf c)))
       (when (= in-start in-end)
         (setf in-start 0 in-end 0 scan 0))
       (loop
         (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+          (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
           (cond ((plusp n) (incf in-end n) (return t))
                 ((zerop n) (return nil))
                 ((/= errno +eagain+)
@@ -246,9 +324,9 @@ timeout) until some arrives.  Returns NIL at end of file."
 request may be read now on this stream; NIL (end of file for the reader)
 when the connection should instead go back to the engine, which parks it,
 serves the next buffered request, or (when stopping) closes it."
-  (with-slots (boundary park-requested owner-stream in-start in-end engine fd) c
+  (with-connection-slots (boundary park-requested owner-stream in-start in-end engine fd) c
     (cond ((not (engine-running-p engine)) nil)
-          ((slot-value c 'interrupted) nil)
+          ((conn-slot c interrupted) nil)
           (owner-stream
            ;; TLS: buffered cipher state can't be parked; wait here for the
            ;; next request, bounded by the idle timeout, and give up on stop.
@@ -275,11 +353,11 @@ serves the next buffered request, or (when stopping) closes it."
   '(unsigned-byte 8))
 
 (defmethod open-stream-p ((c connection))
-  (and (member (connection-state c) '(:active :detached))
-       (not (slot-value c 'close-requested))))
+  (and (member (connection-state c) '(:active :dirty :detached))
+       (not (conn-slot c close-requested))))
 
 (defmethod sb-gray:stream-read-byte ((c connection))
-  (with-slots (inbuf in-start in-end boundary) c
+  (with-connection-slots (inbuf in-start in-end boundary) c
     (when (and boundary (not (leave-boundary c)))
       (return-from sb-gray:stream-read-byte :eof))
     (if (or (< in-start in-end) (fill-input c))
@@ -288,11 +366,11 @@ serves the next buffered request, or (when stopping) closes it."
         :eof)))
 
 (defmethod sb-gray:stream-listen ((c connection))
-  (with-slots (in-start in-end) c
+  (with-connection-slots (in-start in-end) c
     (< in-start in-end)))
 
 (defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
-  (with-slots (inbuf in-start in-end boundary) c
+  (with-connection-slots (inbuf in-start in-end boundary) c
     (let ((end (or end (length sequence))))
       (when (and boundary (< start end) (not (leave-boundary c)))
         (return-from sb-gray:stream-read-sequence start))
@@ -314,20 +392,20 @@ serves the next buffered request, or (when stopping) closes it."
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (< start end)
           do (multiple-value-bind (n errno) (send-from fd buffer start end)
-               (cond ((>= n 0) (incf start n) (incf (the fixnum (slot-value c 'sent)) n))
+               (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
                      ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                      (t (error 'connection-error :stream c :errno errno
                                                  :operation "write")))))))
 
 (defun flush-output (c)
-  (with-slots (outbuf out-fill) c
+  (with-connection-slots (outbuf out-fill) c
     (when (plusp out-fill)
       (let ((n out-fill))
         (setf out-fill 0)
         (send-all c outbuf 0 n)))))
 
 (defmethod sb-gray:stream-write-byte ((c connection) byte)
-  (with-slots (outbuf out-fill) c
+  (with-connection-slots (outbuf out-fill) c
     (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
       (declare (type octets buffer))
       (when (= out-fill (length buffer))
@@ -337,7 +415,7 @@ serves the next buffered request, or (when stopping) closes it."
       byte)))
 
 (defmethod sb-gray:stream-write-sequence ((c connection) sequence &optional (start 0) end)
-  (with-slots (outbuf out-fill) c
+  (with-connection-slots (outbuf out-fill) c
     (let* ((end (or end (length sequence)))
            (buffer (or outbuf (setf outbuf (acquire-buffer)))))
       (declare (type octets buffer) (type fixnum start end))
@@ -365,7 +443,7 @@ serves the next buffered request, or (when stopping) closes it."
   nil)
 
 (defmethod sb-gray:stream-clear-output ((c connection))
-  (setf (slot-value c 'out-fill) 0)
+  (setf (conn-slot c out-fill) 0)
   nil)
 
 (defmethod close ((c connection) &key abort)
@@ -373,15 +451,15 @@ serves the next buffered request, or (when stopping) closes it."
 with it; the worker then parks or closes it.  A detached connection is closed
 at once."
   (case (connection-state c)
-    (:active
-     (unless (slot-value c 'close-requested)
+    ((:active :dirty)
+     (unless (conn-slot c close-requested)
        (if abort
-           (setf (slot-value c 'out-fill) 0)
+           (setf (conn-slot c out-fill) 0)
            (ignore-errors (flush-output c)))
-       (setf (slot-value c 'close-requested) t)))
+       (setf (conn-slot c close-requested) t)))
     (:detached
      (unless abort (ignore-errors (flush-output c)))
-     (setf (slot-value c 'out-fill) 0)
+     (setf (conn-slot c out-fill) 0)
      (close-connection c)))
   t)
 
@@ -390,21 +468,21 @@ at once."
 (defun connection-head (c)
   "The buffer holding the request head just checked, its start and its end
 \(just after the blank line)."
-  (with-slots (inbuf in-start scan) c
+  (with-connection-slots (inbuf in-start scan) c
     (values inbuf in-start scan)))
 
 (defun connection-consume-head (c)
   "Drop the request head from the input: what follows is the body."
-  (with-slots (in-start scan) c
+  (with-connection-slots (in-start scan) c
     (setf in-start scan)))
 
-(defun connection-body-length (c) (slot-value c 'body-length))
-(defun connection-chunked-p (c) (slot-value c 'chunked))
+(defun connection-body-length (c) (conn-slot c body-length))
+(defun connection-chunked-p (c) (conn-slot c chunked))
 
 (defun connection-read-octets (c vector &optional (start 0) (end (length vector)))
   "Fill VECTOR[START,END) from C, blocking (bounded by the read timeout).
 Returns the index after the last byte read: less than END only at end of file."
-  (with-slots (inbuf in-start in-end) c
+  (with-connection-slots (inbuf in-start in-end) c
     (loop while (< start end)
           do (when (and (= in-start in-end) (not (fill-input c)))
                (return))
@@ -433,7 +511,7 @@ framing only."
 (defun connection-write-octets (c octets &optional (start 0) (end (length octets)))
   "Buffer OCTETS[START,END) for sending; large ones are sent directly."
   (declare (type octets octets) (type fixnum start end))
-  (with-slots (outbuf out-fill) c
+  (with-connection-slots (outbuf out-fill) c
     (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
       (declare (type octets buffer))
       (cond ((<= (- end start) (- (length buffer) out-fill))
@@ -461,7 +539,7 @@ after what is buffered."
     (loop while (plusp count)
           do (multiple-value-bind (n errno) (send-file-chunk fd file-fd offset (min count (* 1024 1024)))
                (cond ((plusp n) (incf offset n) (decf count n)
-                      (incf (the fixnum (slot-value c 'sent)) n))
+                      (incf (the fixnum (conn-slot c sent)) n))
                      ((and (minusp n) (= errno +eagain+))
                       (wait-for-fd c +pollout+ timeout "sendfile"))
                      ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))
@@ -470,14 +548,14 @@ after what is buffered."
 (defun connection-finish (c keep-alive)
   "The request is answered: park C for the next request when KEEP-ALIVE, else
 close it.  Called by the handler, in its worker."
-  (setf (slot-value c 'close-requested) t
-        (slot-value c 'park-requested) keep-alive))
+  (setf (conn-slot c close-requested) t
+        (conn-slot c park-requested) keep-alive))
 
 (defun connection-write-latin1 (c string)
   "Buffer the characters of STRING as latin-1 octets (others become ?; CR and
 LF become spaces, so a header value cannot inject a header)."
   (declare (type string string))
-  (with-slots (outbuf out-fill) c
+  (with-connection-slots (outbuf out-fill) c
     (let ((buffer (or outbuf (setf outbuf (acquire-buffer))))
           (n (length string)))
       (declare (type octets buffer) (type fixnum n))

@@ -128,6 +128,7 @@ epoll), :ACTIVE (owned by a worker or by a handler that detached them),
 :TIMEOUTS, :ABORTED (requests the client gave up on: it closed or reset the
 connection while a handler read or answered), and the pool's :THREADS and
 :IDLE-THREADS."
+  (declare (notinline connection-state)) ; defined (inline) in connection.lisp, later
   (let ((open 0) (idle 0) (active 0)
         (table (engine-table engine)))
     (loop for c across table
@@ -135,7 +136,7 @@ connection while a handler read or answered), and the pool's :THREADS and
             do (incf open)
                (case (connection-state c)
                  (:parked (incf idle))
-                 ((:active :detached) (incf active))))
+                 ((:active :dirty :detached) (incf active))))
     (let ((pool (engine-pool engine)))
       (list :open open :idle idle :active active
             :in-flight (engine-in-flight engine)

@@ -146,7 +146,7 @@ status that refuses it or NIL, and the HTTP minor version (0 or 1)."
 (defun check-head (c)
   "Check the complete request head buffered in connection C.  Returns the
 status that refuses it, or NIL."
-  (with-slots (inbuf in-start scan engine body-length chunked expect-continue) c
+  (with-connection-slots (inbuf in-start scan engine body-length chunked expect-continue) c
     (let* ((buffer inbuf)
            (head-end scan)
            (line-end (line-end buffer in-start head-end))

@@ -16,7 +16,11 @@
 
 (in-package #:gallop.core)
 
-(defconstant +connection-events+ (logior +epollin+ +epollrdhup+ +epolloneshot+))
+(defconstant +connection-events+ (logior +epollin+ +epollrdhup+ +epollet+)
+  "A connection is registered once, edge-triggered: every arrival of input
+raises an event, and nothing needs re-arming after a request (see
+DISPATCH-EVENT and PARK for how an event that finds the connection busy is
+kept).")
 
 (defun make-engine (&key (name "gallop") handler raw
                       (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
@@ -59,8 +63,7 @@ request bodies as the handler reads them (see chunks.lisp)."
                        :idle-timeout thread-idle-timeout
                        :thread-starter thread-starter
                        :dispatch (lambda (data flags)
-                                   (declare (ignore flags))
-                                   (dispatch-event engine data))
+                                   (dispatch-event engine data flags))
                        :log-error (lambda (e)
                                     (log-engine-error engine "Worker error: ~A" e))))
       engine)))
@@ -68,7 +71,8 @@ request bodies as the handler reads them (see chunks.lisp)."
 ;;; Registering connections
 
 (defun next-token (engine fd)
-  (logior (ash (logand (sb-ext:atomic-incf (engine-generation engine)) #x7fffffff) 32)
+  ;; 30 bits of generation keep the token a fixnum (see pool.lisp's queue).
+  (logior (ash (logand (sb-ext:atomic-incf (engine-generation engine)) #x3fffffff) 32)
           fd))
 
 (defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
@@ -126,7 +130,7 @@ close it after the client has read the answer."
     (if (>= fd (length table))
         (if close-hook (funcall close-hook) (close-fd fd))
         (let ((c (make-connection engine fd :close-hook close-hook)))
-          (setf (slot-value c 'fresh) nil
+          (setf (conn-slot c fresh) nil
                 (connection-state c) :active
                 (svref table fd) c)
           (reject-connection c (response-503 engine) :registered nil)))))
@@ -137,8 +141,8 @@ close it after the client has read the answer."
   (wheel-schedule (engine-wheel (connection-engine c)) c deadline))
 
 (defun unfresh (c)
-  (when (slot-value c 'fresh)
-    (setf (slot-value c 'fresh) nil)
+  (when (conn-slot c fresh)
+    (setf (conn-slot c fresh) nil)
     (sb-ext:atomic-decf (engine-pending (connection-engine c)))))
 
 ;;; Closing, parking, rejecting
@@ -151,14 +155,14 @@ close it after the client has read the answer."
     (unless (eq (connection-state c) :closed)
       (unfresh c)
       (setf (connection-state c) :closed)
-      (setf (slot-value c 'out-fill) 0
-            (slot-value c 'in-start) 0
-            (slot-value c 'in-end) 0)
+      (setf (conn-slot c out-fill) 0
+            (conn-slot c in-start) 0
+            (conn-slot c in-end) 0)
       (release-buffers c)
       (let ((table (engine-table engine)))
         (when (and (< fd (length table)) (eq (svref table fd) c))
           (setf (svref table fd) nil)))
-      (let ((hook (slot-value c 'close-hook)))
+      (let ((hook (conn-slot c close-hook)))
         (if hook
             (handler-case (funcall hook)
               (error (e) (log-engine-error engine "Closing fd ~D: ~A" fd e)))
@@ -168,9 +172,11 @@ close it after the client has read the answer."
 
 (defun park (c)
   "Give the connection back to epoll until its next request arrives.  The
-caller is the worker that owns C."
+caller is the worker that owns C.  Returns true, or NIL when input arrived
+while C was busy (an event marked it :DIRTY): the caller still owns C and
+must read again."
   (let ((engine (connection-engine c)))
-    (with-slots (in-start in-end head-started boundary park-requested close-requested) c
+    (with-connection-slots (in-start in-end head-started boundary park-requested close-requested) c
       (setf boundary nil park-requested nil close-requested nil)
       (let ((now (now-ms)))
         (cond ((= in-start in-end)
@@ -180,13 +186,14 @@ caller is the worker that owns C."
                (unless head-started (setf head-started now))
                (schedule c (+ head-started (engine-header-timeout-ms engine))))))
       (release-buffers c)
-      ;; The deadline is in the future, so the housekeeper leaves C alone
-      ;; until the re-arm below has happened.
-      (setf (connection-state c) :parked)
-      (unless (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-mod+
-                         (connection-fd c) +connection-events+ (connection-token c))
-        (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
-          (close-connection c))))))
+      ;; From here on, an event (or the housekeeper, once the deadline
+      ;; passes) may take C.  Input that came while C was busy left it
+      ;; :DIRTY: keep it and read again, or that input would wait for an
+      ;; event that already came.
+      (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
+        (:active t)
+        (:dirty (setf (connection-state c) :active) nil)
+        (t (error "PARK: ~A is not owned by this worker" c))))))
 
 (defun reject-connection (c response &key (registered t))
   "Send RESPONSE (an error the engine writes itself), shut the write side and
@@ -198,7 +205,7 @@ let the housekeeper drain and close C.  The caller owns C."
       (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
     (send-from fd response 0 (length response))
     (shutdown-fd fd +shut-wr+)
-    (with-slots (in-start in-end out-fill) c
+    (with-connection-slots (in-start in-end out-fill) c
       (setf in-start 0 in-end 0 out-fill 0))
     (release-buffers c)
     (schedule c (+ (now-ms) (engine-linger-ms engine)))
@@ -210,20 +217,32 @@ let the housekeeper drain and close C.  The caller owns C."
 
 ;;; Serving
 
-(defun dispatch-event (engine token)
-  "Called in a worker for an epoll event on a connection."
+(defun dispatch-event (engine token flags)
+  "Called in a worker for an epoll event on a connection, with the event's
+FLAGS."
   (let* ((fd (logand token #xffffffff))
          (table (engine-table engine))
          (c (and (< fd (length table)) (svref table fd))))
-    (when (and c
-               (= (connection-token c) token)
-               (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked))
-      (handler-case (serve-connection engine c)
-        (serious-condition (e)
-          ;; A bug, not the client's doing: log it, and don't leak the fd.
-          (log-engine-error engine "Internal error serving ~A: ~A" c e)
-          (unless (member (connection-state c) '(:closed :detached :draining))
-            (close-connection c)))))))
+    (when (and c (= (connection-token c) token))
+      (when (logtest flags (logior +epollrdhup+ +epollhup+ +epollerr+))
+        ;; The client half-closed (or the socket failed): the end of file
+        ;; is already there, and no further event will announce it.
+        (setf (conn-slot c peer-closed) t))
+      (loop
+        (case (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
+          (:parked
+           (return
+             (handler-case (serve-connection engine c)
+               (serious-condition (e)
+                 ;; A bug, not the client's doing: log it, and don't leak the fd.
+                 (log-engine-error engine "Internal error serving ~A: ~A" c e)
+                 (unless (member (connection-state c) '(:closed :detached :draining))
+                   (close-connection c))))))
+          (:active
+           ;; Busy: tell its owner, who reads again instead of parking.
+           (when (eq :active (sb-ext:compare-and-swap (%conn-slot c state) :active :dirty))
+             (return)))
+          (t (return)))))))
 
 (defun error-response (status)
   (ecase status
@@ -235,16 +254,17 @@ let the housekeeper drain and close C.  The caller owns C."
 repeat while complete heads are buffered (pipelining); then park, close or
 leave C as the handler decided.  The caller owns C."
   (unfresh c)
-  (with-slots (fd in-end raw) c
+  (with-connection-slots (fd in-end raw) c
     (loop
       (let ((ready (if raw
-                       (< (slot-value c 'in-start) in-end)
+                       (< (conn-slot c in-start) in-end)
                        (eq (scan-head c) :complete))))
         (unless ready
           (unless (make-room c (engine-max-head-bytes engine))
             (return (reject c +response-431+)))
-          (let ((buffer (slot-value c 'inbuf)))
+          (let ((buffer (conn-slot c inbuf)))
             (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+              (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
               (cond ((plusp n)
                      (incf in-end n)
                      (unless raw
@@ -255,13 +275,13 @@ leave C as the handler decided.  The caller owns C."
                          (:too-large (return (reject c +response-431+)))))
                      (when raw (setf ready t)))
                     ((zerop n) (return (close-connection c)))
-                    ((= errno +eagain+) (return (park c)))
+                    ((= errno +eagain+) (when (park c) (return)))
                     (t (return (close-connection c)))))))
         (when ready
           (let ((refusal (and (not raw) (check-head c))))
             (when refusal
               (return (reject c (error-response refusal))))
-            (when (and (not raw) (slot-value c 'chunked) (engine-check-chunked-bodies engine))
+            (when (and (not raw) (conn-slot c chunked) (engine-check-chunked-bodies engine))
               (case (read-chunked-body c)
                 ((nil))
                 (:closed (return (close-connection c)))
@@ -269,9 +289,25 @@ leave C as the handler decided.  The caller owns C."
                 (413 (return (reject c +response-413+))))))
           (ecase (run-handler engine c)
             (:park (unless (engine-running-p engine)
-                     (return (close-connection c))))
+                     (return (close-connection c)))
+                   ;; Nothing buffered: park without trying another read.
+                   ;; Most clients send their next request only after this
+                   ;; answer, so that read would nearly always fail with
+                   ;; EAGAIN; input that came meanwhile raised an event that
+                   ;; left C :DIRTY, and PARK then says to read.  Only when
+                   ;; the last read left input behind (a full buffer), or
+                   ;; the client half-closed (its end of file raised no
+                   ;; event of its own), is the read needed.
+                   (when (and (not raw) (= (conn-slot c in-start) in-end)
+                              (conn-slot c drained) (not (conn-slot c peer-closed))
+                              (park c))
+                     (return)))
             (:close (return (close-connection c)))
-            ((:detached :suspended) (return))))))))
+            (:detached
+             ;; The handler owns the stream now: no more events for it.
+             (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0)
+             (return))
+            (:suspended (return))))))))
 
 (defun connection-suspend (c)
   "Called by a handler, in its worker, that will answer later from another
@@ -309,15 +345,15 @@ A deadline interrupt acts only while this is bound to its connection.")
   "Note that this thread now runs the handler on C, and start C's handler
 deadline, if the engine has one."
   (let ((timeout (engine-handler-timeout-ms (connection-engine c))))
-    (setf (slot-value c 'sent) 0
-          (slot-value c 'handler-serial) (logand (1+ (slot-value c 'handler-serial))
+    (setf (conn-slot c sent) 0
+          (conn-slot c handler-serial) (logand (1+ (conn-slot c handler-serial))
                                                  most-positive-fixnum)
-          (slot-value c 'handler-thread) sb-thread:*current-thread*)
+          (conn-slot c handler-thread) sb-thread:*current-thread*)
     (when (plusp timeout)
       (schedule c (+ (now-ms) timeout)))))
 
 (defun disarm-handler-deadline (c)
-  (setf (slot-value c 'handler-thread) nil))
+  (setf (conn-slot c handler-thread) nil))
 
 (defun interrupt-handler (c thread serial seconds)
   "Make THREAD, if it still runs handler run number SERIAL on C, signal
@@ -328,9 +364,9 @@ HANDLER-TIMEOUT (SECONDS NIL: the server is stopping).  Any thread."
      ;; Runs in THREAD, at whatever it was doing: act only inside the
      ;; handler run meant, never in the worker's own bookkeeping.
      (when (and (eq *handler-connection* c)
-                (eql (slot-value c 'handler-serial) serial)
-                (eq (slot-value c 'handler-thread) sb-thread:*current-thread*))
-       (setf (slot-value c 'interrupted) t)
+                (eql (conn-slot c handler-serial) serial)
+                (eq (conn-slot c handler-thread) sb-thread:*current-thread*))
+       (setf (conn-slot c interrupted) t)
        ;; ERROR, not SIGNAL: unless something in the handler unwinds it,
        ;; RUN-HANDLER's HANDLER-CASE does.
        (error 'handler-timeout :seconds seconds)))))
@@ -341,8 +377,8 @@ above caught and logged it), and answer 503 if no byte of a response went
 out yet.  Over TLS the engine can't write for the handler: its layer answers."
   (when condition
     (log-engine-error engine "~A (~A)" condition c))
-  (when (and (zerop (the fixnum (slot-value c 'sent))) (not (engine-raw-p engine)))
-    (setf (slot-value c 'out-fill) 0)
+  (when (and (zerop (the fixnum (conn-slot c sent))) (not (engine-raw-p engine)))
+    (setf (conn-slot c out-fill) 0)
     (let ((response (response-503 engine)))
       (send-from (connection-fd c) response 0 (length response)))))
 
@@ -356,7 +392,7 @@ if it had not answered.  Returns :PARK (the handler is done with this request
 and the connection may serve another), :CLOSE, :DETACHED (the handler kept
 the stream) or :SUSPENDED (the handler returned :SUSPENDED after
 CONNECTION-SUSPEND: another thread will finish the request)."
-  (with-slots (boundary park-requested close-requested head-started sent interrupted) c
+  (with-connection-slots (boundary park-requested close-requested head-started sent interrupted) c
     (setf boundary nil park-requested nil close-requested nil head-started nil
           sent 0 interrupted nil)
     (sb-ext:atomic-incf (engine-requests engine))
@@ -435,7 +471,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
             (cond ((plusp n))
                   ((and (minusp n) (= errno +eagain+)) (return))
                   (t (close-connection c) (return)))))
-        (when (slot-value c 'inbuf) (release-buffers c))))))
+        (when (conn-slot c inbuf) (release-buffers c))))))
 
 (defun expire (engine c now)
   "The wheel brought C up at NOW: close it if its deadline passed (with 408
@@ -445,11 +481,11 @@ when part of a request head had arrived), else schedule it again."
       (:parked
        (cond ((not (due-p))
               (wheel-schedule (engine-wheel engine) c (connection-deadline c)))
-             ((eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active) :parked)
-              (cond ((slot-value c 'head-started)
+             ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
+              (cond ((conn-slot c head-started)
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (reject c +response-408+))
-                    ((slot-value c 'fresh)
+                    ((conn-slot c fresh)
                      ;; Connected but never sent a byte in time.
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (close-connection c))
@@ -458,11 +494,11 @@ when part of a request head had arrived), else schedule it again."
        (if (due-p)
            (close-connection c)
            (wheel-schedule (engine-wheel engine) c (connection-deadline c))))
-      (:active
+      ((:active :dirty)
        ;; A handler deadline (see ARM-HANDLER-DEADLINE); without a handler
        ;; running, the entry is stale and PARK schedules C again.
-       (let ((thread (slot-value c 'handler-thread))
-             (serial (slot-value c 'handler-serial)))
+       (let ((thread (conn-slot c handler-thread))
+             (serial (conn-slot c handler-serial)))
          (when (and thread (plusp (engine-handler-timeout-ms engine)))
            (if (due-p)
                (handler-case
@@ -484,7 +520,7 @@ housekeeper has exited."
                   (if (and keep-readable
                            (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
                       (incf left)
-                      (when (eq (sb-ext:compare-and-swap (slot-value c 'state) :parked :active)
+                      (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
                                 :parked)
                         (close-connection c))))
                  (:draining (close-connection c))))
@@ -574,9 +610,9 @@ before it interrupts the ones still running.")
   "Signal HANDLER-TIMEOUT in every worker still running a handler."
   (loop for c across (engine-table engine)
         when c
-          do (let ((thread (slot-value c 'handler-thread))
-                   (serial (slot-value c 'handler-serial)))
-               (when (and thread (eq (connection-state c) :active))
+          do (let ((thread (conn-slot c handler-thread))
+                   (serial (conn-slot c handler-serial)))
+               (when (and thread (member (connection-state c) '(:active :dirty)))
                  (log-engine-error engine "Stopping: interrupting the handler of ~A" c)
                  (ignore-errors (interrupt-handler c thread serial nil))))))
 
@@ -607,7 +643,7 @@ belongs to the caller, who closes it afterwards."
           (t
            (close-idle-connections engine)
            (loop for c across (engine-table engine)
-                 when (and c (eq (connection-state c) :active))
+                 when (and c (member (connection-state c) '(:active :dirty)))
                    do (shutdown-fd (connection-fd c) +shut-rdwr+))
            ;; A handler that is not reading or writing (sleeping, computing,
            ;; waiting on a database) didn't notice: interrupt it.

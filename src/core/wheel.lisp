@@ -51,7 +51,7 @@
         (declare (type fixnum old))
         (when (and (/= old -1) (<= old tick))
           (return))
-        (when (eql old (sb-ext:compare-and-swap (slot-value connection 'wheel-tick) old tick))
+        (when (eql old (sb-ext:compare-and-swap (%conn-slot connection wheel-tick) old tick))
           (let ((entry (cons connection tick)))
             (sb-ext:atomic-push entry (svref (wheel-slots wheel) (mod tick +slots+))))
           (return))))))
@@ -75,5 +75,5 @@ and reschedules it if it did not.  Only the housekeeper calls this."
                  (destructuring-bind (connection . entry-tick) entry
                    (when (and (= entry-tick tick)
                               (eql tick (sb-ext:compare-and-swap
-                                         (slot-value connection 'wheel-tick) tick -1)))
+                                         (%conn-slot connection wheel-tick) tick -1)))
                      (funcall function connection))))))))

@@ -102,7 +102,19 @@
                                                      collect (crlf (format nil "GET /~D HTTP/1.1" i)
                                                                    "Host: x"))))
              (dotimes (i 20)
-               (is (string= (format nil "/~D" i) (body-string (read-response socket))))))
+               (is (string= (format nil "/~D" i) (body-string (read-response socket)))))
+             ;; More than a buffer's worth (8 KiB) at once, in requests of 32
+             ;; bytes, so that the first read ends exactly between two of
+             ;; them: the server must go back to the socket for the rest,
+             ;; not wait for an event that will not come.
+             (send socket (format nil "~{~A~}" (loop for i below 600
+                                                     collect (crlf (format nil "GET /~5,'0D HTTP/1.1" i)
+                                                                   "Host: x"))))
+             (is (= 600 (loop for i below 600
+                              count (let ((r (handler-case (read-response socket)
+                                               (error () nil))))
+                                      (and r (string= (format nil "/~5,'0D" i)
+                                                      (body-string r))))))))
         (usocket:socket-close socket)))))
 
 (test native-responder-called-from-another-thread
