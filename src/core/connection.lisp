@@ -79,9 +79,13 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
    (deadline :initform 0 :type fixnum)
    (wheel-tick :initform -1 :type fixnum
                :documentation "The tick of this connection's entry in the timing wheel, or -1.")
+   (wheel-entry :initform nil
+                :documentation "That entry, (CONNECTION . TICK), or NIL.")
    (head-started :initform nil
                  :documentation "When the first byte of a still-incomplete head arrived.")
    (fresh :initform t :documentation "True until the first request is served.")
+   (gone :initform nil
+         :documentation "True once a send failed because the client went away.")
    (peer-closed :initform nil
                 :documentation "True once an event said the client half-closed.")
    (drained :initform nil
@@ -303,6 +307,15 @@ engine is stopping); signals CONNECTION-TIMEOUT-ERROR after TIMEOUT-MS."
       (error 'connection-timeout-error :stream c :operation operation))
     result))
 
+(defun client-went-away (c errno operation)
+  "A read or send on C failed with ERRNO: signal CONNECTION-ERROR.  When the
+client went away (broken pipe, reset), later sends are dropped without an
+error: the handler was told once, and the layer above (Hunchentoot writing
+a 500 after the failure) should not fail and log again."
+  (when (or (= errno +epipe+) (= errno +econnreset+))
+    (setf (conn-slot c gone) t))
+  (error 'connection-error :stream c :errno errno :operation operation))
+
 (defun fill-input (c)
   "Read more input into the empty buffer of C, blocking (bounded by the read
 timeout) until some arrives.  Returns NIL at end of file."
@@ -316,7 +329,7 @@ timeout) until some arrives.  Returns NIL at end of file."
           (cond ((plusp n) (incf in-end n) (return t))
                 ((zerop n) (return nil))
                 ((/= errno +eagain+)
-                 (error 'connection-error :stream c :errno errno :operation "read"))
+                 (client-went-away c errno "read"))
                 (t (wait-for-fd c +pollin+ (engine-read-timeout-ms engine) "read"))))))))
 
 (defun leave-boundary (c)
@@ -388,14 +401,15 @@ serves the next buffered request, or (when stopping) closes it."
 
 (defun send-all (c buffer start end)
   (declare (type octets buffer) (type fixnum start end))
+  (when (conn-slot c gone)
+    (return-from send-all))
   (let ((fd (connection-fd c))
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (< start end)
           do (multiple-value-bind (n errno) (send-from fd buffer start end)
                (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
                      ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
-                     (t (error 'connection-error :stream c :errno errno
-                                                 :operation "write")))))))
+                     (t (client-went-away c errno "write")))))))
 
 (defun flush-output (c)
   (with-connection-slots (outbuf out-fill) c
@@ -534,6 +548,8 @@ framing only."
   "Send COUNT bytes of the open file FILE-FD from OFFSET with sendfile(2),
 after what is buffered."
   (flush-output c)
+  (when (conn-slot c gone)
+    (return-from connection-send-file))
   (let ((fd (connection-fd c))
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (plusp count)
@@ -543,7 +559,7 @@ after what is buffered."
                      ((and (minusp n) (= errno +eagain+))
                       (wait-for-fd c +pollout+ timeout "sendfile"))
                      ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))
-                     (t (error 'connection-error :stream c :errno errno :operation "sendfile")))))))
+                     (t (client-went-away c errno "sendfile")))))))
 
 (defun connection-finish (c keep-alive)
   "The request is answered: park C for the next request when KEEP-ALIVE, else

@@ -155,6 +155,7 @@ close it after the client has read the answer."
     (unless (eq (connection-state c) :closed)
       (unfresh c)
       (setf (connection-state c) :closed)
+      (wheel-forget c)
       (setf (conn-slot c out-fill) 0
             (conn-slot c in-start) 0
             (conn-slot c in-end) 0)

@@ -16,6 +16,8 @@
 (defconstant +eagain+ 11)
 (defconstant +emfile+ 24)
 (defconstant +enfile+ 23)
+(defconstant +epipe+ 32)
+(defconstant +econnreset+ 104)
 
 (defconstant +epollin+ #x001)
 (defconstant +epollout+ #x004)

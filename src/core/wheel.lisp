@@ -14,7 +14,11 @@
 ;;;; Invariants:
 ;;;;  - An entry of slot (mod tick +SLOTS+) is (CONNECTION . TICK); it counts only
 ;;;;    if the connection's WHEEL-TICK is TICK, and stale entries are dropped
-;;;;    when their slot is processed.
+;;;;    when their slot is processed.  A connection remembers its counting
+;;;;    entry in WHEEL-ENTRY; closing it empties that entry's CAR (see
+;;;;    WHEEL-FORGET), so a closed connection is garbage at once instead of
+;;;;    when its deadline would have come (under Connection: close load, that
+;;;;    was every connection of the last 20 s).
 ;;;;  - A connection whose WHEEL-TICK is not -1 has a counting entry in the
 ;;;;    slot of that tick, and that tick is no later than the tick of its
 ;;;;    deadline, so it is looked at no later than its deadline (rounded up to
@@ -53,6 +57,7 @@
           (return))
         (when (eql old (sb-ext:compare-and-swap (%conn-slot connection wheel-tick) old tick))
           (let ((entry (cons connection tick)))
+            (setf (conn-slot connection wheel-entry) entry)
             (sb-ext:atomic-push entry (svref (wheel-slots wheel) (mod tick +slots+))))
           (return))))))
 
@@ -73,7 +78,15 @@ and reschedules it if it did not.  Only the housekeeper calls this."
                                        return head))))
                (dolist (entry entries)
                  (destructuring-bind (connection . entry-tick) entry
-                   (when (and (= entry-tick tick)
+                   (when (and connection
+                              (= entry-tick tick)
                               (eql tick (sb-ext:compare-and-swap
                                          (%conn-slot connection wheel-tick) tick -1)))
                      (funcall function connection))))))))
+
+(defun wheel-forget (connection)
+  "Drop CONNECTION from its wheel entry: it was closed."
+  (let ((entry (conn-slot connection wheel-entry)))
+    (when entry
+      (setf (car entry) nil
+            (conn-slot connection wheel-entry) nil))))

@@ -47,3 +47,19 @@ The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
       (hunchentoot:log-message* :error "~A" condition)
       (setf (hunchentoot:return-code*) hunchentoot:+http-internal-server-error+)
       (hunchentoot:abort-request-handler))))
+
+(defmethod hunchentoot:process-connection ((acceptor acceptor) socket)
+  ;; A client that hangs up after its answer was written into the buffer
+  ;; makes Hunchentoot's final FINISH-OUTPUT fail outside any request; the
+  ;; error would reach the log wrapped in usocket conditions.  Count it
+  ;; instead (GALLOP:STATS :ABORTED), like the errors inside a request (see
+  ;; ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).
+  (declare (ignore socket))
+  (block serve
+    (handler-bind ((gallop.core:connection-error
+                     (lambda (condition)
+                       (when (and *connection* (client-abort-condition-p condition))
+                         (gallop.core:note-client-abort
+                          (gallop.core:connection-engine *connection*))
+                         (return-from serve nil)))))
+      (call-next-method))))

@@ -235,6 +235,22 @@ new connections get 503.")
                (not (gallop.core:engine-running-p (gallop.core:connection-engine *connection*))))
       (setf (hunchentoot:header-out :connection) "Close"))))
 
+(defun client-abort-condition-p (object)
+  "True if OBJECT is a condition saying the client went away (it closed or
+reset the connection); timeouts don't count."
+  (and (typep object 'gallop.core:connection-error)
+       (not (typep object 'gallop.core:connection-timeout-error))))
+
+(defmethod hunchentoot:acceptor-log-message :around ((acceptor hunchentoot:acceptor) log-level
+                                                     format-string &rest format-arguments)
+  ;; Hunchentoot logs a client that hung up mid-request or mid-response as an
+  ;; error, with a backtrace.  On a Gallop connection it is counted in
+  ;; GALLOP:STATS (:ABORTED) instead, as the native API does.
+  (declare (ignore log-level format-string))
+  (if (and *connection* (some #'client-abort-condition-p format-arguments))
+      (gallop.core:note-client-abort (gallop.core:connection-engine *connection*))
+      (call-next-method)))
+
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.
 

@@ -95,26 +95,31 @@ HTTP/1.0, and whether it expects 100-continue."
            (http-1.0 (= (aref buffer (+ sp2 8)) 48))
            (headers (make-hash-table :test 'equal))
            (content-type nil)
-           (host nil))
+           (host nil)
+           (connection nil)
+           (expect nil)
+           (content-length nil))
       ;; header fields: lower-case names; repeated fields joined with ", "
       (loop with i = (1+ line-end)
             for eol = (gallop.core:octet-position 10 buffer i end)
             while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
             do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
                  (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
-                   (let ((name (lowercase-string buffer i colon))
-                         (value (latin1-string buffer vs ve)))
-                     (let ((old (gethash name headers)))
-                       (setf (gethash name headers)
-                             (if old (concatenate 'string old ", " value) value))))))
+                   (let* ((name (lowercase-string buffer i colon))
+                          (value (latin1-string buffer vs ve))
+                          (old (gethash name headers))
+                          (joined (if old (concatenate 'string old ", " value) value)))
+                     (setf (gethash name headers) joined)
+                     ;; The fields the server itself needs, without looking them up again.
+                     (cond ((string= name "host") (setf host joined))
+                           ((string= name "content-type") (setf content-type joined))
+                           ((string= name "connection") (setf connection joined))
+                           ((string= name "expect") (setf expect joined))
+                           ((string= name "content-length") (setf content-length t))))))
                (setf i (1+ eol)))
-      (setf content-type (gethash "content-type" headers)
-            host (gethash "host" headers))
-      (let* ((connection (gethash "connection" headers))
-             (keep-alive (if http-1.0
+      (let* ((keep-alive (if http-1.0
                              (connection-token-p connection "keep-alive")
                              (not (connection-token-p connection "close"))))
-             (expect (gethash "expect" headers))
              (colon (and host (position #\: host :from-end t)))
              (env (list :request-method method
                         :script-name ""
@@ -131,7 +136,7 @@ HTTP/1.0, and whether it expects 100-continue."
                         :remote-port (connection-remote-port c)
                         :content-type content-type
                         :content-length (and (not (gallop.core:connection-chunked-p c))
-                                             (gethash "content-length" headers)
+                                             content-length
                                              (gallop.core:connection-body-length c))
                         :headers headers
                         :clack.streaming t
