@@ -344,8 +344,9 @@ serves the next buffered request, or (when stopping) closes it."
            ;; TLS: buffered cipher state can't be parked; wait here for the
            ;; next request, bounded by the idle timeout, and give up on stop.
            (when (= in-start in-end)
-             (end-in-flight engine)
-             (disarm-handler-deadline c)
+             (sb-sys:without-interrupts
+               (disarm-handler-deadline c)
+               (end-in-flight engine))
              (let ((ready (unwind-protect
                                (poll-fds fd +pollin+ (engine-stop-fd engine)
                                          (engine-idle-timeout-ms engine))

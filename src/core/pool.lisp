@@ -275,6 +275,17 @@ than ALLOWED."
                    (:retired (setf counted-out t) (return))
                    (t (setf holding t)))))
              (multiple-value-bind (queued found) (sb-concurrency:dequeue ready)
+               (when (and found (plusp (pool-idle pool))
+                          (not (sb-concurrency:queue-empty-p ready)))
+                 ;; More queued than this worker will serve now: pass the
+                 ;; nudge on, so one nudge per batch wakes as many as needed.
+                 (signal-eventfd (pool-nudge-fd pool)))
+               (unless found
+                 ;; Count this worker idle, then look once more: an event
+                 ;; queued in between saw it idle and nudged, or is found here.
+                 (sb-ext:atomic-incf (pool-idle pool))
+                 (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
+                 (sb-ext:atomic-decf (pool-idle pool)))
                (if found
                    ;; Queued as a fixnum: the event's data, negated (minus
                    ;; one) when its flags said more than "readable".

@@ -304,18 +304,17 @@ leave C as the handler decided.  The caller owns C."
                               (park c))
                      (return)))
             (:close (return (close-connection c)))
-            (:detached
-             ;; The handler owns the stream now: no more events for it.
-             (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0)
-             (return))
-            (:suspended (return))))))))
+            ((:detached :suspended) (return))))))))
 
 (defun connection-suspend (c)
   "Called by a handler, in its worker, that will answer later from another
 thread; the handler then returns :SUSPENDED and the worker leaves C to that
 thread, which ends with CONNECTION-RESUME.  The request counts as in flight
-until then."
-  (sb-ext:atomic-incf (engine-in-flight (connection-engine c))))
+until then.  The handler deadline ends here: no interrupt may reach the
+worker once it is handing C over."
+  (sb-sys:without-interrupts
+    (disarm-handler-deadline c)
+    (sb-ext:atomic-incf (engine-in-flight (connection-engine c)))))
 
 (defun connection-unsuspend (c)
   "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
@@ -348,13 +347,17 @@ deadline, if the engine has one."
   (let ((timeout (engine-handler-timeout-ms (connection-engine c))))
     (setf (conn-slot c sent) 0
           (conn-slot c handler-serial) (logand (1+ (conn-slot c handler-serial))
-                                                 most-positive-fixnum)
-          (conn-slot c handler-thread) sb-thread:*current-thread*)
+                                                 most-positive-fixnum))
+    ;; The deadline first: an older entry due now must not find this thread
+    ;; marked as running the handler with an old deadline.
     (when (plusp timeout)
-      (schedule c (+ (now-ms) timeout)))))
+      (schedule c (+ (now-ms) timeout)))
+    (setf (conn-slot c handler-thread) sb-thread:*current-thread*)))
 
 (defun disarm-handler-deadline (c)
-  (setf (conn-slot c handler-thread) nil))
+  "This thread no longer runs the handler on C.  Clears only this thread's
+mark: after a hand-off (CONNECTION-SUSPEND) another thread may own C."
+  (sb-ext:compare-and-swap (%conn-slot c handler-thread) sb-thread:*current-thread* nil))
 
 (defun interrupt-handler (c thread serial seconds)
   "Make THREAD, if it still runs handler run number SERIAL on C, signal
@@ -430,7 +433,10 @@ CONNECTION-SUSPEND: another thread will finish the request)."
         (answer-interrupted-handler engine c nil))
       (setf close-requested t park-requested nil))
     (cond ((not close-requested)
-           ;; The handler kept the stream: it is an ordinary stream from now on.
+           ;; The handler kept the stream: it is an ordinary stream from now
+           ;; on, with no more events.  Unregister before anyone else may
+           ;; close it (and the fd number be reused by a new connection).
+           (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ (connection-fd c) 0 0)
            (setf boundary nil park-requested nil
                  (connection-state c) :detached)
            :detached)
@@ -496,17 +502,20 @@ when part of a request head had arrived), else schedule it again."
            (close-connection c)
            (wheel-schedule (engine-wheel engine) c (connection-deadline c))))
       ((:active :dirty)
-       ;; A handler deadline (see ARM-HANDLER-DEADLINE); without a handler
-       ;; running, the entry is stale and PARK schedules C again.
        (let ((thread (conn-slot c handler-thread))
              (serial (conn-slot c handler-serial)))
-         (when (and thread (plusp (engine-handler-timeout-ms engine)))
-           (if (due-p)
-               (handler-case
-                   (interrupt-handler c thread serial
-                                      (/ (engine-handler-timeout-ms engine) 1000.0))
-                 (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
-               (wheel-schedule (engine-wheel engine) c (connection-deadline c)))))))))
+         (if (and thread (plusp (engine-handler-timeout-ms engine)) (due-p))
+             ;; A handler deadline (see ARM-HANDLER-DEADLINE).
+             (handler-case
+                 (interrupt-handler c thread serial
+                                    (/ (engine-handler-timeout-ms engine) 1000.0))
+               (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
+             ;; Keep the entry: the owner may just have set a deadline that
+             ;; this entry stood for (PARK, REJECT-CONNECTION and
+             ;; ARM-HANDLER-DEADLINE only push an entry when it is earlier
+             ;; than the one there), and it must still be looked at then.
+             (wheel-schedule (engine-wheel engine) c
+                             (max (connection-deadline c) (+ now +tick-ms+)))))))))
 
 (defun close-idle-connections (engine &key keep-readable)
   "Close every parked and draining connection; with KEEP-READABLE, leave the
