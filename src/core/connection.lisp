@@ -595,6 +595,27 @@ LF become spaces, so a header value cannot inject a header)."
             (setf out-fill (+ fill n))))))
   nil)
 
+(defun connection-write-ascii (c string)
+  "Buffer the characters of STRING, all below 128, as octets, unchanged."
+  (declare (type simple-string string))
+  (with-connection-slots (outbuf out-fill) c
+    (let ((n (length string)))
+      (declare (type fixnum n))
+      (loop with start of-type fixnum = 0
+            while (< start n)
+            do (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+                 (declare (type octets buffer))
+                 (when (= out-fill (length buffer))
+                   (flush-output c))
+                 (let* ((fill out-fill)
+                        (count (min (- n start) (- (length buffer) fill))))
+                   (declare (type fixnum fill count))
+                   (dotimes (i count)
+                     (setf (aref buffer (+ fill i)) (char-code (schar string (+ start i)))))
+                   (setf out-fill (+ fill count))
+                   (incf start count))))))
+  nil)
+
 (defun connection-write-decimal (c n)
   "Buffer the decimal digits of the non-negative integer N."
   (declare (type (integer 0) n))

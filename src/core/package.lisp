@@ -21,7 +21,8 @@
    #:connection-owner-stream
    #:connection-head #:connection-consume-head #:connection-body-length
    #:connection-chunked-p #:connection-read-octets #:connection-read-line
-   #:connection-write-octets #:connection-write-latin1 #:connection-write-decimal
+   #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
+   #:connection-write-decimal
    #:connection-flush #:connection-send-file
    #:connection-finish #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error

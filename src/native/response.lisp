@@ -96,6 +96,14 @@ become spaces, so a value can't inject a header."
 
 ;;; Bodies
 
+(defun simple-ascii-string-p (object)
+  "True if OBJECT is a simple string of ASCII characters only (its UTF-8
+encoding is its character codes)."
+  (and (simple-string-p object)
+       (let ((string object))
+         (declare (type simple-string string) (optimize speed))
+         (every (lambda (ch) (< (char-code ch) 128)) string))))
+
 (defun body-octets (chunk)
   "A body chunk (string or octet vector) as octets; strings in UTF-8."
   (etypecase chunk
@@ -120,7 +128,10 @@ and the app did not give one), Transfer-Encoding and Connection."
   (let ((has-length nil))
     (loop for (name value) on headers by #'cddr
           when value
-            do (when (string-equal name :content-length) (setf has-length t))
+            do (when (if (symbolp name)
+                         (eq name :content-length)
+                         (string-equal name :content-length))
+                 (setf has-length t))
                (gallop.core:connection-write-octets c (header-name-octets name))
                (write-header-value c value)
                (gallop.core:connection-write-octets c +crlf+))

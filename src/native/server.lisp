@@ -40,6 +40,14 @@
                                           :http-1.0 (exchange-http-1.0 ex))
              (unless (exchange-head-p ex)
                (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
+      ((and (consp body) (null (cdr body)) (simple-ascii-string-p (car body)))
+       ;; The common case, one ASCII string: no UTF-8 encoding, no copy.
+       (let ((string (car body)))
+         (write-head c status headers
+                     :content-length (unless (no-body-status-p status) (length string))
+                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
+         (unless (or (exchange-head-p ex) (no-body-status-p status))
+           (gallop.core:connection-write-ascii c string))))
       (t
        (let* ((chunks (cond ((null body) '())
                             ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
