@@ -44,8 +44,10 @@
 ;;;; sleep still blocks only its thread, not the core.  (CPU-POLICY below is the
 ;;;; same text for BENCHMARKS.md.)
 
+(load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
+
 (defpackage #:gallop-bench
-  (:use #:common-lisp)
+  (:use #:common-lisp #:gallop-bench-process)
   (:export #:main #:report))
 (in-package #:gallop-bench)
 
@@ -193,17 +195,6 @@ GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
     (push p *live*)
     p))
 
-(defun alive-p (process)
-  (and process (member (sb-ext:process-status process) '(:running :stopped))))
-
-(defun wait-exit (process seconds)
-  "Wait up to SECONDS for PROCESS to exit; true if it did."
-  (loop with deadline = (+ (get-internal-real-time) (* seconds internal-time-units-per-second))
-        while (alive-p process)
-        do (when (> (get-internal-real-time) deadline) (return-from wait-exit nil))
-           (sleep 0.05))
-  t)
-
 (defun child-pids (pid)
   "The processes whose parent is PID (from /proc/*/stat)."
   (loop for dir in (directory "/proc/*/" :resolve-symlinks nil)
@@ -232,16 +223,6 @@ GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
 
 (defun kill-all-live ()
   (dolist (p *live*) (ignore-errors (kill-process p :grace 1))))
-
-(defun read-line-timeout (stream seconds)
-  "The next line of STREAM, or NIL at end of file or after SECONDS."
-  (let ((deadline (+ (get-internal-real-time) (* seconds internal-time-units-per-second))))
-    (loop
-      (let ((c (read-char-no-hang stream nil :eof)))
-        (cond ((eq c :eof) (return nil))
-              (c (unread-char c stream) (return (read-line stream nil)))
-              ((> (get-internal-real-time) deadline) (return nil))
-              (t (sb-sys:wait-until-fd-usable (sb-sys:fd-stream-fd stream) :input 0.1)))))))
 
 (defun send-line (process line)
   (ignore-errors

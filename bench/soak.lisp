@@ -64,8 +64,10 @@
 
 (require :sb-bsd-sockets)
 
+(load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
+
 (defpackage #:gallop-soak
-  (:use #:common-lisp)
+  (:use #:common-lisp #:gallop-bench-process)
   (:export #:main))
 (in-package #:gallop-soak)
 
@@ -157,18 +159,6 @@
 
 (defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
-(defun alive-p (process)
-  (and process (member (sb-ext:process-status process) '(:running :stopped))))
-
-(defun wait-exit (process seconds)
-  "Wait up to SECONDS for PROCESS to exit; true if it did."
-  (loop with deadline = (+ (get-internal-real-time) (* seconds internal-time-units-per-second))
-        while (alive-p process)
-        do (when (> (get-internal-real-time) deadline)
-             (return-from wait-exit nil))
-           (sleep 0.05))
-  t)
-
 (defun kill-and-reap (process)
   "SIGTERM PROCESS, SIGKILL it after 3 s, and release it."
   (when (alive-p process)
@@ -177,16 +167,6 @@
       (ignore-errors (sb-ext:process-kill process 9))
       (wait-exit process 5)))
   (ignore-errors (sb-ext:process-close process)))
-
-(defun read-line-timeout (stream seconds)
-  "The next line of STREAM, or NIL at end of file or after SECONDS."
-  (let ((deadline (+ (get-internal-real-time) (* seconds internal-time-units-per-second))))
-    (loop
-      (let ((c (read-char-no-hang stream nil :eof)))
-        (cond ((eq c :eof) (return nil))
-              (c (unread-char c stream) (return (read-line stream nil)))
-              ((> (get-internal-real-time) deadline) (return nil))
-              (t (sb-sys:wait-until-fd-usable (sb-sys:fd-stream-fd stream) :input 0.1)))))))
 
 (defun file-size (path)
   (or (ignore-errors
