@@ -1,12 +1,27 @@
-;;;; process.lisp -- child-process helpers shared by the benchmark harness
-;;;; (run.lisp) and the soak test (soak.lisp), which each load this file
-;;;; first.  Both start servers and load generators as child processes and
-;;;; talk to them over pipes, with every wait bounded.
+;;;; process.lisp -- helpers shared by the benchmark harness (run.lisp) and
+;;;; the soak test (soak.lisp), which each load this file first: reading
+;;;; settings from the environment, and child processes.  Both start servers
+;;;; and load generators as child processes and talk to them over pipes, with
+;;;; every wait bounded.
 
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
-  (:export #:alive-p #:wait-exit #:read-line-timeout))
+  (:export #:env #:env-int #:alive-p #:wait-exit #:read-line-timeout))
 (in-package #:gallop-bench-process)
+
+(defun env (name)
+  "The environment variable NAME, trimmed, or NIL when unset or blank."
+  (let ((v (uiop:getenv name)))
+    (and v (plusp (length (string-trim " " v))) (string-trim " " v))))
+
+(defun env-int (name default)
+  "The integer in the environment variable NAME (underscores allowed as
+separators: 2_000_000), or DEFAULT when unset."
+  (let ((v (env name)))
+    (if v
+        (or (parse-integer (remove #\_ v) :junk-allowed t)
+            (error "~A=~S is not an integer" name v))
+        default)))
 
 (defun alive-p (process)
   "True while PROCESS runs (or is stopped)."

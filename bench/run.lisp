@@ -65,17 +65,6 @@
   server-cpus client-cpus wrk-threads (wrk-timeout 2)
   run-id out-dir tmp-dir tsv md svg splice)
 
-(defun env (name)
-  (let ((v (uiop:getenv name)))
-    (and v (plusp (length (string-trim " " v))) (string-trim " " v))))
-
-(defun env-int (name default)
-  (let ((v (env name)))
-    (if v
-        (or (parse-integer v :junk-allowed t)
-            (error "~A=~S is not an integer" name v))
-        default)))
-
 (defun env-cpus (name default)
   (let ((v (env name)))
     (cond ((null v) default)

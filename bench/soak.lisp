@@ -96,17 +96,6 @@
   (quiesce-timeout 45)      ; seconds to wait for the server to close every connection
   port)
 
-(defun env (name)
-  (let ((v (uiop:getenv name)))
-    (and v (plusp (length (string-trim " " v))) (string-trim " " v))))
-
-(defun env-int (name default)
-  (let ((v (env name)))
-    (if v
-        (or (parse-integer (remove #\_ v) :junk-allowed t)
-            (error "~A=~S is not an integer" name v))
-        default)))
-
 (defparameter *kinds* '("gallop" "native")
   "The server kinds soaked, by bench/server.lisp's names.")
 
