@@ -31,6 +31,30 @@
           do (setf (schar s j) (code-char (aref buffer i))))
     s))
 
+(defparameter +common-header-names+
+  (map 'vector (lambda (name) (cons (ascii name) name))
+       '("host" "user-agent" "accept" "accept-encoding" "accept-language" "connection"
+         "content-type" "content-length" "cookie" "referer" "cache-control" "origin"
+         "upgrade-insecure-requests" "authorization" "if-modified-since" "if-none-match"
+         "x-forwarded-for" "x-forwarded-proto" "x-real-ip" "transfer-encoding" "expect"
+         "pragma" "dnt" "te" "range"))
+  "Lower-case header names common enough to share one string each: (octets . string).")
+
+(defun header-name-string (buffer start end)
+  "The lower-case header name in BUFFER[START,END): a shared string for a
+common name, else a fresh one."
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((n (- end start)))
+    (loop for (octets . string) across +common-header-names+
+          when (and (= n (length (the octets octets)))
+                    (loop for i of-type fixnum from start below end
+                          for j of-type fixnum from 0
+                          always (let ((b (aref buffer i)))
+                                   (= (if (<= 65 b 90) (+ b 32) b)
+                                      (aref (the octets octets) j)))))
+            do (return-from header-name-string string))
+    (lowercase-string buffer start end)))
+
 (defun lowercase-string (buffer start end)
   (declare (type octets buffer) (type fixnum start end))
   (let ((s (make-string (- end start))))
@@ -93,7 +117,7 @@ HTTP/1.0, and whether it expects 100-continue."
            (method (method-keyword buffer start sp1))
            (question (gallop.core:octet-position 63 buffer (1+ sp1) sp2))
            (http-1.0 (= (aref buffer (+ sp2 8)) 48))
-           (headers (make-hash-table :test 'equal))
+           (headers (make-hash-table :test 'equal :size 8))
            (content-type nil)
            (host nil)
            (connection nil)
@@ -105,7 +129,7 @@ HTTP/1.0, and whether it expects 100-continue."
             while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
             do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
                  (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
-                   (let* ((name (lowercase-string buffer i colon))
+                   (let* ((name (header-name-string buffer i colon))
                           (value (latin1-string buffer vs ve))
                           (old (gethash name headers))
                           (joined (if old (concatenate 'string old ", " value) value)))

@@ -183,8 +183,8 @@ write its response, and tell the engine what to do with C next."
                       (setf (exchange-keep-alive ex) nil)
                       (respond ex 400 '(:content-type "text/plain") '("Bad Request"))
                       (return-from serve-request (gallop.core:connection-finish c nil))))))
-        (setf (getf env :raw-body)
-              (if body (make-octet-input-stream body) +empty-body+)))
+        ;; In front: no walk down the property list.
+        (setf env (list* :raw-body (if body (make-octet-input-stream body) +empty-body+) env)))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
                           (internal-error server ex e)
