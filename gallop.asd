@@ -18,6 +18,7 @@
   :serial t
   :components ((:file "package")
                (:file "syscalls")
+               (:file "cpus")
                (:file "buffers")
                (:file "pool")
                (:file "engine")
@@ -68,6 +69,7 @@
                (:file "core/aborts")
                (:file "core/chunks")
                (:file "core/shutdown")
+               (:file "core/cpus")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

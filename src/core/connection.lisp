@@ -97,6 +97,8 @@ raises an event.")
    (body-length :initform 0 :type fixnum
                 :documentation "Content-Length of the request being served (0 if none).")
    (chunked :initform nil :documentation "True if the request body is chunked.")
+   (request-method :initform nil
+                   :documentation "The keyword of the checked request's method (:GET ...).")
    (boundary :initform nil)
    (park-requested :initform nil)
    (close-requested :initform nil)
@@ -493,6 +495,9 @@ at once."
 
 (defun connection-body-length (c) (conn-slot c body-length))
 (defun connection-chunked-p (c) (conn-slot c chunked))
+(defun connection-request-method (c)
+  "The method of the request head just checked, as a keyword (:GET, :POST ...)."
+  (conn-slot c request-method))
 
 (defun connection-read-octets (c vector &optional (start 0) (end (length vector)))
   "Fill VECTOR[START,END) from C, blocking (bounded by the read timeout).
@@ -541,6 +546,24 @@ framing only."
              (send-all c octets start end)))))
   nil)
 
+(defun connection-reserve-output (c n)
+  "Room for N octets in C's output buffer, sending what it holds first if
+needed: returns the buffer and the index to write at, or NIL if N octets do
+not fit even an empty buffer.  The caller fills the buffer from that index
+and then calls CONNECTION-COMMIT-OUTPUT with the index after its last octet."
+  (declare (type fixnum n))
+  (with-connection-slots (outbuf out-fill) c
+    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+      (declare (type octets buffer))
+      (cond ((<= n (- (length buffer) out-fill)) (values buffer out-fill))
+            ((<= n (length buffer)) (flush-output c) (values buffer 0))
+            (t nil)))))
+
+(declaim (inline connection-commit-output))
+(defun connection-commit-output (c fill)
+  "The output buffer now holds octets up to FILL (see CONNECTION-RESERVE-OUTPUT)."
+  (setf (conn-slot c out-fill) fill))
+
 (defun connection-flush (c)
   "Send everything buffered."
   (flush-output c))
@@ -586,12 +609,21 @@ LF become spaces, so a header value cannot inject a header)."
                                           string))
           (let ((fill out-fill))
             (declare (type fixnum fill))
-            (dotimes (i n)
-              (let ((code (char-code (char string i))))
-                (setf (aref buffer (+ fill i))
-                      (cond ((or (= code 13) (= code 10)) 32)
-                            ((< code 256) code)
-                            (t 63)))))
+            ;; One loop per string representation, so that each reads its
+            ;; characters directly instead of through a generic accessor.
+            (macrolet ((copy (type)
+                         `(let ((string string))
+                            (declare (type ,type string) (optimize speed))
+                            (dotimes (i n)
+                              (let ((code (char-code (char string i))))
+                                (setf (aref buffer (+ fill i))
+                                      (cond ((or (= code 13) (= code 10)) 32)
+                                            ((< code 256) code)
+                                            (t 63))))))))
+              (typecase string
+                ((simple-array character (*)) (copy (simple-array character (*))))
+                (simple-base-string (copy simple-base-string))
+                (t (copy string))))
             (setf out-fill (+ fill n))))))
   nil)
 
@@ -610,8 +642,15 @@ LF become spaces, so a header value cannot inject a header)."
                  (let* ((fill out-fill)
                         (count (min (- n start) (- (length buffer) fill))))
                    (declare (type fixnum fill count))
-                   (dotimes (i count)
-                     (setf (aref buffer (+ fill i)) (char-code (schar string (+ start i)))))
+                   (macrolet ((copy (type)
+                                `(let ((string string))
+                                   (declare (type ,type string) (optimize speed))
+                                   (dotimes (i count)
+                                     (setf (aref buffer (+ fill i))
+                                           (logand #xff (char-code (schar string (+ start i)))))))))
+                     (if (typep string '(simple-array character (*)))
+                         (copy (simple-array character (*)))
+                         (copy simple-base-string)))
                    (setf out-fill (+ fill count))
                    (incf start count))))))
   nil)
@@ -622,9 +661,17 @@ LF become spaces, so a header value cannot inject a header)."
   (let ((digits (make-array 20 :element-type '(unsigned-byte 8)))
         (i 20))
     (declare (dynamic-extent digits) (type fixnum i))
-    (loop do (multiple-value-bind (q r) (floor n 10)
-               (decf i)
-               (setf (aref digits i) (+ 48 r)
-                     n q))
-          until (zerop n))
+    (if (typep n 'fixnum)
+        (let ((n n))
+          (declare (type (and fixnum unsigned-byte) n) (optimize speed))
+          (loop do (multiple-value-bind (q r) (floor n 10)
+                     (decf i)
+                     (setf (aref digits i) (+ 48 r)
+                           n q))
+                until (zerop n)))
+        (loop do (multiple-value-bind (q r) (floor n 10)
+                   (decf i)
+                   (setf (aref digits i) (+ 48 r)
+                         n q))
+              until (zerop n)))
     (connection-write-octets c digits i 20)))

@@ -48,13 +48,17 @@
   (if (<= 65 b 90) (+ b 32) b))
 
 (defparameter +known-methods+
-  (mapcar (lambda (name) (map '(simple-array (unsigned-byte 8) (*)) #'char-code name))
-          '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
-            ;; WebDAV and friends, which Hunchentoot applications do serve
-            "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
-            "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
-            "PURGE"))
-  "Methods the engine lets through; other well-formed methods get 501.")
+  (map 'simple-vector
+       (lambda (name)
+         (cons (map '(simple-array (unsigned-byte 8) (*)) #'char-code name)
+               (intern name :keyword)))
+       '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
+         ;; WebDAV and friends, which Hunchentoot applications do serve
+         "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
+         "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
+         "PURGE"))
+  "Methods the engine lets through, (octets . keyword), the common ones first;
+other well-formed methods get 501.")
 
 (defun region= (buffer start end name)
   "Does BUFFER[START,END) equal the lower-case ASCII octets NAME, ignoring case?"
@@ -71,13 +75,21 @@
 (defparameter +100-continue+ (encode-ascii "100-continue"))
 (defparameter +chunked+ (encode-ascii "chunked"))
 
-(defun known-method-p (buffer start end)
-  (declare (type octets buffer) (type fixnum start end))
-  (loop for name in +known-methods+
-        thereis (and (= (- end start) (length (the octets name)))
-                     (loop for i of-type fixnum from start below end
-                           for j of-type fixnum from 0
-                           always (= (aref buffer i) (aref (the octets name) j))))))
+(defun known-method (buffer start end)
+  "The keyword of the method in BUFFER[START,END), or NIL if it is not one of
++KNOWN-METHODS+."
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (let ((methods (load-time-value +known-methods+ t))
+        (n (- end start)))
+    (declare (type simple-vector methods))
+    (loop for entry across methods
+          do (let ((name (car entry)))
+               (declare (type octets name))
+               (when (and (= n (length name))
+                          (loop for i of-type fixnum from start below end
+                                for j of-type fixnum from 0
+                                always (= (aref buffer i) (aref name j))))
+                 (return (cdr entry)))))))
 
 (defun field-bounds (buffer start end)
   "START and END of BUFFER[START,END) without the CR before END, and without
@@ -92,7 +104,8 @@ surrounding spaces and tabs: the bounds of a header field's value."
 
 (defun check-request-line (buffer start end)
   "Check the request line BUFFER[START,END) (END at its LF).  Returns the
-status that refuses it or NIL, and the HTTP minor version (0 or 1)."
+status that refuses it or NIL, the HTTP minor version (0 or 1), and the
+method's keyword."
   (declare (type octets buffer) (type fixnum start end))
   (let ((line-end (if (and (> end start) (= (aref buffer (1- end)) 13)) (1- end) end))
         (i start))
@@ -127,9 +140,10 @@ status that refuses it or NIL, and the HTTP minor version (0 or 1)."
         (return-from check-request-line 400))
       (let ((major (- (aref buffer (+ i 5)) 48))
             (minor (- (aref buffer (+ i 7)) 48)))
-        (cond ((not (and (= major 1) (<= minor 1))) (values 505 0))
-              ((not (known-method-p buffer start method-end)) (values 501 minor))
-              (t (values nil minor)))))))
+        (let ((method (known-method buffer start method-end)))
+          (cond ((not (and (= major 1) (<= minor 1))) (values 505 0))
+                ((not method) (values 501 minor))
+                (t (values nil minor method))))))))
 
 (defun parse-content-length (buffer start end)
   "The value of a Content-Length field, or NIL if it is not 1*DIGIT."
@@ -146,7 +160,8 @@ status that refuses it or NIL, and the HTTP minor version (0 or 1)."
 (defun check-head (c)
   "Check the complete request head buffered in connection C.  Returns the
 status that refuses it, or NIL."
-  (with-connection-slots (inbuf in-start scan engine body-length chunked expect-continue) c
+  (with-connection-slots (inbuf in-start scan engine body-length chunked expect-continue
+                          request-method) c
     (let* ((buffer inbuf)
            (head-end scan)
            (line-end (line-end buffer in-start head-end))
@@ -155,8 +170,9 @@ status that refuses it, or NIL."
            (hosts 0))
       (declare (type octets buffer) (type fixnum head-end))
       (setf body-length 0 chunked nil expect-continue nil)
-      (multiple-value-bind (status minor) (check-request-line buffer in-start line-end)
+      (multiple-value-bind (status minor method) (check-request-line buffer in-start line-end)
         (when status (return-from check-head status))
+        (setf request-method method)
         ;; header fields
         (loop with start of-type fixnum = (1+ line-end)
               for end = (line-end buffer start head-end)

@@ -20,9 +20,9 @@
    #:connection-user-data #:connection-mark-boundary
    #:connection-owner-stream
    #:connection-head #:connection-consume-head #:connection-body-length
-   #:connection-chunked-p #:connection-read-octets #:connection-read-line
+   #:connection-chunked-p #:connection-request-method #:connection-read-octets #:connection-read-line
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
-   #:connection-write-decimal
+   #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
    #:connection-flush #:connection-send-file
    #:connection-finish #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error
@@ -34,6 +34,6 @@
    #:engine-running-p #:engine-pool #:engine-stats
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    ;; utilities used by the layers above
-   #:octet-position #:field-bounds
+   #:octet-position #:field-bounds #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd))

@@ -27,6 +27,8 @@
 ;;;; permit, and a thread when none is waiting for one (up to MAX-THREADS).
 ;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
 ;;;; permit back (down to the CPU count); the holder that notices gives it up.
+;;;; "CPUs" means the ones the process may use: its affinity mask, lowered by
+;;;; its cgroup's CPU quota (cpus.lisp), re-read once a second.
 ;;;; Thread creation is serialised through the maker because SBCL creates
 ;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
 ;;;; without work leaves while more than MIN-THREADS remain.
@@ -114,7 +116,7 @@ seconds."
   (epoll-ctl (pool-epfd pool) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
   (epoll-ctl (pool-epfd pool) +epoll-ctl-add+ (pool-nudge-fd pool)
              (logior +epollin+ +epollet+) +nudge-data+)
-  (let ((allowed (min (allowed-cpu-count) (pool-max-threads pool))))
+  (let ((allowed (min (max 1 (ceiling (usable-cpus))) (pool-max-threads pool))))
     (setf (pool-allowed pool) allowed
           (pool-holders pool) 0
           (pool-permits pool) (sb-thread:make-semaphore :name "gallop run permits"
@@ -169,13 +171,19 @@ gives its up."
   (sb-thread:try-semaphore (pool-permits pool)))
 
 (defun maker-loop (pool)
-  (let* ((cpus (allowed-cpu-count))
-         (floor (min cpus (pool-max-threads pool)))
+  (let* ((cpus (usable-cpus))
+         (floor (min (max 1 (ceiling cpus)) (pool-max-threads pool)))
+         (cpus-read (get-internal-real-time))
          (last-cpu (process-cpu-us))
          (last-wall (get-internal-real-time))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
          (idle-samples 0))
     (loop
+      ;; The CPUs may change (taskset, a new cgroup quota): look again once a second.
+      (when (>= (- (get-internal-real-time) cpus-read) internal-time-units-per-second)
+        (setf cpus (usable-cpus)
+              floor (min (max 1 (ceiling cpus)) (pool-max-threads pool))
+              cpus-read (get-internal-real-time)))
       (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
       (join-retired pool)
       (when (pool-stopping pool)

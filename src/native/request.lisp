@@ -7,24 +7,8 @@
 
 (in-package #:gallop)
 
-(defparameter +method-keywords+
-  (mapcar (lambda (name) (cons (ascii name) (intern name :keyword)))
-          '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
-            "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
-            "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
-            "PURGE")))
-
-(defun method-keyword (buffer start end)
-  (declare (type octets buffer) (type fixnum start end))
-  (loop for (name . keyword) in +method-keywords+
-        when (and (= (- end start) (length (the octets name)))
-                  (loop for i of-type fixnum from start below end
-                        for j of-type fixnum from 0
-                        always (= (aref buffer i) (aref (the octets name) j))))
-          return keyword))
-
 (defun latin1-string (buffer start end)
-  (declare (type octets buffer) (type fixnum start end))
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (let ((s (make-string (- end start))))
     (loop for i of-type fixnum from start below end
           for j of-type fixnum from 0
@@ -40,12 +24,17 @@
          "pragma" "dnt" "te" "range"))
   "Lower-case header names common enough to share one string each: (octets . string).")
 
+(defun common-header-name (name)
+  "The shared string of the common header NAME."
+  (or (cdr (find name +common-header-names+ :key #'cdr :test #'string=))
+      (error "~S is not in +COMMON-HEADER-NAMES+." name)))
+
 (defun header-name-string (buffer start end)
   "The lower-case header name in BUFFER[START,END): a shared string for a
 common name, else a fresh one."
-  (declare (type octets buffer) (type fixnum start end))
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (let ((n (- end start)))
-    (loop for (octets . string) across +common-header-names+
+    (loop for (octets . string) across (the simple-vector (load-time-value +common-header-names+ t))
           when (and (= n (length (the octets octets)))
                     (loop for i of-type fixnum from start below end
                           for j of-type fixnum from 0
@@ -56,7 +45,7 @@ common name, else a fresh one."
     (lowercase-string buffer start end)))
 
 (defun lowercase-string (buffer start end)
-  (declare (type octets buffer) (type fixnum start end))
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (let ((s (make-string (- end start))))
     (loop for i of-type fixnum from start below end
           for j of-type fixnum from 0
@@ -69,7 +58,7 @@ common name, else a fresh one."
 to octets, then UTF-8 (invalid sequences become replacement characters)."
   (declare (type octets buffer) (type fixnum start end))
   (if (not (gallop.core:octet-position 37 buffer start end))
-      (if (loop for i from start below end always (< (aref buffer i) 128))
+      (if (loop for i of-type fixnum from start below end always (< (aref buffer i) 128))
           (latin1-string buffer start end)
           (sb-ext:octets-to-string buffer :start start :end end
                                           :external-format '(:utf-8 :replacement #\ufffd)))
@@ -88,22 +77,71 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
 
 (defun connection-token-p (value token)
   "Does the comma-separated header VALUE contain TOKEN (case-insensitive)?"
+  (declare (type (or null string) value) (type simple-string token))
   (and value
-       (let ((start 0))
-         (loop for comma = (position #\, value :start start)
-               do (when (string-equal token (string-trim '(#\Space #\Tab) (subseq value start comma)))
-                    (return t))
-                  (if comma (setf start (1+ comma)) (return nil))))))
+       (let ((n (length value))
+             (start 0))
+         (declare (type fixnum n start))
+         (loop
+           (let* ((comma (or (position #\, value :start start) n))
+                  (s start)
+                  (e comma))
+             (declare (type fixnum comma s e))
+             (loop while (and (< s e) (member (char value s) '(#\Space #\Tab))) do (incf s))
+             (loop while (and (< s e) (member (char value (1- e)) '(#\Space #\Tab))) do (decf e))
+             (when (string-equal token value :start2 s :end2 e)
+               (return t))
+             (when (>= comma n)
+               (return nil))
+             (setf start (1+ comma)))))))
 
-(defun remote-address-string (c)
+(defstruct (peer (:constructor make-peer ()) (:copier nil))
+  "What the native layer remembers about one connection (its USER-DATA), so
+that requests after the first reuse it: the peer's address as a string, and
+the last Host header value with its host part."
+  (address nil :type (or null simple-string))
+  (host nil :type (or null simple-string))
+  (host-name nil :type (or null simple-string)))
+
+(declaim (inline connection-peer))
+(defun connection-peer (c)
+  (or (gallop.core:connection-user-data c)
+      (setf (gallop.core:connection-user-data c) (make-peer))))
+
+(defun remote-address-string (c peer)
   "The peer address of C as a string, computed once per connection."
-  (or (getf (gallop.core:connection-user-data c) :remote-addr)
-      (let* ((address (connection-remote-address c))
-             (string (cond ((null address) "0.0.0.0")
-                           ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
-                           (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))))
-        (setf (getf (gallop.core:connection-user-data c) :remote-addr) string)
-        string)))
+  (or (peer-address peer)
+      (let ((address (connection-remote-address c)))
+        (setf (peer-address peer)
+              (coerce (cond ((null address) "0.0.0.0")
+                            ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
+                            (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))
+                      'simple-string)))))
+
+(defun same-string-p (a b)
+  "STRING= for two simple strings, the common representation first."
+  (declare (type simple-string a b))
+  (and (= (length a) (length b))
+       (if (and (typep a '(simple-array character (*))) (typep b '(simple-array character (*))))
+           (locally (declare (type (simple-array character (*)) a b) (optimize speed))
+             (dotimes (i (length a) t)
+               (unless (char= (schar a i) (schar b i)) (return nil))))
+           (string= a b))))
+
+(defun server-name (peer host)
+  "The host part of the Host header value HOST, for :SERVER-NAME: without its
+port, if any (an IPv6 literal keeps its brackets).  A client sends the same
+Host on every request of a connection, so the last answer is kept in PEER."
+  (declare (type simple-string host))
+  (let ((last (peer-host peer)))
+    (if (and last (same-string-p last host))
+        (peer-host-name peer)
+        (let* ((colon (position #\: host :from-end t))
+               (name (if (and colon (not (find #\] host :start colon)))
+                         (subseq host 0 colon)
+                         host)))
+          (setf (peer-host peer) host
+                (peer-host-name peer) name)))))
 
 (defun make-env (server c)
   "The environment property list of the request head buffered on C, and
@@ -114,7 +152,6 @@ HTTP/1.0, and whether it expects 100-continue."
     (let* ((line-end (gallop.core:octet-position 10 buffer start end))
            (sp1 (gallop.core:octet-position 32 buffer start line-end))
            (sp2 (gallop.core:octet-position 32 buffer (1+ sp1) line-end))
-           (method (method-keyword buffer start sp1))
            (question (gallop.core:octet-position 63 buffer (1+ sp1) sp2))
            (http-1.0 (= (aref buffer (+ sp2 8)) 48))
            (headers (make-hash-table :test 'equal :size 8))
@@ -123,40 +160,45 @@ HTTP/1.0, and whether it expects 100-continue."
            (connection nil)
            (expect nil)
            (content-length nil))
+      (declare (type fixnum line-end sp1 sp2))
       ;; header fields: lower-case names; repeated fields joined with ", "
-      (loop with i = (1+ line-end)
+      (loop with i of-type fixnum = (1+ line-end)
             for eol = (gallop.core:octet-position 10 buffer i end)
             while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
             do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
                  (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
                    (let* ((name (header-name-string buffer i colon))
                           (value (latin1-string buffer vs ve))
-                          (old (gethash name headers))
+                          (old (and (plusp (hash-table-count headers)) (gethash name headers)))
                           (joined (if old (concatenate 'string old ", " value) value)))
                      (setf (gethash name headers) joined)
-                     ;; The fields the server itself needs, without looking them up again.
-                     (cond ((string= name "host") (setf host joined))
-                           ((string= name "content-type") (setf content-type joined))
-                           ((string= name "connection") (setf connection joined))
-                           ((string= name "expect") (setf expect joined))
-                           ((string= name "content-length") (setf content-length t))))))
+                     ;; The fields the server itself needs, without looking
+                     ;; them up again: their names are the shared strings.
+                     (cond ((eq name (load-time-value (common-header-name "host") t))
+                            (setf host joined))
+                           ((eq name (load-time-value (common-header-name "content-type") t))
+                            (setf content-type joined))
+                           ((eq name (load-time-value (common-header-name "connection") t))
+                            (setf connection joined))
+                           ((eq name (load-time-value (common-header-name "expect") t))
+                            (setf expect joined))
+                           ((eq name (load-time-value (common-header-name "content-length") t))
+                            (setf content-length t))))))
                (setf i (1+ eol)))
       (let* ((keep-alive (if http-1.0
                              (connection-token-p connection "keep-alive")
                              (not (connection-token-p connection "close"))))
-             (colon (and host (position #\: host :from-end t)))
-             (env (list :request-method method
+             (peer (connection-peer c))
+             (env (list :request-method (gallop.core:connection-request-method c)
                         :script-name ""
                         :path-info (percent-decode buffer (1+ sp1) (or question sp2))
                         :query-string (and question (latin1-string buffer (1+ question) sp2))
                         :request-uri (latin1-string buffer (1+ sp1) sp2)
                         :url-scheme "http"
-                        :server-name (if host (subseq host 0 (or (and colon (not (find #\] host :start colon)) colon)
-                                                                 (length host)))
-                                         (server-address server))
+                        :server-name (if host (server-name peer host) (server-address server))
                         :server-port (server-port server)
                         :server-protocol (if http-1.0 :http/1.0 :http/1.1)
-                        :remote-addr (remote-address-string c)
+                        :remote-addr (remote-address-string c peer)
                         :remote-port (connection-remote-port c)
                         :content-type content-type
                         :content-length (and (not (gallop.core:connection-chunked-p c))

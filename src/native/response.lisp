@@ -52,21 +52,28 @@
 (defparameter +last-chunk+ (ascii (format nil "0~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)))
 
 (defun status-line (code)
-  (or (and (integerp code) (< 99 code 600) (svref +status-lines+ code))
-      (svref +status-lines+ 500)))
+  (let ((lines (load-time-value +status-lines+ t)))
+    (declare (type simple-vector lines))
+    (or (and (typep code 'fixnum) (< 99 code 600) (svref lines code))
+        (svref lines 500))))
 
 ;;; Date, formatted at most once a second.  The cached pair is replaced, never
 ;;; mutated, so readers on other threads see a consistent one.
 
 (defvar *date-line* (cons -1 nil)
-  "(universal-time . \"Date: ...\\r\\n\" octets)")
+  "(unix time . \"Date: ...\\r\\n\" octets)")
+
+(defconstant +unix-epoch-universal-time+ 2208988800
+  "1970-01-01T00:00:00Z as a universal time.")
 
 (defun date-line ()
-  (let ((now (get-universal-time))
+  (let ((now (gallop.core:unix-seconds))
         (cached *date-line*))
-    (if (= now (car cached))
+    (declare (type fixnum now))
+    (if (eql now (car cached))
         (cdr cached)
-        (multiple-value-bind (s m h day month year weekday) (decode-universal-time now 0)
+        (multiple-value-bind (s m h day month year weekday)
+            (decode-universal-time (+ now +unix-epoch-universal-time+) 0)
           (let ((line (ascii (format nil "Date: ~A, ~2,'0D ~A ~D ~2,'0D:~2,'0D:~2,'0D GMT~C~C"
                                      (svref #("Mon" "Tue" "Wed" "Thu" "Fri" "Sat" "Sun") weekday)
                                      day
@@ -78,15 +85,23 @@
 
 ;;; Header names
 
+(defvar *header-name-octets* '()
+  "((symbol . \"Name: \" octets) ...): every symbol WRITE-HEAD has seen.
+Only ever replaced by a longer list, never mutated, so threads can read it
+without a lock (two threads adding the same name at once only make a
+duplicate entry).")
+
 (defun header-name-octets (name)
   "\"Name: \" as octets for a header NAME (a keyword is capitalized:
-:CONTENT-TYPE gives Content-Type), cached on the keyword."
+:CONTENT-TYPE gives Content-Type), computed once per symbol."
   (if (symbolp name)
-      (or (get name 'header-octets)
-          (setf (get name 'header-octets)
-                (ascii (concatenate 'string
-                                    (string-capitalize (symbol-name name))
-                                    ": "))))
+      (or (loop for entry in *header-name-octets*
+                when (eq (car entry) name) return (cdr entry))
+          (let ((octets (ascii (concatenate 'string
+                                            (string-capitalize (symbol-name name))
+                                            ": "))))
+            (setf *header-name-octets* (acons name octets *header-name-octets*))
+            octets))
       (ascii (concatenate 'string (string name) ": "))))
 
 (defun write-header-value (c value)
@@ -99,10 +114,15 @@ become spaces, so a value can't inject a header."
 (defun simple-ascii-string-p (object)
   "True if OBJECT is a simple string of ASCII characters only (its UTF-8
 encoding is its character codes)."
-  (and (simple-string-p object)
-       (let ((string object))
-         (declare (type simple-string string) (optimize speed))
-         (every (lambda (ch) (< (char-code ch) 128)) string))))
+  (macrolet ((ascii-p (type)
+               `(let ((string object))
+                  (declare (type ,type string) (optimize speed))
+                  (dotimes (i (length string) t)
+                    (unless (< (char-code (schar string i)) 128)
+                      (return nil))))))
+    (typecase object
+      ((simple-array character (*)) (ascii-p (simple-array character (*))))
+      (simple-base-string (ascii-p simple-base-string)))))
 
 (defun body-octets (chunk)
   "A body chunk (string or octet vector) as octets; strings in UTF-8."
@@ -113,18 +133,134 @@ encoding is its character codes)."
     (null (make-array 0 :element-type '(unsigned-byte 8)))))
 
 (defun header-value (headers name)
-  "The value of header NAME (a keyword) in the property list HEADERS."
+  "The value of header NAME (a keyword) in the property list HEADERS, whose
+keys are keywords or strings."
+  (declare (type symbol name))
   (loop for (key value) on headers by #'cddr
-        when (string-equal key name) return value))
+        when (or (eq key name) (and (not (keywordp key)) (string-equal key name)))
+          return value))
 
 (defun no-body-status-p (status)
   (or (< status 200) (= status 204) (= status 304)))
 
-(defun write-head (c status headers &key content-length chunked keep-alive http-1.0)
+;;; The head, and a short ASCII body, written straight into the output
+;;; buffer: one size computation, then copies with the fill index in a
+;;; register.  Heads that do not fit, or whose header values are not all
+;;; strings, take the general path below it.
+
+(declaim (inline put-octets))
+(defun put-octets (buffer fill octets)
+  "Copy OCTETS into BUFFER at FILL; the index after them."
+  (declare (type octets buffer octets) (type fixnum fill) (optimize speed (safety 0)))
+  (let ((n (length octets)))
+    (if (< n 24)
+        (dotimes (i n) (setf (aref buffer (+ fill i)) (aref octets i)))
+        (replace buffer octets :start1 fill))
+    (+ fill n)))
+
+(defun put-latin1 (buffer fill string)
+  "Copy STRING into BUFFER at FILL as latin-1 (others become ?; CR and LF
+become spaces, so a header value cannot inject a header); the index after it."
+  (declare (type octets buffer) (type fixnum fill) (type string string))
+  (macrolet ((copy (type)
+               `(let ((string string))
+                  (declare (type ,type string) (optimize speed (safety 0)))
+                  (dotimes (i (length string))
+                    (let ((code (char-code (char string i))))
+                      (setf (aref buffer (+ fill i))
+                            (cond ((or (= code 13) (= code 10)) 32)
+                                  ((< code 256) code)
+                                  (t 63))))))))
+    (typecase string
+      ((simple-array character (*)) (copy (simple-array character (*))))
+      (simple-base-string (copy simple-base-string))
+      (t (copy string))))
+  (+ fill (length string)))
+
+(defun put-decimal (buffer fill n)
+  "The decimal digits of the fixnum N >= 0 into BUFFER at FILL; the index after them."
+  (declare (type octets buffer) (type fixnum fill) (type (and fixnum unsigned-byte) n)
+           (optimize speed))
+  (let ((digits (if (zerop n) 1 (loop for m of-type fixnum = n then (floor m 10)
+                                      while (plusp m) count t))))
+    (declare (type fixnum digits))
+    (loop for i of-type fixnum from (+ fill digits -1) downto fill
+          do (multiple-value-bind (q r) (floor n 10)
+               (setf (aref buffer i) (+ 48 r)
+                     n q)))
+    (+ fill digits)))
+
+(defun fast-head-size (status-line date-line headers content-length chunked keep-alive http-1.0)
+  "The size of the head WRITE-HEAD would write, or NIL if it needs the
+general path (a header value that is not a string, a huge length)."
+  (declare (type octets status-line date-line))
+  (let ((size (+ (length status-line) (length date-line) 2))
+        (has-length nil))
+    (declare (type fixnum size))
+    (loop for (name value) on headers by #'cddr
+          when value
+            do (unless (and (stringp value) (or (symbolp name) (stringp name)))
+                 (return-from fast-head-size nil))
+               (when (if (symbolp name) (eq name :content-length) (string-equal name :content-length))
+                 (setf has-length t))
+               (incf size (+ (length (the octets (header-name-octets name)))
+                             (length (the string value)) 2)))
+    (when (and content-length (not has-length))
+      (unless (typep content-length '(and fixnum unsigned-byte))
+        (return-from fast-head-size nil))
+      (incf size (+ (length (the octets (load-time-value +content-length-prefix+ t))) 20 2)))
+    (when chunked
+      (incf size (length (the octets (load-time-value +chunked-line+ t)))))
+    (cond ((not keep-alive) (incf size (length (the octets (load-time-value +connection-close-line+ t)))))
+          (http-1.0 (incf size (length (the octets (load-time-value +keep-alive-line+ t))))))
+    (values size has-length)))
+
+(defun write-head (c status headers &key content-length chunked keep-alive http-1.0 ascii-body)
   "Write the status line and headers.  Adds Date, Content-Length (when known
-and the app did not give one), Transfer-Encoding and Connection."
-  (gallop.core:connection-write-octets c (status-line status))
-  (gallop.core:connection-write-octets c (date-line))
+and the app did not give one), Transfer-Encoding and Connection.  Then
+ASCII-BODY, a simple string of ASCII characters, if given."
+  (let ((status-line (status-line status))
+        (date-line (date-line)))
+    (multiple-value-bind (size has-length)
+        (fast-head-size status-line date-line headers content-length chunked keep-alive http-1.0)
+      (multiple-value-bind (buffer fill)
+          (and size (gallop.core:connection-reserve-output
+                     c (+ size (if ascii-body (length (the simple-string ascii-body)) 0))))
+        (cond
+          (buffer
+           (let ((crlf (load-time-value +crlf+ t)))
+             (declare (type octets buffer crlf) (type fixnum fill))
+             (setf fill (put-octets buffer fill status-line)
+                   fill (put-octets buffer fill date-line))
+             (loop for (name value) on headers by #'cddr
+                   when value
+                     do (setf fill (put-octets buffer fill (header-name-octets name))
+                              fill (put-latin1 buffer fill value)
+                              fill (put-octets buffer fill crlf)))
+             (when (and content-length (not has-length))
+               (setf fill (put-octets buffer fill (load-time-value +content-length-prefix+ t))
+                     fill (put-decimal buffer fill content-length)
+                     fill (put-octets buffer fill crlf)))
+             (when chunked
+               (setf fill (put-octets buffer fill (load-time-value +chunked-line+ t))))
+             (cond ((not keep-alive)
+                    (setf fill (put-octets buffer fill (load-time-value +connection-close-line+ t))))
+                   (http-1.0
+                    (setf fill (put-octets buffer fill (load-time-value +keep-alive-line+ t)))))
+             (setf fill (put-octets buffer fill crlf))
+             (when ascii-body
+               (setf fill (put-latin1 buffer fill ascii-body)))
+             (gallop.core:connection-commit-output c fill)))
+          (t
+           (write-head-in-parts c status-line date-line headers content-length chunked
+                                keep-alive http-1.0)
+           (when ascii-body
+             (gallop.core:connection-write-ascii c ascii-body))))))))
+
+(defun write-head-in-parts (c status-line date-line headers content-length chunked keep-alive http-1.0)
+  "WRITE-HEAD's general path: any header values, any head size."
+  (gallop.core:connection-write-octets c status-line)
+  (gallop.core:connection-write-octets c date-line)
   (let ((has-length nil))
     (loop for (name value) on headers by #'cddr
           when value

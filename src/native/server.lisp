@@ -42,12 +42,12 @@
                (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
       ((and (consp body) (null (cdr body)) (simple-ascii-string-p (car body)))
        ;; The common case, one ASCII string: no UTF-8 encoding, no copy.
-       (let ((string (car body)))
+       (let ((string (car body))
+             (no-body (no-body-status-p status)))
          (write-head c status headers
-                     :content-length (unless (no-body-status-p status) (length string))
-                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
-         (unless (or (exchange-head-p ex) (no-body-status-p status))
-           (gallop.core:connection-write-ascii c string))))
+                     :content-length (unless no-body (length string))
+                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex)
+                     :ascii-body (unless (or no-body (exchange-head-p ex)) string))))
       (t
        (let* ((chunks (cond ((null body) '())
                             ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
@@ -201,13 +201,17 @@ write its response, and tell the engine what to do with C next."
               ((not (exchange-responded ex))
                (internal-error server ex "the app returned no response")
                (complete ex))))
-      ;; Still open: the app answers later from another thread.
-      (gallop.core:connection-suspend c)
-      (if (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))
-          :suspended
-          (progn
-            (gallop.core:connection-unsuspend c)
-            (gallop.core:connection-finish c (exchange-keep-alive ex)))))))
+      (cond ((eq (exchange-state ex) :done)
+             ;; Answered (the common case): nothing to hand over.
+             (gallop.core:connection-finish c (exchange-keep-alive ex)))
+            (t
+             ;; Still open: the app answers later from another thread.
+             (gallop.core:connection-suspend c)
+             (if (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))
+                 :suspended
+                 (progn
+                   (gallop.core:connection-unsuspend c)
+                   (gallop.core:connection-finish c (exchange-keep-alive ex)))))))))
 
 ;;; Starting and stopping
 

@@ -1,0 +1,113 @@
+;;;; cpus.lisp -- how much CPU this process may use.
+;;;;
+;;;; The pool sizes its run permits by the CPUs it may use, and grows only
+;;;; while the process uses less than that (pool.lisp).  Two limits apply:
+;;;; the affinity mask (taskset, cpusets) and the CPU quota of the process's
+;;;; cgroup (a container started with --cpus=0.5, systemd's CPUQuota=).  With
+;;;; only the first, a server limited to half a core would see itself at
+;;;; 50% load while it is in fact saturated, conclude that its workers are
+;;;; blocked, and add threads up to MAX-THREADS.
+;;;;
+;;;; The quota is read from the cgroup files: cgroup v2's cpu.max ("QUOTA
+;;;; PERIOD" or "max PERIOD"), cgroup v1's cpu.cfs_quota_us and
+;;;; cpu.cfs_period_us (a quota of -1 means none).  The process's cgroup comes
+;;;; from /proc/self/cgroup; the quota of the nearest cgroup on the way up to
+;;;; the hierarchy's root that has one applies.  Anything unreadable counts
+;;;; as "no quota".
+
+(in-package #:gallop.core)
+
+(defun read-file-line (path)
+  "The first line of the file at PATH, or NIL if it cannot be read."
+  (ignore-errors
+   (with-open-file (in path :if-does-not-exist nil)
+     (and in (read-line in nil nil)))))
+
+(defun parse-integer-or-nil (string)
+  (and string (ignore-errors (parse-integer string))))
+
+(defun parse-cgroup-v2-max (line)
+  "CPUs allowed by a cgroup v2 cpu.max LINE (\"50000 100000\"), or NIL for
+\"max ...\" or anything malformed."
+  (let* ((space (and line (position #\Space line)))
+         (quota (and space (parse-integer-or-nil (subseq line 0 space))))
+         (period (and space (parse-integer-or-nil (subseq line (1+ space))))))
+    (and quota period (plusp quota) (plusp period)
+         (/ quota period))))
+
+(defun parse-cgroup-v1-quota (quota-line period-line)
+  "CPUs allowed by cgroup v1's cpu.cfs_quota_us and cpu.cfs_period_us lines,
+or NIL (a quota of -1 means none)."
+  (let ((quota (parse-integer-or-nil quota-line))
+        (period (parse-integer-or-nil period-line)))
+    (and quota period (plusp quota) (plusp period)
+         (/ quota period))))
+
+(defun cgroup-paths (text)
+  "From the text of /proc/self/cgroup, the cgroup v2 path and the cgroup v1
+path of the cpu controller (either may be NIL)."
+  (let ((v2 nil) (v1 nil))
+    (with-input-from-string (in text)
+      (loop for line = (read-line in nil nil)
+            while line
+            do (let* ((c1 (position #\: line))
+                      (c2 (and c1 (position #\: line :start (1+ c1)))))
+                 (when c2
+                   (let ((controllers (subseq line (1+ c1) c2))
+                         (path (subseq line (1+ c2))))
+                     (cond ((and (string= (subseq line 0 c1) "0") (string= controllers ""))
+                            (setf v2 path))
+                           ((member "cpu" (split-commas controllers) :test #'string=)
+                            (setf v1 path))))))))
+    (values v2 v1)))
+
+(defun split-commas (string)
+  (loop with start = 0
+        for comma = (position #\, string :start start)
+        collect (subseq string start comma)
+        while comma
+        do (setf start (1+ comma))))
+
+(defun path-ancestors (path)
+  "PATH (\"/a/b\"), then its parents up to \"\" (the root), as strings
+without a trailing slash."
+  (let ((path (string-right-trim "/" path)))
+    (loop collect path
+          while (plusp (length path))
+          do (setf path (subseq path 0 (or (position #\/ path :from-end t) 0))))))
+
+(defun nearest-quota (root path reader)
+  "The first quota READER finds in ROOT+PATH or one of its ancestors."
+  (loop for dir in (path-ancestors path)
+        thereis (funcall reader (concatenate 'string root dir "/"))))
+
+(defun cgroup-cpu-quota ()
+  "The CPUs (a rational, e.g. 1/2) the cgroup quota of this process allows,
+or NIL if there is none or it cannot be read."
+  (let ((text (ignore-errors
+               (with-open-file (in "/proc/self/cgroup" :if-does-not-exist nil)
+                 (and in (with-output-to-string (out)
+                           (loop for line = (read-line in nil nil)
+                                 while line do (write-line line out))))))))
+    (when text
+      (multiple-value-bind (v2 v1) (cgroup-paths text)
+        (or (and v2
+                 (nearest-quota "/sys/fs/cgroup" v2
+                                (lambda (dir)
+                                  (parse-cgroup-v2-max
+                                   (read-file-line (concatenate 'string dir "cpu.max"))))))
+            (and v1
+                 (loop for root in '("/sys/fs/cgroup/cpu" "/sys/fs/cgroup/cpu,cpuacct")
+                       thereis (nearest-quota
+                                root v1
+                                (lambda (dir)
+                                  (parse-cgroup-v1-quota
+                                   (read-file-line (concatenate 'string dir "cpu.cfs_quota_us"))
+                                   (read-file-line (concatenate 'string dir "cpu.cfs_period_us"))))))))))))
+
+(defun usable-cpus ()
+  "The CPUs this process may use: its affinity mask's count, lowered by its
+cgroup's CPU quota.  A positive rational (1/2 under --cpus=0.5)."
+  (let ((affinity (allowed-cpu-count))
+        (quota (cgroup-cpu-quota)))
+    (if quota (min affinity quota) affinity)))

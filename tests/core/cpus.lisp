@@ -1,0 +1,107 @@
+;;;; cpus.lisp -- the CPUs the pool may use: the cgroup quota counts.
+;;;;
+;;;; First the readers of /proc/self/cgroup and of the quota files, on sample
+;;;; texts.  Then a server in a child process moved into a cgroup limited to
+;;;; a fifth of a core, saturated by clients: it must see itself saturated
+;;;; and not grow its pool (counting only its affinity mask, it saw 10% load
+;;;; of two CPUs, took its busy workers for blocked ones and added threads).
+
+(in-package #:gallop-tests)
+
+(in-suite core)
+
+(test cgroup-files-are-read-as-the-kernel-writes-them
+  (multiple-value-bind (v2 v1)
+      (gallop.core::cgroup-paths (format nil "12:pids:/a~%4:cpu,cpuacct:/docker/abc~%0::/user.slice/x~%"))
+    (is (equal "/user.slice/x" v2))
+    (is (equal "/docker/abc" v1)))
+  (multiple-value-bind (v2 v1) (gallop.core::cgroup-paths (format nil "1:cpu:/~%2:cpuset:/z~%"))
+    (is (null v2))
+    (is (equal "/" v1)))
+  (is (equal '("/a/b" "/a" "") (gallop.core::path-ancestors "/a/b/")))
+  (is (equal '("") (gallop.core::path-ancestors "/")))
+  (is (= 1/2 (gallop.core::parse-cgroup-v2-max "50000 100000")))
+  (is (= 3 (gallop.core::parse-cgroup-v2-max "300000 100000")))
+  (is (null (gallop.core::parse-cgroup-v2-max "max 100000")))
+  (is (null (gallop.core::parse-cgroup-v2-max "")))
+  (is (null (gallop.core::parse-cgroup-v2-max nil)))
+  (is (= 1/4 (gallop.core::parse-cgroup-v1-quota "25000" "100000")))
+  (is (null (gallop.core::parse-cgroup-v1-quota "-1" "100000")))
+  (is (null (gallop.core::parse-cgroup-v1-quota nil nil)))
+  ;; This process: a positive number, never more than its affinity allows.
+  (let ((cpus (gallop.core::usable-cpus)))
+    (is (and (plusp cpus) (<= cpus (gallop.core::allowed-cpu-count))))))
+
+(defun make-quota-cgroup (name fraction)
+  "Create a cgroup NAME limited to FRACTION of a CPU (cgroup v1's cpu
+controller, or v2); its directory, or NIL if this machine does not let us."
+  (ignore-errors
+   (flet ((put (path value)
+            (with-open-file (out path :direction :output :if-exists :append)
+              (write-line value out))))
+     (let ((v1 "/sys/fs/cgroup/cpu/")
+           (v2 "/sys/fs/cgroup/"))
+       (cond ((probe-file (concatenate 'string v1 "cpu.cfs_quota_us"))
+              (let ((dir (concatenate 'string v1 name "/")))
+                (ensure-directories-exist dir)
+                (put (concatenate 'string dir "cpu.cfs_period_us") "10000")
+                (put (concatenate 'string dir "cpu.cfs_quota_us")
+                     (princ-to-string (round (* fraction 10000))))
+                dir))
+             ((probe-file (concatenate 'string v2 "cgroup.controllers"))
+              (let ((dir (concatenate 'string v2 name "/")))
+                (put (concatenate 'string v2 "cgroup.subtree_control") "+cpu")
+                (ensure-directories-exist dir)
+                (put (concatenate 'string dir "cpu.max")
+                     (format nil "~D 10000" (round (* fraction 10000))))
+                dir)))))))
+
+(defun move-to-cgroup (dir pid)
+  (with-open-file (out (concatenate 'string dir "cgroup.procs") :direction :output
+                                                                 :if-exists :append)
+    (format out "~D~%" pid)))
+
+(defun remove-cgroup (dir)
+  (ignore-errors
+   (sb-posix:rmdir (string-right-trim "/" dir))))
+
+(test pool-under-a-cpu-quota-does-not-grow-when-saturated
+  (let ((cgroup (make-quota-cgroup (format nil "gallop-test-~D" (sb-posix:getpid)) 1/5)))
+    (if (null cgroup)
+        (skip "No writable cgroup cpu controller on this machine.")
+        (let* ((port (free-port))
+               (server (sb-ext:run-program
+                        "/bin/sh" (list "scripts/lisp.sh" "--load" "bench/server.lisp" "--end-toplevel-options"
+                                                "native" (princ-to-string port) "0")
+                        :wait nil :input :stream :output :stream :error nil
+                        :directory (asdf:system-source-directory "gallop")))
+               (ready (read-line (sb-ext:process-output server) nil "")))
+          (unwind-protect
+               (let ((pid (ignore-errors (parse-integer ready :start (length "READY ")))))
+                 (is (integerp pid) "the server said ~S" ready)
+                 (move-to-cgroup cgroup pid)
+                 ;; The pool reads its CPUs again once a second.
+                 (sleep 1.5)
+                 (let* ((before (getf (limited-server-stats server) :threads))
+                        (stop (+ (get-internal-real-time) (* 3 internal-time-units-per-second)))
+                        (answered (list 0))
+                        (clients
+                          (loop repeat 8
+                                collect (bt:make-thread
+                                         (lambda ()
+                                           (let ((s (connect port)))
+                                             (unwind-protect
+                                                  (loop while (< (get-internal-real-time) stop)
+                                                        do (send s (crlf "GET /yo HTTP/1.1" "Host: x"))
+                                                           (when (eql 200 (response-status (read-response s)))
+                                                             (sb-ext:atomic-incf (car answered))))
+                                               (usocket:socket-close s)))))))
+                        (peak (sample-max (lambda () (getf (limited-server-stats server) :threads))
+                                          (lambda () (notany #'bt:thread-alive-p clients)))))
+                   (mapc #'bt:join-thread clients)
+                   (is (plusp (car answered)))
+                   ;; Saturated, not blocked: no thread beyond those it had.
+                   (is (<= peak (+ before 1))
+                       "the pool grew from ~D to ~D threads under a CPU quota" before peak)))
+            (stop-limited-server server)
+            (remove-cgroup cgroup))))))
