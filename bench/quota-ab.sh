@@ -1,0 +1,72 @@
+#!/bin/bash
+# quota-ab.sh -- native path against nginx with the SERVER as the bottleneck.
+#
+#   bench/quota-ab.sh [REPS] [QUOTA%] [BASE-CHECKOUT]     (as root)
+#
+# Under `make bench` the server has core 0 and wrk core 1; on a fast day wrk
+# is the limit (both servers then show about the same req/s and nginx's core
+# idles), on a slow one the server is.  Here every server is pinned to core 0
+# AND limited to QUOTA% of it (default 50) by its own cgroup (v1 cpu
+# controller, or v2 cpu.max), so wrk always has headroom and the req/s ratio
+# measures the servers alone.  Each repetition runs wrk -t1 -c100 -d5s
+# (keep-alive, GET /yo) against: the native server of BASE-CHECKOUT (another
+# clone or worktree, when given), this checkout's native server, and nginx,
+# one after the other, and prints their req/s and ratios to nginx.
+# Ports 18193..18195.  Needs wrk and nginx (scripts/deps.sh wrk nginx-light).
+set -u
+REPS=${1:-4}; QUOTA=${2:-50}; BASE=${3:-}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+TMP=$HERE/bench/results/tmp/quota-ab; mkdir -p "$TMP"/{body,proxy,fastcgi,uwsgi,scgi}
+if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then CG=/sys/fs/cgroup/cpu; V=1
+elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then CG=/sys/fs/cgroup; V=2; echo +cpu > $CG/cgroup.subtree_control
+else echo "no cgroup cpu controller" >&2; exit 1; fi
+limit() { # name pid
+  mkdir -p $CG/gallop-ab-$1
+  if [ $V = 1 ]; then echo 10000 > $CG/gallop-ab-$1/cpu.cfs_period_us; echo $((QUOTA*100)) > $CG/gallop-ab-$1/cpu.cfs_quota_us
+  else echo "$((QUOTA*100)) 10000" > $CG/gallop-ab-$1/cpu.max; fi
+  echo $2 > $CG/gallop-ab-$1/cgroup.procs
+}
+cat > "$TMP/nginx.conf" <<EOF
+worker_processes 1;
+pid $TMP/nginx.pid;
+error_log $TMP/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off; keepalive_timeout 75s; keepalive_requests 1000000;
+    client_body_temp_path $TMP/body; proxy_temp_path $TMP/proxy; fastcgi_temp_path $TMP/fastcgi;
+    uwsgi_temp_path $TMP/uwsgi; scgi_temp_path $TMP/scgi;
+    server { listen 127.0.0.1:18195; location = /yo { default_type text/plain; return 200 "Hey!"; } }
+}
+EOF
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done
+  pkill -f "nginx -p $TMP" 2>/dev/null; pkill -x -f "sleep 86399" 2>/dev/null; sleep 0.5
+  for g in base new nginx; do rmdir $CG/gallop-ab-$g 2>/dev/null; done
+}
+trap cleanup EXIT
+start_native() { # dir port -> pid
+  rm -f "$TMP/out.$2"
+  # (its standard input stays open while `sleep` runs: end of file stops it)
+  (cd "$1" && sleep 86399 | taskset -c 0 scripts/lisp.sh --load bench/server.lisp \
+      --end-toplevel-options native $2 0 > "$TMP/out.$2" 2> "$TMP/err.$2") > /dev/null 2>&1 &
+  for i in $(seq 1 240); do grep -q READY "$TMP/out.$2" 2>/dev/null && break; sleep 0.5; done
+  awk '/READY/{print $2}' "$TMP/out.$2"
+}
+taskset -c 0 nginx -p "$TMP" -e "$TMP/error.log" -c "$TMP/nginx.conf" -g 'daemon off;' &
+sleep 1; NGINX=$(pgrep -f "nginx: worker" | head -1); limit nginx $NGINX
+NEW=$(start_native "$HERE" 18194); PIDS+=($NEW); limit new $NEW
+if [ -n "$BASE" ]; then OLD=$(start_native "$BASE" 18193); PIDS+=($OLD); limit base $OLD; fi
+rps() { taskset -c 1 wrk -t1 -c100 -d5s --timeout 2s http://127.0.0.1:$1/yo | awk '/Requests\/sec/{print $2}'; }
+for p in 18194 18195 ${BASE:+18193}; do taskset -c 1 wrk -t1 -c10 -d2s http://127.0.0.1:$p/yo > /dev/null; done
+sleep 1  # the pool re-reads its CPU quota once a second
+echo "servers on CPU 0 limited to ${QUOTA}% of it; wrk -t1 -c100 -d5s on CPU 1"
+for r in $(seq 1 $REPS); do
+  old=""; [ -n "$BASE" ] && old=$(rps 18193)
+  new=$(rps 18194); ng=$(rps 18195)
+  if [ -n "$BASE" ]; then
+    echo "rep $r  base $old  new $new  nginx $ng  base/nginx $(awk "BEGIN{printf \"%.3f\", $old/$ng}")  new/nginx $(awk "BEGIN{printf \"%.3f\", $new/$ng}")"
+  else
+    echo "rep $r  native $new  nginx $ng  native/nginx $(awk "BEGIN{printf \"%.3f\", $new/$ng}")"
+  fi
+done
