@@ -591,40 +591,39 @@ close it.  Called by the handler, in its worker."
   (setf (conn-slot c close-requested) t
         (conn-slot c park-requested) keep-alive))
 
+(declaim (inline latin1-octet))
+(defun latin1-octet (char)
+  "CHAR as a latin-1 octet in a header: ? beyond latin-1, a space for CR and
+LF, so that a header value cannot inject a header."
+  (let ((code (char-code char)))
+    (cond ((or (= code 13) (= code 10)) 32)
+          ((< code 256) code)
+          (t 63))))
+
+(defun put-latin1 (buffer fill string)
+  "Copy STRING into BUFFER at FILL as LATIN1-OCTETs; the index after it.
+BUFFER must have room."
+  (declare (type octets buffer) (type fixnum fill) (type string string))
+  ;; One loop per string representation, so that each reads its characters
+  ;; directly instead of through a generic accessor.
+  (macrolet ((copy (type)
+               `(let ((string string))
+                  (declare (type ,type string) (optimize speed (safety 0)))
+                  (dotimes (i (length string))
+                    (setf (aref buffer (+ fill i)) (latin1-octet (char string i)))))))
+    (typecase string
+      ((simple-array character (*)) (copy (simple-array character (*))))
+      (simple-base-string (copy simple-base-string))
+      (t (copy string))))
+  (+ fill (length string)))
+
 (defun connection-write-latin1 (c string)
-  "Buffer the characters of STRING as latin-1 octets (others become ?; CR and
-LF become spaces, so a header value cannot inject a header)."
+  "Buffer the characters of STRING as LATIN1-OCTETs."
   (declare (type string string))
-  (with-connection-slots (outbuf out-fill) c
-    (let ((buffer (or outbuf (setf outbuf (acquire-buffer))))
-          (n (length string)))
-      (declare (type octets buffer) (type fixnum n))
-      (when (> n (- (length buffer) out-fill))
-        (flush-output c))
-      (if (> n (length buffer))
-          (connection-write-octets c (map 'octets (lambda (ch) (let ((code (char-code ch)))
-                                                                 (cond ((or (= code 13) (= code 10)) 32)
-                                                                       ((< code 256) code)
-                                                                       (t 63))))
-                                          string))
-          (let ((fill out-fill))
-            (declare (type fixnum fill))
-            ;; One loop per string representation, so that each reads its
-            ;; characters directly instead of through a generic accessor.
-            (macrolet ((copy (type)
-                         `(let ((string string))
-                            (declare (type ,type string) (optimize speed))
-                            (dotimes (i n)
-                              (let ((code (char-code (char string i))))
-                                (setf (aref buffer (+ fill i))
-                                      (cond ((or (= code 13) (= code 10)) 32)
-                                            ((< code 256) code)
-                                            (t 63))))))))
-              (typecase string
-                ((simple-array character (*)) (copy (simple-array character (*))))
-                (simple-base-string (copy simple-base-string))
-                (t (copy string))))
-            (setf out-fill (+ fill n))))))
+  (multiple-value-bind (buffer fill) (connection-reserve-output c (length string))
+    (if buffer
+        (connection-commit-output c (put-latin1 buffer fill string))
+        (connection-write-octets c (map 'octets #'latin1-octet string))))
   nil)
 
 (defun connection-write-ascii (c string)

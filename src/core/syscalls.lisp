@@ -63,38 +63,26 @@
 (defconstant +clock-realtime-coarse+ 5)
 (defconstant +clock-monotonic-coarse+ 6)
 
-(declaim (inline clock-ms clock-seconds now-ms unix-seconds))
-(defun clock-ms (clock)
-  "CLOCK (a clock_gettime clock id) in milliseconds."
+(declaim (inline clock-gettime now-ms unix-seconds))
+(defun clock-gettime (clock)
+  "CLOCK (a clock_gettime clock id): its seconds and nanoseconds."
   (declare (optimize speed))
   (sb-alien:with-alien ((ts (sb-alien:array (sb-alien:signed 64) 2)))
     (sb-alien:alien-funcall
      (sb-alien:extern-alien "clock_gettime"
                             (function sb-alien:int sb-alien:int (* (sb-alien:array (sb-alien:signed 64) 2))))
      clock (sb-alien:addr ts))
-    (let ((seconds (sb-alien:deref ts 0))
-          (nanoseconds (sb-alien:deref ts 1)))
-      (declare (type (integer 0 #.(expt 2 40)) seconds)
-               (type (integer 0 999999999) nanoseconds))
-      (+ (* seconds 1000) (floor nanoseconds 1000000)))))
-
-(defun clock-seconds (clock)
-  "CLOCK (a clock_gettime clock id) in whole seconds."
-  (declare (optimize speed))
-  (sb-alien:with-alien ((ts (sb-alien:array (sb-alien:signed 64) 2)))
-    (sb-alien:alien-funcall
-     (sb-alien:extern-alien "clock_gettime"
-                            (function sb-alien:int sb-alien:int (* (sb-alien:array (sb-alien:signed 64) 2))))
-     clock (sb-alien:addr ts))
-    (the (integer 0 #.(expt 2 40)) (sb-alien:deref ts 0))))
+    (values (the (integer 0 #.(expt 2 40)) (sb-alien:deref ts 0))
+            (the (integer 0 999999999) (sb-alien:deref ts 1)))))
 
 (defun now-ms ()
   "A monotonic clock in milliseconds (coarse: one kernel tick)."
-  (clock-ms +clock-monotonic-coarse+))
+  (multiple-value-bind (seconds nanoseconds) (clock-gettime +clock-monotonic-coarse+)
+    (+ (* seconds 1000) (floor nanoseconds 1000000))))
 
 (defun unix-seconds ()
   "Seconds since 1970 (coarse: may lag the precise clock by a tick)."
-  (clock-seconds +clock-realtime-coarse+))
+  (values (clock-gettime +clock-realtime-coarse+)))
 
 (declaim (inline %errno))
 (defun %errno () (sb-alien:get-errno))

@@ -158,25 +158,6 @@ keys are keywords or strings."
         (replace buffer octets :start1 fill))
     (+ fill n)))
 
-(defun put-latin1 (buffer fill string)
-  "Copy STRING into BUFFER at FILL as latin-1 (others become ?; CR and LF
-become spaces, so a header value cannot inject a header); the index after it."
-  (declare (type octets buffer) (type fixnum fill) (type string string))
-  (macrolet ((copy (type)
-               `(let ((string string))
-                  (declare (type ,type string) (optimize speed (safety 0)))
-                  (dotimes (i (length string))
-                    (let ((code (char-code (char string i))))
-                      (setf (aref buffer (+ fill i))
-                            (cond ((or (= code 13) (= code 10)) 32)
-                                  ((< code 256) code)
-                                  (t 63))))))))
-    (typecase string
-      ((simple-array character (*)) (copy (simple-array character (*))))
-      (simple-base-string (copy simple-base-string))
-      (t (copy string))))
-  (+ fill (length string)))
-
 (defun put-decimal (buffer fill n)
   "The decimal digits of the fixnum N >= 0 into BUFFER at FILL; the index after them."
   (declare (type octets buffer) (type fixnum fill) (type (and fixnum unsigned-byte) n)
@@ -235,7 +216,7 @@ ASCII-BODY, a simple string of ASCII characters, if given."
              (loop for (name value) on headers by #'cddr
                    when value
                      do (setf fill (put-octets buffer fill (header-name-octets name))
-                              fill (put-latin1 buffer fill value)
+                              fill (gallop.core:put-latin1 buffer fill value)
                               fill (put-octets buffer fill crlf)))
              (when (and content-length (not has-length))
                (setf fill (put-octets buffer fill (load-time-value +content-length-prefix+ t))
@@ -249,7 +230,7 @@ ASCII-BODY, a simple string of ASCII characters, if given."
                     (setf fill (put-octets buffer fill (load-time-value +keep-alive-line+ t)))))
              (setf fill (put-octets buffer fill crlf))
              (when ascii-body
-               (setf fill (put-latin1 buffer fill ascii-body)))
+               (setf fill (gallop.core:put-latin1 buffer fill ascii-body)))
              (gallop.core:connection-commit-output c fill)))
           (t
            (write-head-in-parts c status-line date-line headers content-length chunked
