@@ -22,11 +22,24 @@
 
 (declaim (inline tchar-p vchar-p digit-value hex-value lower))
 
+(deftype octet-set () '(simple-bit-vector 256))
+
+(defun make-octet-set (predicate)
+  (let ((set (make-array 256 :element-type 'bit :initial-element 0)))
+    (dotimes (b 256 set)
+      (when (funcall predicate b) (setf (sbit set b) 1)))))
+
+(defparameter +tchars+
+  (make-octet-set (lambda (b)
+                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+                        (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126)))))
+  "The token characters (RFC 9110, 5.6.2), as a bit per octet: one memory
+read per octet instead of a chain of comparisons.")
+
 (defun tchar-p (b)
   "A token character (RFC 9110, 5.6.2)."
   (declare (type (unsigned-byte 8) b))
-  (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
-      (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126))))
+  (= 1 (sbit (the octet-set (load-time-value +tchars+ t)) b)))
 
 (defun vchar-p (b)
   "A byte allowed in a field value: visible ASCII, obs-text, space or tab."
@@ -62,7 +75,7 @@ other well-formed methods get 501.")
 
 (defun region= (buffer start end name)
   "Does BUFFER[START,END) equal the lower-case ASCII octets NAME, ignoring case?"
-  (declare (type octets buffer name) (type fixnum start end))
+  (declare (type octets buffer name) (type fixnum start end) (optimize speed))
   (and (= (- end start) (length name))
        (loop for i of-type fixnum from start below end
              for j of-type fixnum from 0
@@ -82,6 +95,13 @@ other well-formed methods get 501.")
   (let ((methods (load-time-value +known-methods+ t))
         (n (- end start)))
     (declare (type simple-vector methods))
+    ;; Nearly every request is a GET or a POST: no table walk for those.
+    (when (and (= n 3) (= (aref buffer start) 71) (= (aref buffer (+ start 1)) 69)
+               (= (aref buffer (+ start 2)) 84))
+      (return-from known-method :get))
+    (when (and (= n 4) (= (aref buffer start) 80) (= (aref buffer (+ start 1)) 79)
+               (= (aref buffer (+ start 2)) 83) (= (aref buffer (+ start 3)) 84))
+      (return-from known-method :post))
     (loop for entry across methods
           do (let ((name (car entry)))
                (declare (type octets name))
@@ -106,7 +126,7 @@ surrounding spaces and tabs: the bounds of a header field's value."
   "Check the request line BUFFER[START,END) (END at its LF).  Returns the
 status that refuses it or NIL, the HTTP minor version (0 or 1), and the
 method's keyword."
-  (declare (type octets buffer) (type fixnum start end))
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (let ((line-end (if (and (> end start) (= (aref buffer (1- end)) 13)) (1- end) end))
         (i start))
     (declare (type fixnum line-end i))
@@ -150,7 +170,7 @@ method's keyword."
   (declare (type octets buffer) (type fixnum start end))
   (when (and (< start end) (<= (- end start) 18))
     (let ((n 0))
-      (declare (type (integer 0) n))
+      (declare (type (integer 0 999999999999999999) n))
       (loop for i of-type fixnum from start below end
             do (let ((d (digit-value (aref buffer i))))
                  (unless d (return-from parse-content-length nil))
@@ -168,9 +188,12 @@ status that refuses it, or NIL."
            (content-length nil)
            (transfer-encoding nil)
            (hosts 0))
-      (declare (type octets buffer) (type fixnum head-end))
+      (declare (type octets buffer) (type fixnum head-end hosts)
+               (type (or null (integer 0 999999999999999999)) content-length)
+               (optimize speed))
       (setf body-length 0 chunked nil expect-continue nil)
       (multiple-value-bind (status minor method) (check-request-line buffer in-start line-end)
+        (declare (type (or null fixnum) minor))
         (when status (return-from check-head status))
         (setf request-method method)
         ;; header fields
@@ -182,28 +205,29 @@ status that refuses it, or NIL."
                      (return-from check-head 400))
                    (let ((colon (octet-position 58 buffer start end)))
                      (unless (and colon (> colon start)
-                                  (loop for i from start below colon
+                                  (loop for i of-type fixnum from start below colon
                                         always (tchar-p (aref buffer i))))
                        (return-from check-head 400))
                      (multiple-value-bind (vs ve) (field-bounds buffer (1+ colon) end)
-                       (unless (loop for i from vs below ve always (vchar-p (aref buffer i)))
+                       (unless (loop for i of-type fixnum from vs below ve
+                                     always (vchar-p (aref buffer i)))
                          (return-from check-head 400))
-                       (cond ((region= buffer start colon +content-length+)
+                       (cond ((region= buffer start colon (load-time-value +content-length+ t))
                               (let ((n (parse-content-length buffer vs ve)))
                                 (when (or (null n) (and content-length (/= n content-length)))
                                   (return-from check-head 400))
                                 (setf content-length n)))
-                             ((region= buffer start colon +transfer-encoding+)
+                             ((region= buffer start colon (load-time-value +transfer-encoding+ t))
                               ;; Only "chunked", alone, is implemented (as nginx).
                               (when transfer-encoding
                                 (return-from check-head 400))
-                              (unless (region= buffer vs ve +chunked+)
+                              (unless (region= buffer vs ve (load-time-value +chunked+ t))
                                 (return-from check-head 501))
                               (setf transfer-encoding t))
-                             ((region= buffer start colon +host+)
+                             ((region= buffer start colon (load-time-value +host+ t))
                               (incf hosts))
-                             ((region= buffer start colon +expect+)
-                              (setf expect-continue (region= buffer vs ve +100-continue+))))))
+                             ((region= buffer start colon (load-time-value +expect+ t))
+                              (setf expect-continue (region= buffer vs ve (load-time-value +100-continue+ t)))))))
                    (setf start (1+ end))))
         (cond ((and transfer-encoding content-length) 400)
               ((and transfer-encoding (= minor 0)) 400)

@@ -134,7 +134,7 @@ port, if any (an IPv6 literal keeps its brackets).  A client sends the same
 Host on every request of a connection, so the last answer is kept in PEER."
   (declare (type simple-string host))
   (let ((last (peer-host peer)))
-    (if (and last (same-string-p last host))
+    (if (and last (or (eq last host) (same-string-p last host)))
         (peer-host-name peer)
         (let* ((colon (position #\: host :from-end t))
                (name (if (and colon (not (find #\] host :start colon)))
@@ -142,6 +142,22 @@ Host on every request of a connection, so the last answer is kept in PEER."
                          host)))
           (setf (peer-host peer) host
                 (peer-host-name peer) name)))))
+
+(defun host-value (peer buffer start end)
+  "The Host header value in BUFFER[START,END) as a string: the one of the
+previous request on this connection when the octets are the same (a client
+sends the same Host every time), so that neither the string nor its
+:SERVER-NAME is made again."
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (let ((last (peer-host peer)))
+    (if (and last
+             (typep last '(simple-array character (*)))
+             (= (length last) (- end start))
+             (loop for i of-type fixnum from start below end
+                   for j of-type fixnum from 0
+                   always (= (aref buffer i) (char-code (schar last j)))))
+        last
+        (latin1-string buffer start end))))
 
 (defun make-env (server c)
   "The environment property list of the request head buffered on C, and
@@ -168,7 +184,9 @@ HTTP/1.0, and whether it expects 100-continue."
             do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
                  (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
                    (let* ((name (header-name-string buffer i colon))
-                          (value (latin1-string buffer vs ve))
+                          (value (if (eq name (load-time-value (common-header-name "host") t))
+                                     (host-value (connection-peer c) buffer vs ve)
+                                     (latin1-string buffer vs ve)))
                           (old (and (plusp (hash-table-count headers)) (gethash name headers)))
                           (joined (if old (concatenate 'string old ", " value) value)))
                      (setf (gethash name headers) joined)

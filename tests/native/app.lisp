@@ -117,6 +117,32 @@
                                                       (body-string r))))))))
         (usocket:socket-close socket)))))
 
+(test native-host-and-method-per-request-on-one-connection
+  ;; The Host of the last request is remembered per connection (its string
+  ;; and :SERVER-NAME reused while the octets are the same): a different
+  ;; Host, of the same length or not, must still be seen as it is; and the
+  ;; method must be right whether or not it is one of the common ones.
+  (with-app (server (lambda (env)
+                      (list 200 nil (list (format nil "~A ~A ~A"
+                                                  (getf env :request-method)
+                                                  (getf env :server-name)
+                                                  (gethash "host" (getf env :headers)))))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (loop for (method host expected)
+                   in '(("GET" "a.example:80" "GET a.example a.example:80")
+                        ("GET" "a.example:80" "GET a.example a.example:80")
+                        ("POST" "b.example:80" "POST b.example b.example:80")
+                        ("PUT" "b.example" "PUT b.example b.example")
+                        ("DELETE" "b.example" "DELETE b.example b.example")
+                        ("OPTIONS" "[::1]:8080" "OPTIONS [::1] [::1]:8080")
+                        ("GET" "[::1]" "GET [::1] [::1]")
+                        ("PATCH" "a.example:80" "PATCH a.example a.example:80"))
+                 do (send socket (crlf (format nil "~A / HTTP/1.1" method)
+                                       (format nil "Host: ~A" host) "Content-Length: 0"))
+                    (is (string= expected (body-string (read-response socket)))))
+        (usocket:socket-close socket)))))
+
 (test native-responder-called-from-another-thread
   (let ((timer-threads '()))
     (with-app (server (lambda (env)
