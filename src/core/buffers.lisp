@@ -26,7 +26,7 @@
   (free (make-array +max-free-buffers+) :type simple-vector)
   (count 0 :type fixnum))
 
-(defvar *buffer-pool* (make-buffer-pool))
+(sb-ext:define-load-time-global *buffer-pool* (make-buffer-pool))
 
 (defconstant +thread-cached-buffers+ 4)
 
@@ -89,3 +89,45 @@ left to the GC."
   (loop for i of-type fixnum from start below end
         when (= (aref buffer i) octet) return i))
 
+
+;;; Matching octets against names known at compile time.  The names become
+;;; immediate operands in the code: nothing but the buffer is read, so a
+;;; request touches no table of names (each a separate heap object that,
+;;; with the kernel's TCP work in between, is out of the cache again by the
+;;; next request).
+
+(defmacro octets-match-p (buffer start end name &key ignore-case)
+  "Are the octets BUFFER[START,END) the ASCII string NAME (a literal; lower
+case when IGNORE-CASE, which then also accepts upper-case octets)?"
+  (when ignore-case
+    (assert (string= name (string-downcase name)) () "~S is not in lower case." name))
+  (let ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END")))
+    `(let ((,b ,buffer) (,s ,start) (,e ,end))
+       (declare (type octets ,b) (type fixnum ,s ,e))
+       (and (= (- ,e ,s) ,(length name))
+            ,@(loop for i from 0 for ch across name
+                    collect (let ((octet `(aref ,b (+ ,s ,i))))
+                              (if (and ignore-case (alpha-char-p ch))
+                                  ;; ASCII letters differ from their upper case in bit 5 only.
+                                  `(= (logior ,octet 32) ,(char-code ch))
+                                  `(= ,octet ,(char-code ch)))))))))
+
+(defmacro octets-case ((buffer start end &key ignore-case) &body clauses)
+  "Evaluate the body of the first clause (NAME form...) whose literal NAME the
+octets BUFFER[START,END) match (see OCTETS-MATCH-P); a last clause (T
+form...) is the default.  Dispatches on the length first."
+  (let* ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END"))
+         (default (cdr (assoc t clauses)))
+         (named (remove t clauses :key #'car))
+         (lengths (remove-duplicates (mapcar (lambda (clause) (length (car clause))) named))))
+    `(let ((,b ,buffer) (,s ,start) (,e ,end))
+       (declare (type octets ,b) (type fixnum ,s ,e))
+       (case (- ,e ,s)
+         ,@(loop for n in lengths
+                 collect `(,n (cond ,@(loop for (name . body) in named
+                                            when (= (length name) n)
+                                              collect `((octets-match-p ,b ,s ,e ,name
+                                                                        :ignore-case ,ignore-case)
+                                                        ,@body))
+                                    (t ,@default))))
+         (t ,@default)))))

@@ -20,7 +20,7 @@
 
 (in-package #:gallop.core)
 
-(declaim (inline tchar-p vchar-p digit-value hex-value lower))
+(declaim (inline tchar-p vchar-p digit-value hex-value))
 
 (deftype octet-set () '(simple-bit-vector 256))
 
@@ -56,60 +56,24 @@ read per octet instead of a chain of comparisons.")
         ((<= 97 b 102) (- b 87))
         ((<= 65 b 70) (- b 55))))
 
-(defun lower (b)
-  (declare (type (unsigned-byte 8) b))
-  (if (<= 65 b 90) (+ b 32) b))
-
-(defparameter +known-methods+
-  (map 'simple-vector
-       (lambda (name)
-         (cons (map '(simple-array (unsigned-byte 8) (*)) #'char-code name)
-               (intern name :keyword)))
-       '("GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
-         ;; WebDAV and friends, which Hunchentoot applications do serve
-         "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
-         "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
-         "PURGE"))
-  "Methods the engine lets through, (octets . keyword), the common ones first;
-other well-formed methods get 501.")
-
-(defun region= (buffer start end name)
-  "Does BUFFER[START,END) equal the lower-case ASCII octets NAME, ignoring case?"
-  (declare (type octets buffer name) (type fixnum start end) (optimize speed))
-  (and (= (- end start) (length name))
-       (loop for i of-type fixnum from start below end
-             for j of-type fixnum from 0
-             always (= (lower (aref buffer i)) (aref name j)))))
-
-(defparameter +content-length+ (encode-ascii "content-length"))
-(defparameter +transfer-encoding+ (encode-ascii "transfer-encoding"))
-(defparameter +host+ (encode-ascii "host"))
-(defparameter +expect+ (encode-ascii "expect"))
-(defparameter +100-continue+ (encode-ascii "100-continue"))
-(defparameter +chunked+ (encode-ascii "chunked"))
-
-(defun known-method (buffer start end)
-  "The keyword of the method in BUFFER[START,END), or NIL if it is not one of
-+KNOWN-METHODS+."
-  (declare (type octets buffer) (type fixnum start end) (optimize speed))
-  (let ((methods (load-time-value +known-methods+ t))
-        (n (- end start)))
-    (declare (type simple-vector methods))
-    ;; Nearly every request is a GET or a POST: no table walk for those.
-    (when (and (= n 3) (= (aref buffer start) 71) (= (aref buffer (+ start 1)) 69)
-               (= (aref buffer (+ start 2)) 84))
-      (return-from known-method :get))
-    (when (and (= n 4) (= (aref buffer start) 80) (= (aref buffer (+ start 1)) 79)
-               (= (aref buffer (+ start 2)) 83) (= (aref buffer (+ start 3)) 84))
-      (return-from known-method :post))
-    (loop for entry across methods
-          do (let ((name (car entry)))
-               (declare (type octets name))
-               (when (and (= n (length name))
-                          (loop for i of-type fixnum from start below end
-                                for j of-type fixnum from 0
-                                always (= (aref buffer i) (aref name j))))
-                 (return (cdr entry)))))))
+;;; Methods the engine lets through, the common ones first; other
+;;; well-formed methods get 501.  Matched against literals (OCTETS-CASE), so
+;;; no table is read per request.
+(macrolet ((define-known-method (&rest names)
+             `(defun known-method (buffer start end)
+                "The keyword of the method in BUFFER[START,END), or NIL if this
+server does not know it."
+                (declare (type octets buffer) (type fixnum start end) (optimize speed))
+                (octets-case (buffer start end)
+                  ,@(loop for name in names
+                          collect `(,name ,(intern name :keyword)))
+                  (t nil)))))
+  (define-known-method
+   "GET" "HEAD" "POST" "PUT" "DELETE" "CONNECT" "OPTIONS" "TRACE" "PATCH"
+   ;; WebDAV and friends, which Hunchentoot applications do serve
+   "PROPFIND" "PROPPATCH" "MKCOL" "COPY" "MOVE" "LOCK" "UNLOCK" "REPORT"
+   "SEARCH" "MKCALENDAR" "ACL" "BIND" "UNBIND" "REBIND" "LINK" "UNLINK"
+   "PURGE"))
 
 (defun field-bounds (buffer start end)
   "START and END of BUFFER[START,END) without the CR before END, and without
@@ -212,22 +176,24 @@ status that refuses it, or NIL."
                        (unless (loop for i of-type fixnum from vs below ve
                                      always (vchar-p (aref buffer i)))
                          (return-from check-head 400))
-                       (cond ((region= buffer start colon (load-time-value +content-length+ t))
-                              (let ((n (parse-content-length buffer vs ve)))
-                                (when (or (null n) (and content-length (/= n content-length)))
-                                  (return-from check-head 400))
-                                (setf content-length n)))
-                             ((region= buffer start colon (load-time-value +transfer-encoding+ t))
-                              ;; Only "chunked", alone, is implemented (as nginx).
-                              (when transfer-encoding
-                                (return-from check-head 400))
-                              (unless (region= buffer vs ve (load-time-value +chunked+ t))
-                                (return-from check-head 501))
-                              (setf transfer-encoding t))
-                             ((region= buffer start colon (load-time-value +host+ t))
-                              (incf hosts))
-                             ((region= buffer start colon (load-time-value +expect+ t))
-                              (setf expect-continue (region= buffer vs ve (load-time-value +100-continue+ t)))))))
+                       (octets-case (buffer start colon :ignore-case t)
+                         ("content-length"
+                          (let ((n (parse-content-length buffer vs ve)))
+                            (when (or (null n) (and content-length (/= n content-length)))
+                              (return-from check-head 400))
+                            (setf content-length n)))
+                         ("transfer-encoding"
+                          ;; Only "chunked", alone, is implemented (as nginx).
+                          (when transfer-encoding
+                            (return-from check-head 400))
+                          (unless (octets-match-p buffer vs ve "chunked" :ignore-case t)
+                            (return-from check-head 501))
+                          (setf transfer-encoding t))
+                         ("host"
+                          (incf hosts))
+                         ("expect"
+                          (setf expect-continue
+                                (octets-match-p buffer vs ve "100-continue" :ignore-case t))))))
                    (setf start (1+ end))))
         (cond ((and transfer-encoding content-length) 400)
               ((and transfer-encoding (= minor 0)) 400)

@@ -35,6 +35,6 @@
    #:engine-running-p #:engine-pool #:engine-stats
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    ;; utilities used by the layers above
-   #:octet-position #:field-bounds #:unix-seconds
+   #:octet-position #:octets-case #:octets-match-p #:field-bounds #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd))

@@ -98,8 +98,12 @@
 (sb-alien:define-alien-routine ("accept4" %accept4) sb-alien:int
   (fd sb-alien:int) (addr sb-sys:system-area-pointer)
   (addrlen sb-sys:system-area-pointer) (flags sb-alien:int))
-(sb-alien:define-alien-routine ("read" %read) sb-alien:long
-  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+;;; recv(2), not read(2): on a socket read(2) goes through the VFS layer
+;;; first (file position lock check, permission and fsnotify hooks), which
+;;; recv skips; nginx reads its sockets the same way.
+(sb-alien:define-alien-routine ("recv" %recv) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
+  (flags sb-alien:int))
 (sb-alien:define-alien-routine ("send" %send) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
   (flags sb-alien:int))
@@ -196,12 +200,12 @@ number whatever close returns, and another thread may already have it."
 
 (declaim (inline read-into send-from))
 (defun read-into (fd buffer start end)
-  "read(2) into BUFFER[START,END).  Returns the byte count (0 at EOF), or -1
-and the errno.  Retries EINTR."
+  "recv(2) from the socket FD into BUFFER[START,END).  Returns the byte count
+(0 at EOF), or -1 and the errno.  Retries EINTR."
   (declare (type fd fd) (type octets buffer) (type fixnum start end))
   (sb-sys:with-pinned-objects (buffer)
     (loop
-      (let ((n (%read fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start))))
+      (let ((n (%recv fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start) 0)))
         (declare (type fixnum n))
         (cond ((>= n 0) (return (values n 0)))
               (t (let ((errno (%errno)))

@@ -15,34 +15,30 @@
           do (setf (schar s j) (code-char (aref buffer i))))
     s))
 
-(defparameter +common-header-names+
-  (map 'vector (lambda (name) (cons (ascii name) name))
-       '("host" "user-agent" "accept" "accept-encoding" "accept-language" "connection"
-         "content-type" "content-length" "cookie" "referer" "cache-control" "origin"
-         "upgrade-insecure-requests" "authorization" "if-modified-since" "if-none-match"
-         "x-forwarded-for" "x-forwarded-proto" "x-real-ip" "transfer-encoding" "expect"
-         "pragma" "dnt" "te" "range"))
-  "Lower-case header names common enough to share one string each: (octets . string).")
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter +common-header-names+
+    '("host" "user-agent" "accept" "accept-encoding" "accept-language" "connection"
+      "content-type" "content-length" "cookie" "referer" "cache-control" "origin"
+      "upgrade-insecure-requests" "authorization" "if-modified-since" "if-none-match"
+      "x-forwarded-for" "x-forwarded-proto" "x-real-ip" "transfer-encoding" "expect"
+      "pragma" "dnt" "te" "range")
+    "Lower-case header names common enough to share one string each."))
 
 (defun common-header-name (name)
   "The shared string of the common header NAME."
-  (or (cdr (find name +common-header-names+ :key #'cdr :test #'string=))
+  (or (find name +common-header-names+ :test #'string=)
       (error "~S is not in +COMMON-HEADER-NAMES+." name)))
 
-(defun header-name-string (buffer start end)
-  "The lower-case header name in BUFFER[START,END): a shared string for a
-common name, else a fresh one."
-  (declare (type octets buffer) (type fixnum start end) (optimize speed))
-  (let ((n (- end start)))
-    (loop for (octets . string) across (the simple-vector (load-time-value +common-header-names+ t))
-          when (and (= n (length (the octets octets)))
-                    (loop for i of-type fixnum from start below end
-                          for j of-type fixnum from 0
-                          always (let ((b (aref buffer i)))
-                                   (= (if (<= 65 b 90) (+ b 32) b)
-                                      (aref (the octets octets) j)))))
-            do (return-from header-name-string string))
-    (lowercase-string buffer start end)))
+(macrolet ((define-header-name-string ()
+             `(defun header-name-string (buffer start end)
+                "The lower-case header name in BUFFER[START,END): a shared string
+for a common name (matched against literals, see OCTETS-CASE), else a fresh one."
+                (declare (type octets buffer) (type fixnum start end) (optimize speed))
+                (gallop.core:octets-case (buffer start end :ignore-case t)
+                  ,@(loop for name in +common-header-names+
+                          collect `(,name (load-time-value (common-header-name ,name) t)))
+                  (t (lowercase-string buffer start end))))))
+  (define-header-name-string))
 
 (defun lowercase-string (buffer start end)
   (declare (type octets buffer) (type fixnum start end) (optimize speed))

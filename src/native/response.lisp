@@ -60,7 +60,7 @@
 ;;; Date, formatted at most once a second.  The cached pair is replaced, never
 ;;; mutated, so readers on other threads see a consistent one.
 
-(defvar *date-line* (cons -1 nil)
+(sb-ext:define-load-time-global *date-line* (cons -1 nil)
   "(unix time . \"Date: ...\\r\\n\" octets)")
 
 (defconstant +unix-epoch-universal-time+ 2208988800
@@ -85,24 +85,43 @@
 
 ;;; Header names
 
-(defvar *header-name-octets* '()
+(sb-ext:define-load-time-global *header-name-octets* '()
   "((symbol . \"Name: \" octets) ...): every symbol WRITE-HEAD has seen.
 Only ever replaced by a longer list, never mutated, so threads can read it
 without a lock (two threads adding the same name at once only make a
 duplicate entry).")
 
+(defun header-name-line-start (name)
+  "The octets \"Name: \" for the header NAME, a symbol (capitalized:
+:CONTENT-TYPE gives Content-Type) or a string (as it is)."
+  (ascii (concatenate 'string
+                      (if (symbolp name) (string-capitalize (symbol-name name)) (string name))
+                      ": ")))
+
+(defmacro common-header-name-octets (name &rest keywords)
+  "HEADER-NAME-LINE-START of NAME if it is one of KEYWORDS, else NIL: compared
+with EQ against each, the octets constants in the code, so the response
+headers most apps send touch no table."
+  (let ((n (gensym "NAME")))
+    `(let ((,n ,name))
+       (cond ,@(loop for keyword in keywords
+                     collect `((eq ,n ,keyword)
+                               (load-time-value (header-name-line-start ,keyword) t)))))))
+
 (defun header-name-octets (name)
   "\"Name: \" as octets for a header NAME (a keyword is capitalized:
 :CONTENT-TYPE gives Content-Type), computed once per symbol."
   (if (symbolp name)
-      (or (loop for entry in *header-name-octets*
+      (or (common-header-name-octets name :content-type :content-length :location :set-cookie
+                                     :cache-control :last-modified :etag :expires :vary
+                                     :content-encoding :content-disposition :server
+                                     :access-control-allow-origin :x-content-type-options)
+          (loop for entry in *header-name-octets*
                 when (eq (car entry) name) return (cdr entry))
-          (let ((octets (ascii (concatenate 'string
-                                            (string-capitalize (symbol-name name))
-                                            ": "))))
+          (let ((octets (header-name-line-start name)))
             (setf *header-name-octets* (acons name octets *header-name-octets*))
             octets))
-      (ascii (concatenate 'string (string name) ": "))))
+      (header-name-line-start name)))
 
 (defun write-header-value (c value)
   "Write VALUE (a string, or anything PRINC can show) as latin-1; CR and LF

@@ -37,7 +37,15 @@
     ("Transfer-Encoding in HTTP/1.0" 400 ,(raw-lines "POST / HTTP/1.0" "Transfer-Encoding: chunked"))
     ("HTTP/1.1 without Host" 400 ,(raw-lines "GET / HTTP/1.1"))
     ("two Host headers" 400 ,(raw-lines "GET / HTTP/1.1" "Host: a" "Host: b"))
-    ("body over the limit" 413 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Content-Length: 2000000")))
+    ("body over the limit" 413 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Content-Length: 2000000"))
+    ;; Header names in any case are the same header.
+    ("two Host headers, case differs" 400 ,(raw-lines "GET / HTTP/1.1" "HOST: a" "host: b"))
+    ("conflicting Content-Length, case differs" 400
+     ,(raw-lines "POST / HTTP/1.1" "Host: x" "CONTENT-LENGTH: 5" "content-length: 6"))
+    ("Transfer-Encoding and Content-Length, case differs" 400
+     ,(raw-lines "POST / HTTP/1.1" "Host: x" "content-LENGTH: 5" "TRANSFER-encoding: Chunked"))
+    ("HTTP/1.1 with only a Host-like header" 400 ,(raw-lines "GET / HTTP/1.1" "Hostx: a" "Hos: b"))
+    ("method with one letter in lower case" 501 ,(raw-lines "GeT / HTTP/1.1" "Host: x")))
   "Name, expected status, and the request head.")
 
 (test malformed-heads-get-clear-errors-and-the-server-keeps-serving
@@ -69,6 +77,12 @@
                         (raw-lines "PROPFIND /dav HTTP/1.1" "Host: x" "Depth: 1")
                         (raw-lines "GET / HTTP/1.1" "host: x" "X-Empty:" "X-Tab:	a	b")
                         (raw-lines "GET / HTTP/1.1" "Host: x" "Content-Length: 0" "Content-Length: 0")
+                        (raw-lines "GET / HTTP/1.1" "hOsT: x" "CONTENT-LENGTH: 0" "content-length: 0")
+                        (raw-lines "DELETE /x HTTP/1.1" "Host: x")
+                        (raw-lines "MKCALENDAR /cal HTTP/1.1" "Host: x")
+                        (concatenate 'string
+                                     (raw-lines "POST / HTTP/1.1" "Host: x" "TRANSFER-ENCODING: CHUNKED")
+                                     (crlf "0" ""))
                         (format nil "~C~C~A" #\Return #\Linefeed (raw-lines "GET / HTTP/1.1" "Host: x"))))
       (let ((response (request port text)))
         (is (and response (= 200 (response-status response))) "refused: ~S" text)))))
