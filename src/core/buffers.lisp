@@ -115,9 +115,9 @@ case when IGNORE-CASE, which then also accepts upper-case octets)?"
 (defmacro octets-case ((buffer start end &key ignore-case) &body clauses)
   "Evaluate the body of the first clause (NAME form...) whose literal NAME the
 octets BUFFER[START,END) match (see OCTETS-MATCH-P); a last clause (T
-form...) is the default.  Dispatches on the length first."
+form...) is the default (else NIL).  Dispatches on the length first."
   (let* ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END"))
-         (default (cdr (assoc t clauses)))
+         (default (or (cdr (assoc t clauses)) '(nil)))
          (named (remove t clauses :key #'car))
          (lengths (remove-duplicates (mapcar (lambda (clause) (length (car clause))) named))))
     `(let ((,b ,buffer) (,s ,start) (,e ,end))
