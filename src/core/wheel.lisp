@@ -41,10 +41,12 @@
 
 (declaim (inline deadline-tick))
 (defun deadline-tick (deadline-ms)
+  (declare (type fixnum deadline-ms))
   (values (ceiling deadline-ms +tick-ms+)))
 
 (defun wheel-schedule (wheel connection deadline-ms)
   "Make sure CONNECTION is looked at no later than DEADLINE-MS.  Any thread."
+  (declare (type fixnum deadline-ms))
   (let* ((current (wheel-current wheel))
          ;; Two ticks ahead: the housekeeper may be processing CURRENT + 1.
          (tick (min (max (deadline-tick deadline-ms) (+ 2 current))

@@ -194,8 +194,14 @@ write its response, and tell the engine what to do with C next."
                (handler-case (funcall response (make-responder ex))
                  (serious-condition (e) (internal-error server ex e) (complete ex))))
               ((consp response)
-               (handler-case (destructuring-bind (status headers &optional body) response
-                               (respond ex status headers body))
+               ;; (status headers &optional body), taken apart by hand:
+               ;; DESTRUCTURING-BIND's checks cost more than the rest here.
+               (handler-case (if (and (consp (cdr response))
+                                      (listp (cddr response))
+                                      (null (cdddr response)))
+                                 (respond ex (car response) (cadr response) (caddr response))
+                                 (error "The app's response ~S is not (status headers [body])."
+                                        response))
                  (serious-condition (e) (internal-error server ex e)))
                (complete ex))
               ((not (exchange-responded ex))

@@ -228,6 +228,23 @@
       (is (wait-until (lambda () (zerop (getf (gallop:stats server) :in-flight))))))
     (is (= 1 (count-matches "native deliberate failure" (get-output-stream-string log))))))
 
+(test native-malformed-app-responses-give-500
+  ;; A response list that is not (status headers [body]) is the app's bug:
+  ;; 500, logged once each, and the server keeps serving.
+  (let ((log (make-string-output-stream))
+        (responses '(("/one" . (200))
+                     ("/four" . (200 nil ("a") extra))
+                     ("/dotted" . (200 nil . "x"))
+                     ("/ok" . (200 nil ("ok"))))))
+    (with-app (server (lambda (env)
+                        (cdr (assoc (getf env :path-info) responses :test #'string=)))
+                      :log log)
+      (dolist (path '("/one" "/four" "/dotted"))
+        (let ((r (get-request (native-port server) path)))
+          (is (and r (= 500 (response-status r))) "~A: ~S" path (and r (response-status r)))))
+      (is (string= "ok" (body-string (get-request (native-port server) "/ok")))))
+    (is (= 3 (count-matches "is not (status headers" (get-output-stream-string log))))))
+
 (test native-body-limits-and-expect-continue
   (with-app (server #'env-echo-app :max-body-bytes 100)
     ;; declared too large: refused before the body is sent
