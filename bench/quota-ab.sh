@@ -67,6 +67,9 @@ RATIOS=$TMP/ratios; : > $RATIOS
 for r in $(seq 1 $REPS); do
   old=""; [ -n "$BASE" ] && old=$(rps 18193)
   new=$(rps 18194); ng=$(rps 18195)
+  if [ -z "$new" ] || [ -z "$ng" ] || { [ -n "$BASE" ] && [ -z "$old" ]; }; then
+    echo "rep $r  skipped: a wrk run printed no rate"; continue
+  fi
   if [ -n "$BASE" ]; then
     echo "rep $r  base $old  new $new  nginx $ng  base/nginx $(awk "BEGIN{printf \"%.3f\", $old/$ng}")  new/nginx $(awk "BEGIN{printf \"%.3f\", $new/$ng}")"
     echo "$(awk "BEGIN{print $old/$ng, $new/$ng}")" >> $RATIOS

@@ -99,6 +99,8 @@ left to the GC."
 (defmacro octets-match-p (buffer start end name &key ignore-case)
   "Are the octets BUFFER[START,END) the ASCII string NAME (a literal; lower
 case when IGNORE-CASE, which then also accepts upper-case octets)?"
+  (check-type name string)
+  (check-type ignore-case boolean)
   (when ignore-case
     (assert (string= name (string-downcase name)) () "~S is not in lower case." name))
   (let ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END")))
@@ -115,19 +117,28 @@ case when IGNORE-CASE, which then also accepts upper-case octets)?"
 (defmacro octets-case ((buffer start end &key ignore-case) &body clauses)
   "Evaluate the body of the first clause (NAME form...) whose literal NAME the
 octets BUFFER[START,END) match (see OCTETS-MATCH-P); a last clause (T
-form...) is the default (else NIL).  Dispatches on the length first."
+form...) is the default (else NIL).  Dispatches on the length first.
+IGNORE-CASE is read when the macro expands: T or NIL, not a variable."
+  (check-type ignore-case boolean)
   (let* ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END"))
-         (default (or (cdr (assoc t clauses)) '(nil)))
-         (named (remove t clauses :key #'car))
+         (match (gensym "MATCH"))
+         (default-clause (assoc t clauses))
+         (named (remove default-clause clauses))
          (lengths (remove-duplicates (mapcar (lambda (clause) (length (car clause))) named))))
+    (when (and default-clause (not (eq default-clause (car (last clauses)))))
+      (error "OCTETS-CASE: the T clause must be the last."))
+    (dolist (clause named)
+      (check-type (car clause) string))
     `(let ((,b ,buffer) (,s ,start) (,e ,end))
        (declare (type octets ,b) (type fixnum ,s ,e))
-       (case (- ,e ,s)
-         ,@(loop for n in lengths
-                 collect `(,n (cond ,@(loop for (name . body) in named
-                                            when (= (length name) n)
-                                              collect `((octets-match-p ,b ,s ,e ,name
-                                                                        :ignore-case ,ignore-case)
-                                                        ,@body))
-                                    (t ,@default))))
-         (t ,@default)))))
+       (block ,match
+         (case (- ,e ,s)
+           ,@(loop for n in lengths
+                   collect `(,n (cond ,@(loop for (name . body) in named
+                                              when (= (length name) n)
+                                                collect `((octets-match-p ,b ,s ,e ,name
+                                                                          :ignore-case ,ignore-case)
+                                                          (return-from ,match
+                                                            (progn ,@(or body '(nil))))))))))
+         ;; No name matched: the default, written once.
+         ,@(or (cdr default-clause) '(nil))))))

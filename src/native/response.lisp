@@ -86,7 +86,8 @@
 ;;; Header names
 
 (sb-ext:define-load-time-global *header-name-octets* '()
-  "((symbol . \"Name: \" octets) ...): every symbol WRITE-HEAD has seen.
+  "((symbol . \"Name: \" octets) ...): every symbol WRITE-HEAD has seen, but
+the common ones COMMON-HEADER-NAME-OCTETS knows.
 Only ever replaced by a longer list, never mutated, so threads can read it
 without a lock (two threads adding the same name at once only make a
 duplicate entry).")

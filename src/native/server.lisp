@@ -200,8 +200,11 @@ write its response, and tell the engine what to do with C next."
                                       (listp (cddr response))
                                       (null (cdddr response)))
                                  (respond ex (car response) (cadr response) (caddr response))
-                                 (error "The app's response ~S is not (status headers [body])."
-                                        response))
+                                 (error "The app's response ~A is not (status headers [body])."
+                                        ;; Printed now, and short: it may be huge or circular.
+                                        (let ((*print-length* 4) (*print-level* 2)
+                                              (*print-circle* t) (*print-readably* nil))
+                                          (prin1-to-string response))))
                  (serious-condition (e) (internal-error server ex e)))
                (complete ex))
               ((not (exchange-responded ex))

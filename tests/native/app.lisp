@@ -143,6 +143,42 @@
                     (is (string= expected (body-string (read-response socket)))))
         (usocket:socket-close socket)))))
 
+(test native-header-names-in-any-case
+  ;; Names are matched against literals ignoring case: HOST is the Host the
+  ;; server reads, cOnTeNt-LeNgTh frames the body, and the headers table has
+  ;; lower-case keys either way.
+  (with-app (server (lambda (env)
+                      (let ((h (getf env :headers)))
+                        (list 200 nil
+                              (list (format nil "~A|~A|~A|~A|~A|~A"
+                                            (getf env :server-name) (gethash "host" h)
+                                            (gethash "content-length" h) (getf env :content-length)
+                                            (gethash "x-mixed-case" h)
+                                            (map 'string #'code-char
+                                                 (read-all-octets (getf env :raw-body)))))))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (dolist (host '("HOST" "host" "hOsT"))
+             (send socket (concatenate 'string
+                                       (crlf "POST / HTTP/1.1" (format nil "~A: a.example:81" host)
+                                             "cOnTeNt-LeNgTh: 5" "X-MIXED-Case: yes")
+                                       "hello"))
+             (is (string= "a.example|a.example:81|5|5|yes|hello"
+                          (body-string (read-response socket)))
+                 "with ~A" host))
+        (usocket:socket-close socket)))))
+
+(test native-response-header-names-spelled-as-before
+  ;; The common response header keywords are written from constants: each
+  ;; must be spelled exactly as the general path spells any keyword.
+  (dolist (name '(:content-type :content-length :location :set-cookie :cache-control
+                  :last-modified :etag :expires :vary :content-encoding :content-disposition
+                  :server :access-control-allow-origin :x-content-type-options :x-other-name))
+    (is (equalp (gallop::ascii (concatenate 'string (string-capitalize (symbol-name name)) ": "))
+                (gallop::header-name-octets name))
+        "~S" name))
+  (is (equalp (gallop::ascii "X-Given-As-String: ") (gallop::header-name-octets "X-Given-As-String"))))
+
 (test native-responder-called-from-another-thread
   (let ((timer-threads '()))
     (with-app (server (lambda (env)
