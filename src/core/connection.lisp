@@ -654,23 +654,25 @@ BUFFER must have room."
                    (incf start count))))))
   nil)
 
+(defun put-decimal (buffer fill n)
+  "The decimal digits of the fixnum N >= 0 into BUFFER at FILL; the index
+after them.  BUFFER must have room."
+  (declare (type octets buffer) (type fixnum fill) (type (and fixnum unsigned-byte) n)
+           (optimize speed))
+  (let ((digits (if (zerop n) 1 (loop for m of-type fixnum = n then (floor m 10)
+                                      while (plusp m) count t))))
+    (declare (type fixnum digits))
+    (loop for i of-type fixnum from (+ fill digits -1) downto fill
+          do (multiple-value-bind (q r) (floor n 10)
+               (setf (aref buffer i) (+ 48 r)
+                     n q)))
+    (+ fill digits)))
+
 (defun connection-write-decimal (c n)
   "Buffer the decimal digits of the non-negative integer N."
   (declare (type (integer 0) n))
-  (let ((digits (make-array 20 :element-type '(unsigned-byte 8)))
-        (i 20))
-    (declare (dynamic-extent digits) (type fixnum i))
-    (if (typep n 'fixnum)
-        (let ((n n))
-          (declare (type (and fixnum unsigned-byte) n) (optimize speed))
-          (loop do (multiple-value-bind (q r) (floor n 10)
-                     (decf i)
-                     (setf (aref digits i) (+ 48 r)
-                           n q))
-                until (zerop n)))
-        (loop do (multiple-value-bind (q r) (floor n 10)
-                   (decf i)
-                   (setf (aref digits i) (+ 48 r)
-                         n q))
-              until (zerop n)))
-    (connection-write-octets c digits i 20)))
+  (multiple-value-bind (buffer fill)
+      (and (typep n 'fixnum) (connection-reserve-output c 20)) ; a fixnum has at most 19 digits
+    (if buffer
+        (connection-commit-output c (put-decimal buffer fill n))
+        (connection-write-ascii c (format nil "~D" n)))))

@@ -23,7 +23,7 @@
    #:connection-chunked-p #:connection-request-method #:connection-read-octets #:connection-read-line
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
-   #:put-latin1
+   #:put-latin1 #:put-decimal
    #:connection-flush #:connection-send-file
    #:connection-finish #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error

@@ -178,19 +178,6 @@ keys are keywords or strings."
         (replace buffer octets :start1 fill))
     (+ fill n)))
 
-(defun put-decimal (buffer fill n)
-  "The decimal digits of the fixnum N >= 0 into BUFFER at FILL; the index after them."
-  (declare (type octets buffer) (type fixnum fill) (type (and fixnum unsigned-byte) n)
-           (optimize speed))
-  (let ((digits (if (zerop n) 1 (loop for m of-type fixnum = n then (floor m 10)
-                                      while (plusp m) count t))))
-    (declare (type fixnum digits))
-    (loop for i of-type fixnum from (+ fill digits -1) downto fill
-          do (multiple-value-bind (q r) (floor n 10)
-               (setf (aref buffer i) (+ 48 r)
-                     n q)))
-    (+ fill digits)))
-
 (defun fast-head-size (status-line date-line headers content-length chunked keep-alive http-1.0)
   "The size of the head WRITE-HEAD would write, or NIL if it needs the
 general path (a header value that is not a string, a huge length)."
@@ -240,7 +227,7 @@ ASCII-BODY, a simple string of ASCII characters, if given."
                               fill (put-octets buffer fill crlf)))
              (when (and content-length (not has-length))
                (setf fill (put-octets buffer fill (load-time-value +content-length-prefix+ t))
-                     fill (put-decimal buffer fill content-length)
+                     fill (gallop.core:put-decimal buffer fill content-length)
                      fill (put-octets buffer fill crlf)))
              (when chunked
                (setf fill (put-octets buffer fill (load-time-value +chunked-line+ t))))

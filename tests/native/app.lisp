@@ -168,6 +168,24 @@
                  "with ~A" host))
         (usocket:socket-close socket)))))
 
+(test native-general-head-path
+  ;; A header value that is not a string, or a head larger than the output
+  ;; buffer, takes the writer's general path (Content-Length written by
+  ;; CONNECTION-WRITE-DECIMAL); the client must see the same answer.
+  (let ((long (make-string 20000 :initial-element #\a)))
+    (with-app (server (lambda (env)
+                        (if (string= (getf env :path-info) "/long")
+                            (list 200 (list :x-long long) (list "hello"))
+                            (list 200 '(:x-count 42) (list "hello world")))))
+      (let ((r (get-request (native-port server) "/count")))
+        (is (equal "42" (header r "X-Count")))
+        (is (equal "11" (header r "Content-Length")))
+        (is (string= "hello world" (body-string r))))
+      (let ((r (get-request (native-port server) "/long")))
+        (is (equal long (header r "X-Long")))
+        (is (equal "5" (header r "Content-Length")))
+        (is (string= "hello" (body-string r)))))))
+
 (test native-response-header-names-spelled-as-before
   ;; The common response header keywords are written from constants: each
   ;; must be spelled exactly as the general path spells any keyword.
