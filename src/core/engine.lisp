@@ -89,36 +89,68 @@ reset connections all the time, and it is not the server's fault."
         (ignore-errors (apply log format-control args))
         (ignore-errors (format *error-output* "~&[gallop] ~?~%" format-control args)))))
 
+;;; Status codes and their reason phrases: the one table of them (the native
+;;; writer's status lines come from it too).
+
+(defparameter +reason-phrases+
+  '((100 . "Continue") (101 . "Switching Protocols") (200 . "OK") (201 . "Created")
+    (202 . "Accepted") (203 . "Non-Authoritative Information") (204 . "No Content")
+    (205 . "Reset Content") (206 . "Partial Content") (300 . "Multiple Choices")
+    (301 . "Moved Permanently") (302 . "Found") (303 . "See Other") (304 . "Not Modified")
+    (307 . "Temporary Redirect") (308 . "Permanent Redirect") (400 . "Bad Request")
+    (401 . "Unauthorized") (402 . "Payment Required") (403 . "Forbidden")
+    (404 . "Not Found") (405 . "Method Not Allowed") (406 . "Not Acceptable")
+    (408 . "Request Timeout") (409 . "Conflict") (410 . "Gone") (411 . "Length Required")
+    (412 . "Precondition Failed") (413 . "Content Too Large") (414 . "URI Too Long")
+    (415 . "Unsupported Media Type") (416 . "Range Not Satisfiable")
+    (417 . "Expectation Failed") (422 . "Unprocessable Content") (426 . "Upgrade Required")
+    (428 . "Precondition Required") (429 . "Too Many Requests")
+    (431 . "Request Header Fields Too Large") (500 . "Internal Server Error")
+    (501 . "Not Implemented") (502 . "Bad Gateway") (503 . "Service Unavailable")
+    (504 . "Gateway Timeout") (505 . "HTTP Version Not Supported"))
+  "Status codes and their reason phrases (RFC 9110, section 15).")
+
+(defun reason-phrase (status)
+  "The reason phrase of STATUS, or \"Status\" for a code without one."
+  (or (cdr (assoc status +reason-phrases+)) "Status"))
+
 ;;; Pre-encoded responses the engine writes itself, without a handler.
 
 (defun encode-ascii (string)
   (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
 
-(defun make-error-response (status reason &key retry-after)
-  (let ((body (format nil "~D ~A~%" status reason)))
+(defun make-error-response (status &key retry-after)
+  "The complete answer STATUS (with Retry-After: RETRY-AFTER seconds, if
+given) as octets: a short text body, its exact Content-Length, and
+Connection: close."
+  (let* ((crlf (coerce '(#\Return #\Linefeed) 'string))
+         (body (format nil "~D ~A~%" status (reason-phrase status))))
     (encode-ascii
-     (format nil "HTTP/1.1 ~D ~A~C~CContent-Type: text/plain; charset=utf-8~C~C~
-                  Content-Length: ~D~C~CConnection: close~C~C~@[Retry-After: ~D~C~C~]~C~C~A"
-             status reason #\Return #\Linefeed #\Return #\Linefeed
-             (length body) #\Return #\Linefeed #\Return #\Linefeed
-             retry-after #\Return #\Linefeed #\Return #\Linefeed body))))
+     (concatenate 'string
+                  (format nil "HTTP/1.1 ~D ~A" status (reason-phrase status)) crlf
+                  "Content-Type: text/plain; charset=utf-8" crlf
+                  (format nil "Content-Length: ~D" (length body)) crlf
+                  "Connection: close" crlf
+                  (if retry-after (format nil "Retry-After: ~D~A" retry-after crlf) "")
+                  crlf
+                  body))))
 
-(defparameter +response-400+ (make-error-response 400 "Bad Request"))
-(defparameter +response-408+ (make-error-response 408 "Request Timeout"))
-(defparameter +response-413+ (make-error-response 413 "Content Too Large"))
-(defparameter +response-414+ (make-error-response 414 "URI Too Long"))
-(defparameter +response-501+ (make-error-response 501 "Not Implemented"))
-(defparameter +response-505+ (make-error-response 505 "HTTP Version Not Supported"))
-(defparameter +response-431+ (make-error-response 431 "Request Header Fields Too Large"))
+(defparameter +response-400+ (make-error-response 400))
+(defparameter +response-408+ (make-error-response 408))
+(defparameter +response-413+ (make-error-response 413))
+(defparameter +response-414+ (make-error-response 414))
+(defparameter +response-501+ (make-error-response 501))
+(defparameter +response-505+ (make-error-response 505))
+(defparameter +response-431+ (make-error-response 431))
 
 (defparameter +response-100+ (encode-ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
-                                                   #\Return #\Linefeed #\Return #\Linefeed)))
+                                                   #\Return #\Linefeed #\Return #\Linefeed))
+  "The interim answer to Expect: 100-continue.")
 
 (defun response-503 (engine)
   (or (engine-response-503 engine)
       (setf (engine-response-503 engine)
-            (make-error-response 503 "Service Unavailable"
-                                 :retry-after (engine-retry-after engine)))))
+            (make-error-response 503 :retry-after (engine-retry-after engine)))))
 
 (defun engine-stats (engine)
   "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in

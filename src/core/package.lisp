@@ -33,6 +33,7 @@
    #:engine #:make-engine #:engine-start #:engine-stop
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
    #:engine-running-p #:engine-pool #:engine-stats
+   #:reason-phrase #:+response-100+
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    ;; utilities used by the layers above
    #:octet-position #:octets-case #:octets-match-p #:field-bounds #:unix-seconds

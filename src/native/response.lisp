@@ -14,29 +14,12 @@
       (let ((code (char-code (char string i))))
         (setf (aref v i) (if (< code 256) code 63))))))
 
-(defparameter +reason-phrases+
-  '((100 . "Continue") (101 . "Switching Protocols") (200 . "OK") (201 . "Created")
-    (202 . "Accepted") (203 . "Non-Authoritative Information") (204 . "No Content")
-    (205 . "Reset Content") (206 . "Partial Content") (300 . "Multiple Choices")
-    (301 . "Moved Permanently") (302 . "Found") (303 . "See Other") (304 . "Not Modified")
-    (307 . "Temporary Redirect") (308 . "Permanent Redirect") (400 . "Bad Request")
-    (401 . "Unauthorized") (402 . "Payment Required") (403 . "Forbidden")
-    (404 . "Not Found") (405 . "Method Not Allowed") (406 . "Not Acceptable")
-    (408 . "Request Timeout") (409 . "Conflict") (410 . "Gone") (411 . "Length Required")
-    (412 . "Precondition Failed") (413 . "Content Too Large") (414 . "URI Too Long")
-    (415 . "Unsupported Media Type") (416 . "Range Not Satisfiable")
-    (417 . "Expectation Failed") (422 . "Unprocessable Content") (426 . "Upgrade Required")
-    (428 . "Precondition Required") (429 . "Too Many Requests")
-    (431 . "Request Header Fields Too Large") (500 . "Internal Server Error")
-    (501 . "Not Implemented") (502 . "Bad Gateway") (503 . "Service Unavailable")
-    (504 . "Gateway Timeout") (505 . "HTTP Version Not Supported")))
-
 (defparameter +status-lines+
   (let ((lines (make-array 600 :initial-element nil)))
     (loop for code from 100 below 600
           do (setf (svref lines code)
                    (ascii (format nil "HTTP/1.1 ~D ~A~C~C" code
-                                  (or (cdr (assoc code +reason-phrases+)) "Status")
+                                  (gallop.core:reason-phrase code)
                                   #\Return #\Linefeed))))
     lines)
   "Status line octets for each code, encoded once.")
@@ -47,8 +30,6 @@
 (defparameter +chunked-line+ (ascii (format nil "Transfer-Encoding: chunked~C~C" #\Return #\Linefeed)))
 (defparameter +connection-close-line+ (ascii (format nil "Connection: close~C~C" #\Return #\Linefeed)))
 (defparameter +keep-alive-line+ (ascii (format nil "Connection: keep-alive~C~C" #\Return #\Linefeed)))
-(defparameter +continue-response+ (ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
-                                                 #\Return #\Linefeed #\Return #\Linefeed)))
 (defparameter +last-chunk+ (ascii (format nil "0~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)))
 
 (defun status-line (code)

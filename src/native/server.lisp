@@ -172,7 +172,7 @@ write its response, and tell the engine what to do with C next."
       (when (and expect-continue
                  (not (gallop.core:connection-chunked-p c))
                  (plusp (gallop.core:connection-body-length c)))
-        (gallop.core:connection-write-octets c +continue-response+)
+        (gallop.core:connection-write-octets c gallop.core:+response-100+)
         (gallop.core:connection-flush c))
       (let ((body (handler-case (read-body c (server-max-body-bytes server))
                     (body-too-large ()
