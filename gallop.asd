@@ -23,8 +23,9 @@
                (:file "pool")
                (:file "engine")
                (:file "connection")
-               (:file "chunks")
                (:file "head")
+               (:file "chunks")
+               (:file "body")
                (:file "wheel")
                (:file "server")))
 

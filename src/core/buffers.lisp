@@ -71,6 +71,19 @@ left to the GC."
                   (buffer-pool-count pool) (1+ n)))))))
   nil)
 
+;;; The octets HTTP framing is made of, by name.
+
+(defconstant +tab+ 9)
+(defconstant +lf+ 10)
+(defconstant +cr+ 13)
+(defconstant +sp+ 32)
+(defconstant +dquote+ 34)
+(defconstant +percent+ 37)
+(defconstant +colon+ 58)
+(defconstant +semicolon+ 59)
+(defconstant +equals+ 61)
+(defconstant +backslash+ 92)
+
 ;;; Scanning octets: typed loops, so no generic sequence function runs on the
 ;;; hot path.
 
@@ -79,7 +92,7 @@ left to the GC."
   "Index of the LF ending the line that starts at START, before END."
   (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (loop for i of-type fixnum from start below end
-        when (= (aref buffer i) 10) return i))
+        when (= (aref buffer i) +lf+) return i))
 
 (declaim (inline octet-position))
 (defun octet-position (octet buffer start end)

@@ -1,140 +1,197 @@
-;;;; chunks.lisp -- reading and checking a chunked request body before the
-;;;; handler runs.
+;;;; chunks.lisp -- the chunked transfer coding of request bodies (RFC 9112,
+;;;; section 7.1), decoded in place.
 ;;;;
-;;;; Hunchentoot decodes chunked bodies with chunga inside the handler.  Bad
-;;;; framing then costs two log entries and no answer at all (Hunchentoot
-;;;; drains the body again before it writes its 500, and fails again), and a
-;;;; chunked body has no size limit.  When the engine's CHECK-CHUNKED-BODIES is
-;;;; on, the worker first reads the whole chunked body into the connection's
-;;;; input buffer, checking its framing as it arrives, and answers 400 (bad
-;;;; framing) or 413 (over MAX-BODY-BYTES) itself; the handler then reads a
-;;;; body known to be well formed, unchanged, from the buffer.
+;;;; A CHUNK-DECODER is a state machine over the octets of a chunked body.
+;;;; CHUNK-DECODER-STEP consumes framing octets (size lines, extensions, the
+;;;; CRLF after data, trailer fields) and stops at the first data octet, so
+;;;; the caller takes data straight from its own buffer (CHUNK-DECODER-TAKE):
+;;;; the body is never copied to be decoded.  It follows the grammar exactly:
 ;;;;
-;;;; The checker is a state machine over the body's bytes:
-;;;;   :SIZE      hex digits of a chunk size (1 to 15 of them)
-;;;;   :SIZE-WS   spaces or tabs after the size
-;;;;   :EXT       a chunk extension after ';', up to CR
-;;;;   :SIZE-LF   LF after the size line's CR
-;;;;   :DATA      CHUNK-LEFT bytes of chunk data (skipped in bulk)
-;;;;   :DATA-CR   CR after the data, then :DATA-LF for its LF
-;;;;   :TRAILER   at the start of a trailer line: CR ends the body
-;;;;   :FIELD     inside a trailer field line, up to CR (then :FIELD-LF)
-;;;;   :LAST-LF   LF of the blank line that ends the body
-;;;; and NIL once the body ended (or when not checking).
+;;;;   chunked-body = *chunk last-chunk trailer-section CRLF
+;;;;   chunk        = chunk-size [ chunk-ext ] CRLF chunk-data CRLF
+;;;;   chunk-ext    = *( BWS ";" BWS ext-name [ BWS "=" BWS ext-val ] )
+;;;;   ext-name     = token            ext-val = token / quoted-string
+;;;;   trailer-section = *( field-line CRLF )
 ;;;;
-;;;; Invariants: HEAD-LEFT counts the bytes of the request head still to be
-;;;; passed before the body starts; the checker sees only bytes after them.
-;;;; LINE counts the bytes of the current size, extension or trailer line
-;;;; (bounded by +MAX-CHUNK-LINE+).
+;;;; so white space after a size with no extension, an empty extension name,
+;;;; an unbalanced quote, a bare LF or CR, or a malformed trailer line are
+;;;; refused with REQUEST-BODY-ERROR 400, and data past the decoder's MAX
+;;;; octets with 413.
+;;;;
+;;;; States (slot STATE), and what each accepts:
+;;;;   :SIZE           the first hex digit of a chunk size
+;;;;   :SIZE-MORE      more hex digits; SP/HTAB -> :BWS-SEMI; ";" -> :BWS-NAME; CR
+;;;;   :BWS-SEMI       SP/HTAB; ";" -> :BWS-NAME (white space must lead to ";")
+;;;;   :BWS-NAME       SP/HTAB; a token octet -> :EXT-NAME
+;;;;   :EXT-NAME       token octets; SP/HTAB -> :BWS-EQUALS; "=" -> :BWS-VALUE; ";"; CR
+;;;;   :BWS-EQUALS     SP/HTAB; "=" -> :BWS-VALUE; ";" -> :BWS-NAME
+;;;;   :BWS-VALUE      SP/HTAB; a token octet -> :EXT-TOKEN; DQUOTE -> :QUOTED
+;;;;   :EXT-TOKEN      token octets; SP/HTAB -> :BWS-SEMI; ";"; CR
+;;;;   :QUOTED         qdtext; "\" -> :QUOTED-PAIR; DQUOTE -> :AFTER-QUOTED
+;;;;   :QUOTED-PAIR    HTAB, SP, VCHAR or obs-text -> :QUOTED
+;;;;   :AFTER-QUOTED   SP/HTAB -> :BWS-SEMI; ";" -> :BWS-NAME; CR
+;;;;   :SIZE-LF        the LF ending a size line -> :DATA, or :TRAILER after size 0
+;;;;   :DATA           LEFT data octets, taken by the caller
+;;;;   :DATA-CR, :DATA-LF   the CRLF after a chunk's data
+;;;;   :TRAILER        the start of a trailer line: CR (the end) or a token octet
+;;;;   :FIELD-NAME     token octets up to ":"
+;;;;   :FIELD-VALUE    field value octets up to CR
+;;;;   :FIELD-LF       its LF -> :TRAILER
+;;;;   :LAST-LF        the LF of the final empty line -> NIL
+;;;;   NIL             the body ended; nothing more is consumed.
+;;;;
+;;;; Invariants: LEFT > 0 exactly in :DATA; TOTAL is the sum of the sizes
+;;;; announced so far and never exceeds MAX; LINE counts the octets of the
+;;;; current size or trailer line, at most +MAX-CHUNK-LINE+.
 
 (in-package #:gallop.core)
 
-(define-condition request-body-error (error)
+(define-condition request-body-error (serious-condition)
   ((status :initarg :status :reader request-body-error-status))
   (:report (lambda (c s)
              (format s "~:[The chunked request body is malformed~;~
-                        The chunked request body is over the size limit~] (~D)."
+                        The request body is over the size limit~] (~D)."
                      (= 413 (request-body-error-status c)) (request-body-error-status c))))
-  (:documentation "Signalled by CHECK-BODY-BYTES for a chunked request body
-whose framing is wrong (STATUS 400) or which grows past the engine's
-MAX-BODY-BYTES (413)."))
+  (:documentation "Signalled to the code reading a request body whose chunked
+framing is wrong (STATUS 400) or which grows past the engine's MAX-BODY-BYTES
+\(413).  Like HANDLER-TIMEOUT it is a SERIOUS-CONDITION, not an ERROR, so that a
+handler that catches every ERROR cannot turn the client's bad body into an
+ordinary answer: it reaches Gallop, which answers STATUS (unless a response
+was already sent) and closes the connection."))
 
-(defconstant +max-chunk-line+ 1024
-  "The longest chunk size line (with extensions) or trailer line accepted.")
+(defconstant +max-chunk-line+ 4096
+  "The longest chunk size line (with its extensions) or trailer line.")
 
-(defun start-body-check (c head-bytes)
-  "Begin checking the chunked body of the request whose head, HEAD-BYTES
-long, is about to be read from C."
-  (with-connection-slots (body-check head-left chunk-left chunk-total line) c
-    (setf body-check :size head-left head-bytes chunk-left 0 chunk-total 0 line 0)))
+(defstruct (chunk-decoder (:constructor make-chunk-decoder ()) (:copier nil))
+  (state :size :type symbol)
+  (left 0 :type fixnum)
+  (total 0 :type fixnum)
+  (line 0 :type fixnum)
+  (max 0 :type fixnum))
 
-(defun body-check-fail (c status)
-  (setf (conn-slot c body-check) nil)
+(defun reset-chunk-decoder (d max)
+  "Make D ready for a new chunked body of at most MAX data octets."
+  (setf (chunk-decoder-state d) :size
+        (chunk-decoder-left d) 0
+        (chunk-decoder-total d) 0
+        (chunk-decoder-line d) 0
+        (chunk-decoder-max d) max)
+  d)
+
+(declaim (inline chunk-decoder-take))
+(defun chunk-decoder-take (d n)
+  "The caller took N (at most LEFT) data octets of the current chunk."
+  (declare (type fixnum n))
+  (when (zerop (decf (chunk-decoder-left d) n))
+    (setf (chunk-decoder-state d) :data-cr)))
+
+(defun chunk-framing-error (status)
   (error 'request-body-error :status status))
 
-(defun check-body-bytes (c buffer start end)
-  "Feed BUFFER[START,END), bytes just read from C, to C's chunked-body checker."
-  (declare (type octets buffer) (type fixnum start end))
-  (with-connection-slots (body-check head-left chunk-left chunk-total line engine) c
-    (declare (type fixnum head-left chunk-left chunk-total line))
-    (let ((skip (min head-left (- end start))))
-      (decf head-left skip)
-      (incf start skip))
-    (loop while (and body-check (< start end))
-          do (let ((b (aref buffer start)))
-               (flet ((next (state) (setf body-check state))
-                      (bad () (body-check-fail c 400)))
-                 (incf start)
-                 (case body-check
-                   (:size
-                    (let ((digit (digit-char-p (code-char b) 16)))
-                      (cond (digit
-                             (when (>= line 15) (bad))
-                             (setf chunk-left (+ (* 16 chunk-left) digit))
-                             (incf line))
-                            ((zerop line) (bad))
-                            ((or (= b 32) (= b 9)) (next :size-ws))
-                            ((= b 59) (next :ext))
-                            ((= b 13) (next :size-lf))
-                            (t (bad)))))
-                   (:size-ws
-                    (cond ((or (= b 32) (= b 9)))
-                          ((= b 59) (next :ext))
-                          ((= b 13) (next :size-lf))
-                          (t (bad))))
-                   (:ext
-                    (cond ((= b 13) (next :size-lf))
-                          ((or (= b 10) (= b 0) (>= (incf line) +max-chunk-line+)) (bad))))
-                   (:size-lf
-                    (unless (= b 10) (bad))
-                    (setf line 0)
-                    (cond ((zerop chunk-left) (next :trailer))
-                          ((> (incf chunk-total chunk-left) (engine-max-body-bytes engine))
-                           (body-check-fail c 413))
-                          (t (next :data))))
-                   (:data
-                    ;; B is the first data byte; skip the rest of the chunk in bulk.
-                    (let ((n (min (1- chunk-left) (- end start))))
-                      (incf start n)
-                      (decf chunk-left (1+ n))
-                      (when (zerop chunk-left) (next :data-cr))))
-                   (:data-cr (if (= b 13) (next :data-lf) (bad)))
-                   (:data-lf (if (= b 10) (next :size) (bad)))
-                   (:trailer
-                    (cond ((= b 13) (next :last-lf))
-                          ((= b 10) (bad))
-                          (t (setf line 1) (next :field))))
-                   (:field
-                    (cond ((= b 13) (next :field-lf))
-                          ((or (= b 10) (= b 0) (>= (incf line) +max-chunk-line+)) (bad))))
-                   (:field-lf (if (= b 10) (next :trailer) (bad)))
-                   (:last-lf (if (= b 10) (next nil) (bad)))))))))
-
-(defun read-chunked-body (c)
-  "Read the rest of the chunked body of the request whose head was just
-checked on C into C's input buffer, checking it.  Returns NIL when the whole
-body is buffered, 400 or 413 when it must be refused, or :CLOSED when the
-client went away.  Blocks (bounded by the read timeout) in a worker."
-  (with-connection-slots (fd inbuf in-start in-end scan engine body-check expect-continue) c
-    (start-body-check c (- scan in-start))
-    (handler-case
-        (progn
-          (check-body-bytes c inbuf in-start in-end)
-          (when (and body-check expect-continue)
-            (let ((continue +response-100+))
-              (send-from fd continue 0 (length continue))))
-          (loop while body-check
-                do (unless (make-room c (+ (engine-max-body-bytes engine)
-                                           (engine-max-head-bytes engine)))
-                     (return-from read-chunked-body 413))
-                   (let ((buffer inbuf))
-                     (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
-                       (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
-                       (cond ((plusp n)
-                              (check-body-bytes c buffer in-end (+ in-end n))
-                              (incf in-end n))
-                             ((and (minusp n) (= errno +eagain+))
-                              (wait-for-fd c +pollin+ (engine-read-timeout-ms engine) "read body"))
-                             (t (return-from read-chunked-body :closed)))))))
-      (request-body-error (e) (request-body-error-status e))
-      (connection-timeout-error () :closed))))
+(defun chunk-decoder-step (d buffer start end)
+  "Consume framing octets of BUFFER[START,END) until the first data octet, the
+end of the body or the end of the octets; return the index after the last one
+consumed.  Signals REQUEST-BODY-ERROR."
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (let ((state (chunk-decoder-state d))
+        (line (chunk-decoder-line d)))
+    (declare (type fixnum line))
+    (macrolet ((bad () `(chunk-framing-error 400)))
+      (flet ((ws-p (b) (or (= b +sp+) (= b +tab+))))
+        (declare (inline ws-p))
+        (loop while (and (< start end) state (not (eq state :data)))
+              do (let ((b (aref buffer start)))
+                   (declare (type (unsigned-byte 8) b))
+                   (incf start)
+                   (when (> (incf line) +max-chunk-line+)
+                     (bad))
+                   (setf state
+                         (case state
+                           (:size
+                            (let ((digit (hex-value b)))
+                              (unless digit (bad))
+                              (setf (chunk-decoder-left d) digit)
+                              :size-more))
+                           (:size-more
+                            (let ((digit (hex-value b)))
+                              (cond (digit
+                                     (let ((left (chunk-decoder-left d)))
+                                       (when (> left (ash most-positive-fixnum -5)) (bad))
+                                       (setf (chunk-decoder-left d) (+ (* 16 left) digit)))
+                                     :size-more)
+                                    ((ws-p b) :bws-semi)
+                                    ((= b +semicolon+) :bws-name)
+                                    ((= b +cr+) :size-lf)
+                                    (t (bad)))))
+                           (:bws-semi
+                            (cond ((ws-p b) :bws-semi)
+                                  ((= b +semicolon+) :bws-name)
+                                  (t (bad))))
+                           (:bws-name
+                            (cond ((ws-p b) :bws-name)
+                                  ((tchar-p b) :ext-name)
+                                  (t (bad))))
+                           (:ext-name
+                            (cond ((tchar-p b) :ext-name)
+                                  ((ws-p b) :bws-equals)
+                                  ((= b +equals+) :bws-value)
+                                  ((= b +semicolon+) :bws-name)
+                                  ((= b +cr+) :size-lf)
+                                  (t (bad))))
+                           (:bws-equals
+                            (cond ((ws-p b) :bws-equals)
+                                  ((= b +equals+) :bws-value)
+                                  ((= b +semicolon+) :bws-name)
+                                  (t (bad))))
+                           (:bws-value
+                            (cond ((ws-p b) :bws-value)
+                                  ((tchar-p b) :ext-token)
+                                  ((= b +dquote+) :quoted)
+                                  (t (bad))))
+                           (:ext-token
+                            (cond ((tchar-p b) :ext-token)
+                                  ((ws-p b) :bws-semi)
+                                  ((= b +semicolon+) :bws-name)
+                                  ((= b +cr+) :size-lf)
+                                  (t (bad))))
+                           (:quoted
+                            (cond ((= b +dquote+) :after-quoted)
+                                  ((= b +backslash+) :quoted-pair)
+                                  ((or (ws-p b) (<= 33 b 126) (>= b 128)) :quoted)
+                                  (t (bad))))
+                           (:quoted-pair
+                            (if (or (ws-p b) (<= 33 b 126) (>= b 128)) :quoted (bad)))
+                           (:after-quoted
+                            (cond ((ws-p b) :bws-semi)
+                                  ((= b +semicolon+) :bws-name)
+                                  ((= b +cr+) :size-lf)
+                                  (t (bad))))
+                           (:size-lf
+                            (unless (= b +lf+) (bad))
+                            (setf line 0)
+                            (let ((size (chunk-decoder-left d)))
+                              (cond ((zerop size) :trailer)
+                                    ((> (+ size (chunk-decoder-total d)) (chunk-decoder-max d))
+                                     (chunk-framing-error 413))
+                                    (t (incf (chunk-decoder-total d) size)
+                                       :data))))
+                           (:data-cr (if (= b +cr+) :data-lf (bad)))
+                           (:data-lf (unless (= b +lf+) (bad)) (setf line 0) :size)
+                           (:trailer
+                            (cond ((= b +cr+) :last-lf)
+                                  ((tchar-p b) :field-name)
+                                  (t (bad))))
+                           (:field-name
+                            (cond ((tchar-p b) :field-name)
+                                  ((= b +colon+) :field-value)
+                                  (t (bad))))
+                           (:field-value
+                            (cond ((= b +cr+) :field-lf)
+                                  ((vchar-p b) :field-value)
+                                  (t (bad))))
+                           (:field-lf (unless (= b +lf+) (bad)) (setf line 0) :trailer)
+                           (:last-lf (unless (= b +lf+) (bad)) nil)
+                           (t (error "CHUNK-DECODER-STEP: bad state ~S" state))))))))
+    (setf (chunk-decoder-state d) state
+          (chunk-decoder-line d) line)
+    start))

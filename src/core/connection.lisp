@@ -113,12 +113,28 @@ deadline interrupt meant for one request never hits the next.")
                 :documentation "True once the handler was interrupted: close after it.")
    (expect-continue :initform nil
                     :documentation "True if the request asked for 100 Continue.")
-   (body-check :initform nil
-               :documentation "State of the chunked-body checker (chunks.lisp), or NIL.")
-   (head-left :initform 0 :type fixnum)
-   (chunk-left :initform 0 :type fixnum)
-   (chunk-total :initform 0 :type fixnum)
-   (line :initform 0 :type fixnum)
+   (close-after :initform nil
+                :documentation "True when the connection must close after this answer.")
+   (head-left :initform 0 :type fixnum
+              :documentation "Octets of the request head the layer above has yet to
+read through the stream (see body.lisp).")
+   (body-mode :initform nil
+              :documentation "NIL (no body, or all of it read), :LENGTH or :CHUNKED.")
+   (body-left :initform 0 :type fixnum
+              :documentation "With :LENGTH, body octets not yet read.")
+   (chunk-decoder :initform nil
+                  :documentation "This connection's CHUNK-DECODER, made on first use.")
+   (synth :initform nil
+          :documentation "Framing octets being handed to the layer above while a
+chunked body is passed on re-chunked (see body.lisp), or NIL.")
+   (synth-pos :initform 0 :type fixnum)
+   (synth-data-left :initform 0 :type fixnum)
+   (synth-done :initform nil)
+   (synth-octet :initform nil
+                :documentation "A one-octet vector for STREAM-READ-BYTE of a body.")
+   (framing-broken :initform nil
+                   :documentation "True once the body's framing failed: the
+connection closes after the answer.")
    (remote-address :initarg :remote-address :initform nil)
    (remote-port :initarg :remote-port :initform 0)
    (local-address :initform nil)
@@ -142,7 +158,8 @@ read requests from and write responses to."))
     '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
-      (head-left . fixnum) (chunk-left . fixnum) (chunk-total . fixnum) (line . fixnum)
+      (head-left . fixnum) (body-left . fixnum) (synth-pos . fixnum)
+      (synth-data-left . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
 
@@ -260,42 +277,48 @@ front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
 ;;; Finding the end of a request head
 
 (defun scan-head (c)
-  "Look for the blank line that ends the request head in the unread input.
-Returns :COMPLETE, :INCOMPLETE, :LINE-TOO-LONG (no end of the request line
-within the limit: 414) or :TOO-LARGE (head over the limit: 431)."
+  "Look for the end of the request head in the unread input (an empty line:
+LF LF, or LF CR LF, so that a head with bare LFs ends too and is refused by
+CHECK-HEAD instead of waiting for its timeout).  Returns :COMPLETE,
+:INCOMPLETE, :LINE-TOO-LONG (request line over its limit: 414) or :TOO-LARGE
+\(head over its limit: 431).  The limits are checked on the octets received
+so far whether or not the head is complete, so they never depend on how the
+octets were split into reads."
   (with-connection-slots (inbuf in-start in-end scan engine) c
     (unless inbuf
       (return-from scan-head :incomplete))
     (let ((buffer inbuf)
           (start in-start)
-          (end in-end))
+          (end in-end)
+          (head-end nil))
       (declare (type octets buffer) (type fixnum start end)
                (optimize (speed 3) (safety 0)))
-      ;; Skip empty lines before the request line (RFC 9112, 2.2).
-      (loop while (and (< start end)
-                       (or (= (aref buffer start) 13) (= (aref buffer start) 10)))
-            do (incf start))
+      ;; Skip empty lines (CRLF) before the request line (RFC 9112, 2.2).
+      (loop while (and (< (1+ start) end)
+                       (= (aref buffer start) +cr+) (= (aref buffer (1+ start)) +lf+))
+            do (incf start 2))
       (setf in-start start)
       (let ((i (max start (the fixnum scan))))
         (declare (type fixnum i))
         (loop while (< i end)
-              do (when (= (aref buffer i) 10)
+              do (when (= (aref buffer i) +lf+)
                    (let ((j (1+ i)))
                      (declare (type fixnum j))
-                     (when (and (< j end) (= (aref buffer j) 13))
+                     (when (and (< j end) (= (aref buffer j) +cr+))
                        (incf j))
                      (cond ((>= j end) (return))
-                           ((= (aref buffer j) 10)
-                            (setf scan (1+ j))
-                            (return-from scan-head :complete)))))
+                           ((= (aref buffer j) +lf+)
+                            (setf head-end (1+ j))
+                            (return)))))
                  (incf i))
-        (setf scan i))
-      (let ((limits engine))
-        (cond ((and (null (octet-position 10 buffer start end))
-                    (> (- end start) (engine-max-request-line-bytes limits)))
+        (setf scan (or head-end i)))
+      (let ((line-end (or (line-end buffer start end) end)))
+        (declare (type fixnum line-end))
+        (cond ((> (- line-end start) (engine-max-request-line-bytes engine))
                :line-too-long)
-              ((> (- end start) (engine-max-head-bytes limits))
+              ((> (- (the fixnum (or head-end end)) start) (engine-max-head-bytes engine))
                :too-large)
+              (head-end :complete)
               (t :incomplete))))))
 
 ;;; Blocking input with timeouts
@@ -342,6 +365,7 @@ serves the next buffered request, or (when stopping) closes it."
   (with-connection-slots (boundary park-requested owner-stream in-start in-end engine fd) c
     (cond ((not (engine-running-p engine)) nil)
           ((conn-slot c interrupted) nil)
+          ((or (conn-slot c close-after) (conn-slot c framing-broken)) nil)
           (owner-stream
            ;; TLS: buffered cipher state can't be parked; wait here for the
            ;; next request, bounded by the idle timeout, and give up on stop.
@@ -373,23 +397,38 @@ serves the next buffered request, or (when stopping) closes it."
        (not (conn-slot c close-requested))))
 
 (defmethod sb-gray:stream-read-byte ((c connection))
-  (with-connection-slots (inbuf in-start in-end boundary) c
+  (with-connection-slots (inbuf in-start in-end boundary raw) c
     (when (and boundary (not (leave-boundary c)))
       (return-from sb-gray:stream-read-byte :eof))
-    (if (or (< in-start in-end) (fill-input c))
-        (prog1 (aref (the octets inbuf) in-start)
-          (incf in-start))
-        :eof)))
+    (cond ((not raw)
+           ;; The request being served, and no further (body.lisp).
+           (if (and (plusp (conn-slot c head-left)) (< in-start in-end))
+               (prog1 (aref (the octets inbuf) in-start) ; the head: in the buffer
+                 (incf in-start)
+                 (decf (conn-slot c head-left)))
+               (let ((octet (or (conn-slot c synth-octet)
+                                (setf (conn-slot c synth-octet)
+                                      (make-array 1 :element-type '(unsigned-byte 8))))))
+                 (if (= 1 (read-message c octet 0 1))
+                     (aref (the octets octet) 0)
+                     :eof))))
+          ((or (< in-start in-end) (fill-input c))
+           (prog1 (aref (the octets inbuf) in-start)
+             (incf in-start)))
+          (t :eof))))
 
 (defmethod sb-gray:stream-listen ((c connection))
-  (with-connection-slots (in-start in-end) c
-    (< in-start in-end)))
+  (with-connection-slots (in-start in-end head-left body-mode raw) c
+    (and (< in-start in-end)
+         (or raw (plusp head-left) (and body-mode t)))))
 
 (defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
-  (with-connection-slots (inbuf in-start in-end boundary) c
+  (with-connection-slots (inbuf in-start in-end boundary raw) c
     (let ((end (or end (length sequence))))
       (when (and boundary (< start end) (not (leave-boundary c)))
         (return-from sb-gray:stream-read-sequence start))
+      (unless raw
+        (return-from sb-gray:stream-read-sequence (read-message c sequence start end)))
       (loop while (< start end)
             do (when (and (= in-start in-end) (not (fill-input c)))
                  (return))
@@ -488,45 +527,14 @@ at once."
   (with-connection-slots (inbuf in-start scan) c
     (values inbuf in-start scan)))
 
-(defun connection-consume-head (c)
-  "Drop the request head from the input: what follows is the body."
-  (with-connection-slots (in-start scan) c
-    (setf in-start scan)))
-
 (defun connection-body-length (c) (conn-slot c body-length))
 (defun connection-chunked-p (c) (conn-slot c chunked))
+(defun connection-close-after-p (c)
+  "True when the connection must close after the answer to this request."
+  (or (conn-slot c close-after) (conn-slot c framing-broken)))
 (defun connection-request-method (c)
   "The method of the request head just checked, as a keyword (:GET, :POST ...)."
   (conn-slot c request-method))
-
-(defun connection-read-octets (c vector &optional (start 0) (end (length vector)))
-  "Fill VECTOR[START,END) from C, blocking (bounded by the read timeout).
-Returns the index after the last byte read: less than END only at end of file."
-  (with-connection-slots (inbuf in-start in-end) c
-    (loop while (< start end)
-          do (when (and (= in-start in-end) (not (fill-input c)))
-               (return))
-             (let ((n (min (- end start) (- in-end in-start))))
-               (replace vector (the octets inbuf) :start1 start :end1 (+ start n)
-                                                  :start2 in-start)
-               (incf start n)
-               (incf in-start n)))
-    start))
-
-(defun connection-read-line (c)
-  "Read bytes up to and including LF; return them as an octet vector without
-the line end, NIL at end of file, or :TOO-LONG past 1 KiB.  For chunked-body
-framing only."
-  (let ((line (make-array 16 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
-    (loop
-      (let ((b (sb-gray:stream-read-byte c)))
-        (cond ((eq b :eof) (return nil))
-              ((= b 10) (return (let ((n (length line)))
-                                  (when (and (plusp n) (= (aref line (1- n)) 13))
-                                    (decf (fill-pointer line)))
-                                  line)))
-              ((> (length line) 1024) (return :too-long))
-              (t (vector-push-extend b line)))))))
 
 (defun connection-write-octets (c octets &optional (start 0) (end (length octets)))
   "Buffer OCTETS[START,END) for sending; large ones are sent directly."
@@ -593,10 +601,11 @@ close it.  Called by the handler, in its worker."
 
 (declaim (inline latin1-octet))
 (defun latin1-octet (char)
-  "CHAR as a latin-1 octet in a header: ? beyond latin-1, a space for CR and
-LF, so that a header value cannot inject a header."
+  "CHAR as a latin-1 octet in a header: ? beyond latin-1, a space for CR, LF
+and the other control characters but TAB (RFC 9110, 5.5), so that a header
+value cannot inject a header or carry bytes a client must refuse."
   (let ((code (char-code char)))
-    (cond ((or (= code 13) (= code 10)) 32)
+    (cond ((or (and (< code 32) (/= code 9)) (= code 127)) 32)
           ((< code 256) code)
           (t 63))))
 

@@ -25,6 +25,16 @@
 (defconstant +stop-data+ (- (expt 2 64) 3)
   "epoll data of the stop eventfd in the housekeeper's epoll set.")
 
+;;; Default limits (the README compares them with other servers').
+(defconstant +default-max-head-bytes+ (* 1024 1024)
+  "Request heads over this get 431.  Go's net/http default; a request with a
+96,000-octet header (Clack's handler tests send one) is served.")
+(defconstant +default-max-request-line-bytes+ (* 64 1024)
+  "Request lines over this get 414.")
+(defconstant +default-max-body-bytes+ (* 64 1024 1024)
+  "Bodies over this get 413.  Bodies are streamed, so this bounds a
+client's upload, not the server's memory.")
+
 (defstruct (engine (:constructor %make-engine) (:copier nil))
   (name "gallop" :type string)
   (pool nil)
@@ -45,11 +55,10 @@
   (write-timeout-ms 20000 :type fixnum)
   (handler-timeout-ms 0 :type fixnum) ; 0: handlers run as long as they like
   (linger-ms 2000 :type fixnum)
-  (max-head-bytes 16384 :type fixnum)
-  (max-body-bytes (* 64 1024 1024) :type fixnum)
-  (max-request-line-bytes 8192 :type fixnum)
+  (max-head-bytes +default-max-head-bytes+ :type fixnum)
+  (max-body-bytes +default-max-body-bytes+ :type fixnum)
+  (max-request-line-bytes +default-max-request-line-bytes+ :type fixnum)
   (max-queue 1024 :type fixnum)
-  (check-chunked-bodies nil) ; see chunks.lisp
   (retry-after 1 :type fixnum)
   (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters

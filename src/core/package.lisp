@@ -20,7 +20,8 @@
    #:connection-user-data #:connection-mark-boundary
    #:connection-owner-stream
    #:connection-head #:connection-consume-head #:connection-body-length
-   #:connection-chunked-p #:connection-request-method #:connection-read-octets #:connection-read-line
+   #:connection-chunked-p #:connection-request-method #:connection-close-after-p
+   #:connection-read-body #:connection-body-pending-p #:make-body-stream #:body-stream
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
    #:put-latin1 #:put-decimal
@@ -29,6 +30,9 @@
    #:connection-resume #:connection-error
    #:connection-timeout-error #:handler-timeout #:handler-timeout-seconds
    #:request-body-error #:request-body-error-status
+   #:chunk-decoder #:make-chunk-decoder #:reset-chunk-decoder #:chunk-decoder-step
+   #:chunk-decoder-take #:chunk-decoder-state #:chunk-decoder-left
+   #:+default-max-head-bytes+ #:+default-max-request-line-bytes+ #:+default-max-body-bytes+
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p

@@ -25,9 +25,10 @@ kept).")
 (defun make-engine (&key (name "gallop") handler raw
                       (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
                       (header-timeout 20) (idle-timeout 20) (read-timeout 20)
-                      (write-timeout 20) handler-timeout (max-head-bytes 16384) (max-body-bytes (* 64 1024 1024))
-                      (max-request-line-bytes 8192) (max-queue 1024) (retry-after 1)
-                      check-chunked-bodies thread-starter log-error)
+                      (write-timeout 20) handler-timeout (max-head-bytes +default-max-head-bytes+)
+                      (max-body-bytes +default-max-body-bytes+)
+                      (max-request-line-bytes +default-max-request-line-bytes+)
+                      (max-queue 1024) (retry-after 1) thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
@@ -40,11 +41,10 @@ request: past it the worker is interrupted with HANDLER-TIMEOUT (the
 condition), the client gets 503 if nothing of a response was sent yet, and
 the connection is closed.
 MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
-MAX-BODY-BYTES bounds a declared Content-Length (413).  MAX-QUEUE bounds the
+MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.  MAX-QUEUE bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
-RETRY-AFTER.  CHECK-CHUNKED-BODIES makes the connection stream check chunked
-request bodies as the handler reads them (see chunks.lisp)."
+RETRY-AFTER."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw
                                 :header-timeout-ms (ms header-timeout)
@@ -56,7 +56,6 @@ request bodies as the handler reads them (see chunks.lisp)."
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-queue max-queue :retry-after retry-after
-                                :check-chunked-bodies check-chunked-bodies
                                 :log-error log-error)))
       (setf (engine-pool engine)
             (make-pool :name name :min-threads min-threads :max-threads max-threads
@@ -197,14 +196,15 @@ must read again."
         (t (error "PARK: ~A is not owned by this worker" c))))))
 
 (defun reject-connection (c response &key (registered t))
-  "Send RESPONSE (an error the engine writes itself), shut the write side and
-let the housekeeper drain and close C.  The caller owns C."
+  "Send RESPONSE (an error the engine writes itself; NIL: nothing more), shut
+the write side and let the housekeeper drain and close C.  The caller owns C."
   (let* ((engine (connection-engine c))
          (fd (connection-fd c)))
     (unfresh c)
     (when registered
       (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
-    (send-from fd response 0 (length response))
+    (when response
+      (send-from fd response 0 (length response)))
     (shutdown-fd fd +shut-wr+)
     (with-connection-slots (in-start in-end out-fill) c
       (setf in-start 0 in-end 0 out-fill 0))
@@ -256,55 +256,63 @@ repeat while complete heads are buffered (pipelining); then park, close or
 leave C as the handler decided.  The caller owns C."
   (unfresh c)
   (with-connection-slots (fd in-end raw) c
-    (loop
-      (let ((ready (if raw
-                       (< (conn-slot c in-start) in-end)
-                       (eq (scan-head c) :complete))))
-        (unless ready
-          (unless (make-room c (engine-max-head-bytes engine))
-            (return (reject c +response-431+)))
-          (let ((buffer (conn-slot c inbuf)))
-            (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
-              (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
-              (cond ((plusp n)
-                     (incf in-end n)
-                     (unless raw
-                       (ecase (scan-head c)
-                         (:complete (setf ready t))
-                         (:incomplete)
-                         (:line-too-long (return (reject c +response-414+)))
-                         (:too-large (return (reject c +response-431+)))))
-                     (when raw (setf ready t)))
-                    ((zerop n) (return (close-connection c)))
-                    ((= errno +eagain+) (when (park c) (return)))
-                    (t (return (close-connection c)))))))
-        (when ready
-          (let ((refusal (and (not raw) (check-head c))))
-            (when refusal
-              (return (reject c (error-response refusal))))
-            (when (and (not raw) (conn-slot c chunked) (engine-check-chunked-bodies engine))
-              (case (read-chunked-body c)
-                ((nil))
-                (:closed (return (close-connection c)))
-                (400 (return (reject c +response-400+)))
-                (413 (return (reject c +response-413+))))))
-          (ecase (run-handler engine c)
-            (:park (unless (engine-running-p engine)
-                     (return (close-connection c)))
-                   ;; Nothing buffered: park without trying another read.
-                   ;; Most clients send their next request only after this
-                   ;; answer, so that read would nearly always fail with
-                   ;; EAGAIN; input that came meanwhile raised an event that
-                   ;; left C :DIRTY, and PARK then says to read.  Only when
-                   ;; the last read left input behind (a full buffer), or
-                   ;; the client half-closed (its end of file raised no
-                   ;; event of its own), is the read needed.
-                   (when (and (not raw) (= (conn-slot c in-start) in-end)
-                              (conn-slot c drained) (not (conn-slot c peer-closed))
-                              (park c))
-                     (return)))
-            (:close (return (close-connection c)))
-            ((:detached :suspended) (return))))))))
+    (flet ((head-ready-p ()
+             ;; A complete head is buffered; a head over a limit is refused
+             ;; at once, complete or not.
+             (ecase (scan-head c)
+               (:complete t)
+               (:incomplete nil)
+               (:line-too-long (return-from serve-connection (reject c +response-414+)))
+               (:too-large (return-from serve-connection (reject c +response-431+))))))
+      (loop
+        (let ((ready (if raw (< (conn-slot c in-start) in-end) (head-ready-p))))
+          (unless ready
+            (unless (make-room c (engine-max-head-bytes engine))
+              (return (reject c +response-431+)))
+            (let ((buffer (conn-slot c inbuf)))
+              (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+                (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+                (cond ((plusp n)
+                       (incf in-end n)
+                       (setf ready (or raw (head-ready-p))))
+                      ((zerop n) (return (close-connection c)))
+                      ((= errno +eagain+) (when (park c) (return)))
+                      (t (return (close-connection c)))))))
+          (when ready
+            (unless raw
+              (let ((refusal (check-head c)))
+                (when refusal
+                  (return (reject c (error-response refusal)))))
+              (begin-message c))
+            (ecase (run-handler engine c)
+              (:park
+               (unless (and (engine-running-p engine) (not (conn-slot c close-after))
+                            (finish-message c))
+                 (return (close-after-answer c)))
+               ;; Nothing buffered: park without trying another read.
+               ;; Most clients send their next request only after this
+               ;; answer, so that read would nearly always fail with
+               ;; EAGAIN; input that came meanwhile raised an event that
+               ;; left C :DIRTY, and PARK then says to read.  Only when
+               ;; the last read left input behind (a full buffer), or
+               ;; the client half-closed (its end of file raised no
+               ;; event of its own), is the read needed.
+               (when (and (not raw) (= (conn-slot c in-start) in-end)
+                          (conn-slot c drained) (not (conn-slot c peer-closed))
+                          (park c))
+                 (return)))
+              (:close (return (close-after-answer c)))
+              ((:detached :suspended) (return)))))))))
+
+(defun close-after-answer (c)
+  "Close C after its last answer: at once when the client sent nothing more,
+else after reading and discarding what it still sends for a while (LINGER-MS:
+a close(2) with unread input sends a reset, which can destroy the answer
+before the client read it)."
+  (if (or (conn-slot c raw)
+          (and (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end))))
+      (close-connection c)
+      (reject-connection c nil)))
 
 (defun connection-suspend (c)
   "Called by a handler, in its worker, that will answer later from another
@@ -325,13 +333,14 @@ worker once it is handing C over."
 is buffered and KEEP-ALIVE, else park C in epoll, or close it."
   (let ((engine (connection-engine c)))
     (end-in-flight engine)
-    (if (and keep-alive (engine-running-p engine))
+    (if (and keep-alive (engine-running-p engine) (not (conn-slot c close-after))
+             (finish-message c))
         (handler-case (serve-connection engine c)
           (serious-condition (e)
             (log-engine-error engine "Error resuming ~A: ~A" c e)
             (unless (member (connection-state c) '(:closed :detached :draining))
               (close-connection c))))
-        (close-connection c))))
+        (close-after-answer c))))
 
 (defun reject (c response)
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))

@@ -20,3 +20,31 @@
 (defun acceptor-listen-usocket (acceptor)
   "The usocket Hunchentoot's START-LISTENING created for ACCEPTOR, or NIL."
   (funcall (find-symbol "ACCEPTOR-LISTEN-SOCKET" '#:hunchentoot) acceptor))
+
+;;; Not Hunchentoot's, but read the same way: the condition inside the
+;;; USOCKET:UNKNOWN-ERROR that Hunchentoot's WITH-MAPPED-CONDITIONS makes of
+;;; every condition (CLIENT-ABORT-CONDITION-P looks into it), slot REAL-ERROR
+;;; in usocket 0.8.x.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (find "REAL-ERROR" (sb-mop:class-direct-slots (find-class 'usocket:unknown-error))
+                :key (lambda (slot) (symbol-name (sb-mop:slot-definition-name slot)))
+                :test #'string=)
+    (error "This usocket's UNKNOWN-ERROR has no REAL-ERROR slot.")))
+
+;;; The slot behind HUNCHENTOOT:RAW-POST-DATA (REQUEST, same name in 1.2.38
+;;; and 1.3.x).  When a handler returns without reading the request body,
+;;; Hunchentoot's SEND-RESPONSE reads all of it into memory (to "clear the
+;;; stream") before it answers; Gallop ends each request's stream at its own
+;;; end, so that is not needed, and up to MAX-BODY-BYTES per request is too
+;;; much to spend on a body nobody wants.  Setting the slot to T, which
+;;; Hunchentoot itself stores once multipart data was consumed, makes
+;;; RAW-POST-DATA answer NIL without reading.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (find "RAW-POST-DATA" (sb-mop:class-direct-slots (find-class 'hunchentoot:request))
+                :key (lambda (slot) (symbol-name (sb-mop:slot-definition-name slot)))
+                :test #'string=)
+    (error "This Hunchentoot's REQUEST has no RAW-POST-DATA slot.")))
+
+(defun raw-post-data-slot ()
+  "The name of the slot behind HUNCHENTOOT:RAW-POST-DATA."
+  (load-time-value (find-symbol "RAW-POST-DATA" '#:hunchentoot) t))

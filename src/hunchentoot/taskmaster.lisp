@@ -79,9 +79,9 @@ when the acceptor is not a GALLOP:ACCEPTOR.")
    :max-thread-count 100
    :standby-thread-count 4
    :thread-idle-timeout 10
-   :max-head-bytes 16384
-   :max-request-line-bytes 8192
-   :max-body-bytes (* 64 1024 1024))
+   :max-head-bytes gallop.core:+default-max-head-bytes+
+   :max-request-line-bytes gallop.core:+default-max-request-line-bytes+
+   :max-body-bytes gallop.core:+default-max-body-bytes+)
   (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
@@ -154,9 +154,6 @@ new connections get 503.")
        :max-request-line-bytes max-request-line-bytes
        :max-body-bytes max-body-bytes
        :max-queue (taskmaster-max-queue-length tm)
-       ;; chunga answers bad framing with no response and two log entries,
-       ;; and has no size limit: Gallop reads and checks chunked bodies first.
-       :check-chunked-bodies t
        :thread-starter (lambda (thunk name)
                          (hunchentoot:start-thread tm thunk :name name))
        :log-error (lambda (format-control &rest args)
@@ -227,19 +224,50 @@ new connections get 503.")
   nil)
 
 (defmethod hunchentoot:handle-request :around ((acceptor hunchentoot:acceptor) request)
-  ;; A response written while the server stops says so: the connection
-  ;; closes after it (Hunchentoot would announce keep-alive).
-  (declare (ignore request))
-  (multiple-value-prog1 (call-next-method)
+  ;; On a Gallop connection:
+  ;;  - a response written while the server stops, or after which the
+  ;;    connection must close (chunked HTTP/1.0 body, broken body framing),
+  ;;    says so (Hunchentoot would announce keep-alive);
+  ;;  - a client's malformed or oversized chunked body
+  ;;    (GALLOP.CORE:REQUEST-BODY-ERROR, signalled while the handler reads
+  ;;    it) is answered 400 or 413, like any bad request, not a logged 500;
+  ;;  - a body the handler did not read is left to Gallop, which skips it if
+  ;;    it is already here or closes the connection after the answer:
+  ;;    Hunchentoot's SEND-RESPONSE would read all of it into memory first.
+  (let ((c *connection*))
+    (if (null c)
+        (call-next-method)
+        (flet ((closing ()
+                 (when (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
+                           (gallop.core:connection-close-after-p c))
+                   (setf (hunchentoot:header-out :connection) "Close"))))
+          (unwind-protect
+               (handler-case (multiple-value-prog1 (call-next-method) (closing))
+                 (gallop.core:request-body-error (condition)
+                   (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
+                   (closing)
+                   (hunchentoot:abort-request-handler)))
+            (leave-unread-body request))))))
+
+(defun leave-unread-body (request)
+  "After the handler: if it did not read REQUEST's body, mark it as consumed
+\(see compat.lisp), so that Hunchentoot does not read it into memory."
+  (let ((slot (raw-post-data-slot)))
     (when (and *connection*
-               (not (gallop.core:engine-running-p (gallop.core:connection-engine *connection*))))
-      (setf (hunchentoot:header-out :connection) "Close"))))
+               (gallop.core:connection-body-pending-p *connection*)
+               (null (slot-value request slot)))
+      (setf (slot-value request slot) t))))
 
 (defun client-abort-condition-p (object)
   "True if OBJECT is a condition saying the client went away (it closed or
-reset the connection); timeouts don't count."
-  (and (typep object 'gallop.core:connection-error)
-       (not (typep object 'gallop.core:connection-timeout-error))))
+reset the connection); timeouts don't count.  Hunchentoot maps every
+condition that crosses its USOCKET:WITH-MAPPED-CONDITIONS into a
+USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
+  (typecase object
+    (gallop.core:connection-timeout-error nil)
+    (gallop.core:connection-error t)
+    (usocket:unknown-error
+     (client-abort-condition-p (ignore-errors (slot-value object 'usocket::real-error))))))
 
 (defmethod hunchentoot:acceptor-log-message :around ((acceptor hunchentoot:acceptor) log-level
                                                      format-string &rest format-arguments)

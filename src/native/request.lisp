@@ -199,9 +199,10 @@ HTTP/1.0, and whether it expects 100-continue."
                            ((eq name (load-time-value (common-header-name "content-length") t))
                             (setf content-length t))))))
                (setf i (1+ eol)))
-      (let* ((keep-alive (if http-1.0
-                             (connection-token-p connection "keep-alive")
-                             (not (connection-token-p connection "close"))))
+      (let* ((keep-alive (and (not (gallop.core:connection-close-after-p c))
+                              (if http-1.0
+                                  (connection-token-p connection "keep-alive")
+                                  (not (connection-token-p connection "close")))))
              (peer (connection-peer c))
              (env (list :request-method (gallop.core:connection-request-method c)
                         :script-name ""
@@ -223,74 +224,3 @@ HTTP/1.0, and whether it expects 100-continue."
                         :gallop.connection c)))
         (values env keep-alive http-1.0
                 (and expect (string-equal expect "100-continue")))))))
-
-(define-condition body-too-large (error) ()
-  (:report "The request body is over the limit."))
-
-(define-condition bad-body-framing (error) ()
-  (:report "The chunked request body is malformed."))
-
-(defun chunk-size (line)
-  "The size of the chunk whose size line is LINE (octets, line end removed):
-hex digits, then optionally spaces or tabs and a ';' with extensions.  NIL if
-malformed, or if it has more than 15 digits (no real chunk is that large, and
-it keeps the size a fixnum)."
-  (declare (type octets line))
-  (let ((size 0) (digits 0) (n (length line)))
-    (declare (type fixnum size digits n))
-    (dotimes (i n)
-      (let* ((b (aref line i))
-             (digit (cond ((<= 48 b 57) (- b 48))
-                          ((<= 97 b 102) (- b 87))
-                          ((<= 65 b 70) (- b 55)))))
-        (cond (digit
-               (when (>= digits 15) (return-from chunk-size nil))
-               (setf size (+ (* size 16) digit))
-               (incf digits))
-              ((and (plusp digits)
-                    (or (= b 59)
-                        (and (or (= b 32) (= b 9))
-                             (let ((rest (position-if-not (lambda (x) (or (= x 32) (= x 9)))
-                                                          line :start i)))
-                               (or (null rest) (= (aref line rest) 59))))))
-               (return))
-              (t (return-from chunk-size nil)))))
-    (and (plusp digits) size)))
-
-(defun read-body (c max-bytes)
-  "Read the request body from C (after its head): an octet vector, or NIL if
-there is none.  Signals BODY-TOO-LARGE beyond MAX-BYTES (chunked bodies;
-declared lengths were checked with the head), BAD-BODY-FRAMING for a
-malformed chunked body, and CONNECTION-ERROR if the client stops sending."
-  (flet ((short () (error 'gallop.core:connection-error :stream c :operation "read body"))
-         (bad () (error 'bad-body-framing)))
-    (flet ((line ()
-             (let ((line (gallop.core:connection-read-line c)))
-               (cond ((null line) (short))
-                     ((eq line :too-long) (bad))
-                     (t (coerce line 'octets))))))
-      (cond ((gallop.core:connection-chunked-p c)
-             (let ((chunks '()) (total 0))
-               (loop
-                 (let ((size (or (chunk-size (line)) (bad))))
-                   (when (zerop size)
-                     ;; trailer fields, up to the blank line
-                     (loop for trailer = (line)
-                           until (zerop (length trailer)))
-                     (return))
-                   (incf total size)
-                   (when (> total max-bytes) (error 'body-too-large))
-                   (let ((chunk (make-array size :element-type '(unsigned-byte 8))))
-                     (unless (= size (gallop.core:connection-read-octets c chunk)) (short))
-                     (push chunk chunks))
-                   (unless (zerop (length (line))) (bad))))
-               (let ((body (make-array total :element-type '(unsigned-byte 8)))
-                     (position 0))
-                 (dolist (chunk (nreverse chunks) body)
-                   (replace body chunk :start1 position)
-                   (incf position (length chunk))))))
-            ((plusp (gallop.core:connection-body-length c))
-             (let ((body (make-array (gallop.core:connection-body-length c)
-                                     :element-type '(unsigned-byte 8))))
-               (unless (= (length body) (gallop.core:connection-read-octets c body)) (short))
-               body))))))

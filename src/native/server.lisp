@@ -141,20 +141,30 @@ log line, and nobody to answer."
 
 (defun internal-error (server ex condition)
   "The app failed with CONDITION: log it once, answer 500 (503 when it ran
-past its deadline) unless it already answered, and close the connection."
-  (let ((timeout (typep condition 'handler-timeout)))
+past its deadline; 400 or 413 when it was the client's body, not logged)
+unless it already answered, and close the connection."
+  (let ((timeout (typep condition 'handler-timeout))
+        (body-status (and (typep condition 'gallop.core:request-body-error)
+                          (gallop.core:request-body-error-status condition))))
     (setf (exchange-keep-alive ex) nil)
     (when (client-gone-p server condition)
       (return-from internal-error))
-    (log-error server "~:[Error in app~;App interrupted~]: ~A" timeout condition)
-    (unless (exchange-responded ex)
-      (ignore-errors
-       (respond ex (if timeout 503 500) '(:content-type "text/plain; charset=utf-8")
-                (cond ((server-debug server)
-                       (list (format nil "~:[Internal Server Error~;Service Unavailable~]~%~%~A~%"
-                                     timeout condition)))
-                      (timeout '("Service Unavailable"))
-                      (t '("Internal Server Error"))))))))
+    (if body-status
+        (unless (exchange-responded ex)
+          (ignore-errors
+           (respond ex body-status '(:content-type "text/plain; charset=utf-8")
+                    (list (format nil "~D ~A~%" body-status
+                                  (gallop.core:reason-phrase body-status))))))
+        (progn
+          (log-error server "~:[Error in app~;App interrupted~]: ~A" timeout condition)
+          (unless (exchange-responded ex)
+            (ignore-errors
+             (respond ex (if timeout 503 500) '(:content-type "text/plain; charset=utf-8")
+                      (cond ((server-debug server)
+                             (list (format nil "~:[Internal Server Error~;Service Unavailable~]~%~%~A~%"
+                                           timeout condition)))
+                            (timeout '("Service Unavailable"))
+                            (t '("Internal Server Error"))))))))))
 
 (defparameter +empty-body+ (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
   "The :RAW-BODY of every request without a body: always at end of file, so
@@ -168,29 +178,20 @@ write its response, and tell the engine what to do with C next."
                              :http-1.0 http-1.0
                              :head-p (eq (getf env :request-method) :head))))
       (gallop.core:connection-consume-head c)
-      ;; (For a chunked body the engine read it already, after its own 100.)
-      (when (and expect-continue
-                 (not (gallop.core:connection-chunked-p c))
-                 (plusp (gallop.core:connection-body-length c)))
-        (gallop.core:connection-write-octets c gallop.core:+response-100+)
-        (gallop.core:connection-flush c))
-      (let ((body (handler-case (read-body c (server-max-body-bytes server))
-                    (body-too-large ()
-                      (setf (exchange-keep-alive ex) nil)
-                      (respond ex 413 '(:content-type "text/plain") '("Content Too Large"))
-                      (return-from serve-request (gallop.core:connection-finish c nil)))
-                    (bad-body-framing ()
-                      (setf (exchange-keep-alive ex) nil)
-                      (respond ex 400 '(:content-type "text/plain") '("Bad Request"))
-                      (return-from serve-request (gallop.core:connection-finish c nil))))))
-        ;; In front: no walk down the property list.
-        (setf env (list* :raw-body (if body (make-octet-input-stream body) +empty-body+) env)))
+      ;; The body is read as the app reads :RAW-BODY (the engine's BODY-STREAM,
+      ;; which answers 100 Continue on its first read when the client asked).
+      ;; In front: no walk down the property list.
+      (setf env (list* :raw-body (if (gallop.core:connection-body-pending-p c)
+                                     (gallop.core:make-body-stream c :continue expect-continue)
+                                     +empty-body+)
+                       env))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
                           (internal-error server ex e)
                           (complete ex)
-                          nil))))
-        (cond ((functionp response)
+                          :failed))))
+        (cond ((eq response :failed))   ; answered (or not: the client left)
+              ((functionp response)
                (handler-case (funcall response (make-responder ex))
                  (serious-condition (e) (internal-error server ex e) (complete ex))))
               ((consp response)
@@ -241,7 +242,9 @@ write its response, and tell the engine what to do with C next."
                     (max-thread-count 100) (standby-thread-count 4) (thread-idle-timeout 10)
                     (header-timeout 20) (idle-timeout 20) (read-timeout 20) (write-timeout 20)
                     handler-timeout
-                    (max-body-bytes (* 64 1024 1024)) (max-head-bytes 16384)
+                    (max-body-bytes gallop.core:+default-max-body-bytes+)
+                    (max-head-bytes gallop.core:+default-max-head-bytes+)
+                    (max-request-line-bytes gallop.core:+default-max-request-line-bytes+)
                     (max-queue-length 1024) debug (log *error-output*))
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
@@ -268,9 +271,8 @@ is bounded only while that function runs in the worker."
                      :header-timeout header-timeout :idle-timeout idle-timeout
                      :read-timeout read-timeout :write-timeout write-timeout
                      :handler-timeout handler-timeout
-                     ;; The engine reads and checks chunked bodies before the app runs.
-                     :check-chunked-bodies t
                      :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
+                     :max-request-line-bytes max-request-line-bytes
                      :max-queue max-queue-length
                      :log-error (lambda (format-control &rest args)
                                   (apply #'log-error server format-control args)))))

@@ -16,8 +16,6 @@
     ("bad version" 400 ,(raw-lines "GET / HTTX/1.1" "Host: x"))
     ("version 2" 505 ,(raw-lines "GET / HTTP/2.0" "Host: x"))
     ("version 1.9" 505 ,(raw-lines "GET / HTTP/1.9" "Host: x"))
-    ("unknown method" 501 ,(raw-lines "BREW /pot HTTP/1.1" "Host: x"))
-    ("lower-case method" 501 ,(raw-lines "get / HTTP/1.1" "Host: x"))
     ("non-token method" 400 ,(raw-lines "GE(T / HTTP/1.1" "Host: x"))
     ("header without colon" 400 ,(raw-lines "GET / HTTP/1.1" "Host: x" "NoColonHere"))
     ("space before colon" 400 ,(raw-lines "GET / HTTP/1.1" "Host : x"))
@@ -34,7 +32,6 @@
     ("Transfer-Encoding with Content-Length" 400 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Content-Length: 5" "Transfer-Encoding: chunked"))
     ("Transfer-Encoding twice" 400 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked" "Transfer-Encoding: chunked"))
     ("unknown transfer coding" 501 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: gzip"))
-    ("Transfer-Encoding in HTTP/1.0" 400 ,(raw-lines "POST / HTTP/1.0" "Transfer-Encoding: chunked"))
     ("HTTP/1.1 without Host" 400 ,(raw-lines "GET / HTTP/1.1"))
     ("two Host headers" 400 ,(raw-lines "GET / HTTP/1.1" "Host: a" "Host: b"))
     ("body over the limit" 413 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Content-Length: 2000000"))
@@ -45,7 +42,23 @@
     ("Transfer-Encoding and Content-Length, case differs" 400
      ,(raw-lines "POST / HTTP/1.1" "Host: x" "content-LENGTH: 5" "TRANSFER-encoding: Chunked"))
     ("HTTP/1.1 with only a Host-like header" 400 ,(raw-lines "GET / HTTP/1.1" "Hostx: a" "Hos: b"))
-    ("method with one letter in lower case" 501 ,(raw-lines "GeT / HTTP/1.1" "Host: x")))
+    ("two Host headers in HTTP/1.0" 400 ,(raw-lines "GET / HTTP/1.0" "Host: a" "Host: a"))
+    ;; One reading of line ends: CRLF, nothing else (RFC 9112, 2.2).
+    ("bare LF ending every line" 400 ,(format nil "GET / HTTP/1.1~CHost: x~C~C" #\Linefeed #\Linefeed #\Linefeed))
+    ("bare LF ending the request line" 400 ,(format nil "GET / HTTP/1.1~CHost: x~C~C~C~C"
+                                                   #\Linefeed #\Return #\Linefeed #\Return #\Linefeed))
+    ("bare LF hiding a Content-Length" 400
+     ,(format nil "POST / HTTP/1.1~C~CHost: x~C~Cx:x~CContent-Length: 5~C~C~C~Chello"
+              #\Return #\Linefeed #\Return #\Linefeed #\Linefeed #\Return #\Linefeed #\Return #\Linefeed))
+    ("bare LF ending the head" 400 ,(format nil "GET / HTTP/1.1~C~CHost: x~C~C~C"
+                                            #\Return #\Linefeed #\Return #\Linefeed #\Linefeed))
+    ("bare CR inside a header line" 400 ,(raw-lines "GET / HTTP/1.1" "Host: x" (format nil "X-A: a~Cb" #\Return)))
+    ("bare CR ending a header line" 400 ,(format nil "GET / HTTP/1.1~C~CHost: x~CX-A: b~C~C~C~C"
+                                                 #\Return #\Linefeed #\Return #\Return #\Linefeed #\Return #\Linefeed))
+    ("bare CR in the request line" 400 ,(raw-lines (format nil "GET /~C HTTP/1.1" #\Return) "Host: x"))
+    ("lone LF before the request line" 400 ,(format nil "~C~A" #\Linefeed (raw-lines "GET / HTTP/1.1" "Host: x")))
+    ("Transfer-Encoding list" 501 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: gzip, chunked"))
+    ("Transfer-Encoding chunked twice in a list" 501 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked, chunked")))
   "Name, expected status, and the request head.")
 
 (test malformed-heads-get-clear-errors-and-the-server-keeps-serving
@@ -83,6 +96,48 @@
                         (concatenate 'string
                                      (raw-lines "POST / HTTP/1.1" "Host: x" "TRANSFER-ENCODING: CHUNKED")
                                      (crlf "0" ""))
-                        (format nil "~C~C~A" #\Return #\Linefeed (raw-lines "GET / HTTP/1.1" "Host: x"))))
+                        (format nil "~C~C~A" #\Return #\Linefeed (raw-lines "GET / HTTP/1.1" "Host: x"))
+                        ;; Any method token reaches the handler (RFC 9110, 9.1).
+                        (raw-lines "M-SEARCH * HTTP/1.1" "Host: x")
+                        (raw-lines "QUERY /q HTTP/1.1" "Host: x")
+                        (raw-lines "BREW /pot HTTP/1.1" "Host: x")
+                        (raw-lines "get / HTTP/1.1" "Host: x")))
       (let ((response (request port text)))
         (is (and response (= 200 (response-status response))) "refused: ~S" text)))))
+
+(test a-method-is-a-symbol-of-its-exact-name
+  ;; Common methods and methods some code names are keywords; others are
+  ;; uninterned symbols of the same name, so clients can't grow KEYWORD.
+  (flet ((method-of (string)
+           (let ((octets (map '(simple-array (unsigned-byte 8) (*)) #'char-code string)))
+             (gallop.core::method-symbol octets 0 (length octets)))))
+    (is (eq :get (method-of "GET")))
+    (is (eq :m-search (method-of "M-SEARCH")))
+    (let ((made-up (method-of "XYZZY-GALLOP-TEST")))
+      (is (string= "XYZZY-GALLOP-TEST" (symbol-name made-up)))
+      (is (null (symbol-package made-up)))
+      (is (null (find-symbol "XYZZY-GALLOP-TEST" :keyword))))
+    (is (string= "get" (symbol-name (method-of "get"))))))
+
+(test http-1.0-chunked-bodies-are-read-and-the-connection-closed
+  ;; RFC 9112, 6.1: chunked framing in HTTP/1.0 is read, answered, and the
+  ;; connection closed after it, on both front ends.
+  (let ((text (concatenate 'string
+                           (raw-lines "POST /body HTTP/1.0" "Connection: keep-alive"
+                                      "Transfer-Encoding: chunked")
+                           (crlf "5" "hello" "0" ""))))
+    (flet ((check (port)
+             (let ((socket (connect port)))
+               (unwind-protect
+                    (progn
+                      (send socket text)
+                      (let ((response (read-response socket)))
+                        (is (and response (= 200 (response-status response))))
+                        (is (equal "5:hello" (and response (body-string response))))
+                        (is (equalp "close" (and response (header response "Connection")))))
+                      (is (closed-by-peer-p socket)))
+                 (usocket:socket-close socket)))))
+      (with-app (server #'big-body-app)
+        (check (native-port server)))
+      (with-server (server 'gallop:easy-acceptor)
+        (check (port-of server))))))

@@ -1,0 +1,305 @@
+;;;; body.lisp -- the request a handler is serving: its head and its body,
+;;;; read as they arrive, in bounded memory, and never past the request's end.
+;;;;
+;;;; Once CHECK-HEAD passed, BEGIN-MESSAGE records the request's framing on
+;;;; the connection.  From then on:
+;;;;  - The native layer reads the head in place (CONNECTION-HEAD), drops it
+;;;;    (CONNECTION-CONSUME-HEAD) and reads the decoded body with
+;;;;    CONNECTION-READ-BODY, usually through a BODY-STREAM.
+;;;;  - Hunchentoot reads the connection as a stream (READ-MESSAGE): first
+;;;;    the head's octets, then the body.  A Content-Length body is passed on
+;;;;    as it is; a chunked body is decoded here and passed on re-chunked
+;;;;    into canonical chunks of at most +RECHUNK-SIZE+ octets, without
+;;;;    extensions or trailers.  So chunga, Hunchentoot's chunk reader, only
+;;;;    ever sees framing Gallop wrote (one reading of every body), and never
+;;;;    allocates a buffer for a chunk size the client chose.
+;;;;  - Either way, reads end at the end of the request: the body of one
+;;;;    request can never be read as the next request.  The engine calls
+;;;;    FINISH-MESSAGE after the handler, which skips what the handler left
+;;;;    unread if it is already here; if not, the connection closes after
+;;;;    the answer (nothing waits for a client's unwanted upload).
+;;;;
+;;;; Memory: the connection's input buffer (8 KiB) holds at most a window of
+;;;; the body; nothing else is kept.
+;;;;
+;;;; A framing error or a chunked body over MAX-BODY-BYTES signals
+;;;; REQUEST-BODY-ERROR in the reading code and sets FRAMING-BROKEN: the
+;;;; connection closes after the answer.  A client that stops sending gives
+;;;; CONNECTION-ERROR (read timeout) or end of file, as any read does.
+
+(in-package #:gallop.core)
+
+(defconstant +rechunk-size+ 65536
+  "The largest chunk handed to the layer above when re-chunking.")
+
+(defparameter +crlf-octets+ (encode-ascii (coerce '(#\Return #\Linefeed) 'string)))
+(defparameter +last-chunk-octets+
+  (encode-ascii (coerce '(#\0 #\Return #\Linefeed #\Return #\Linefeed) 'string)))
+
+(defun connection-decoder (c)
+  (or (conn-slot c chunk-decoder)
+      (setf (conn-slot c chunk-decoder) (make-chunk-decoder))))
+
+(defun begin-message (c)
+  "The head just checked on C (CHECK-HEAD) is the request a handler now
+serves: record its framing."
+  (with-connection-slots (in-start scan head-left body-mode body-left body-length chunked
+                          synth synth-pos synth-data-left synth-done framing-broken engine) c
+    (setf head-left (- scan in-start)
+          framing-broken nil
+          synth nil synth-pos 0 synth-data-left 0 synth-done nil)
+    (cond (chunked
+           (setf body-mode :chunked)
+           (reset-chunk-decoder (connection-decoder c) (engine-max-body-bytes engine)))
+          ((plusp body-length)
+           (setf body-mode :length body-left body-length))
+          (t (setf body-mode nil)))))
+
+(defun connection-consume-head (c)
+  "Drop the request head from the input: what follows is the body."
+  (with-connection-slots (in-start scan head-left) c
+    (setf in-start scan head-left 0)))
+
+(defun connection-body-pending-p (c)
+  "True if the request being served has a body (not all of it read yet)."
+  (and (conn-slot c body-mode) t))
+
+(defun body-broken (c condition)
+  "Note that C's body framing failed, then signal CONDITION."
+  (setf (conn-slot c framing-broken) t)
+  (error condition))
+
+(defun ensure-input (c)
+  "Make sure C has unread input, blocking (bounded by the read timeout).
+The request is not over, so end of file here means the client went away."
+  (with-connection-slots (in-start in-end) c
+    (when (and (= in-start in-end) (not (fill-input c)))
+      (setf (conn-slot c framing-broken) t)
+      (error 'connection-error :stream c :operation "read body"))))
+
+(defun take-input (c vector start end)
+  "Copy unread input of C into VECTOR[START,END) (waiting for some if there
+is none): at least one octet, at most END - START.  Returns the index after
+the last octet copied."
+  (declare (type fixnum start end))
+  (ensure-input c)
+  (with-connection-slots (inbuf in-start in-end) c
+    (let ((n (min (- end start) (- in-end in-start))))
+      (replace vector (the octets inbuf) :start1 start :end1 (+ start n) :start2 in-start)
+      (incf in-start n)
+      (+ start n))))
+
+(defun read-chunked-data (c vector start end)
+  "Decoded octets of C's chunked body into VECTOR[START,END); returns the
+index after the last octet, less than END only at the end of the body."
+  (declare (type fixnum start end))
+  (let ((d (conn-slot c chunk-decoder)))
+    (with-connection-slots (inbuf in-start in-end body-mode) c
+      (loop while (< start end)
+            do (case (chunk-decoder-state d)
+                 ((nil) (setf body-mode nil) (return))
+                 (:data
+                  (let ((k (take-input c vector start
+                                       (+ start (min (- end start) (chunk-decoder-left d))))))
+                    (chunk-decoder-take d (- k start))
+                    (setf start k)))
+                 (t
+                  (ensure-input c)
+                  (setf in-start (handler-bind ((request-body-error
+                                                  (lambda (e) (body-broken c e))))
+                                   (chunk-decoder-step d inbuf in-start in-end))))))
+      (when (null (chunk-decoder-state d))
+        (setf body-mode nil))
+      start)))
+
+(defun connection-read-body (c vector &optional (start 0) (end (length vector)))
+  "Read the decoded body of the request C serves into VECTOR[START,END),
+blocking (bounded by the read timeout) until it is full or the body ended.
+Returns the index after the last octet read.  Signals REQUEST-BODY-ERROR for
+a malformed chunked body or one over the limit."
+  (declare (type fixnum start end))
+  (with-connection-slots (body-mode body-left framing-broken) c
+    (loop while (and (< start end) (not framing-broken)) ; a broken body has no more octets
+          do (case body-mode
+               ((nil) (return))
+               (:length
+                (let ((k (take-input c vector start (+ start (min (- end start) body-left)))))
+                  (when (zerop (decf body-left (- k start)))
+                    (setf body-mode nil))
+                  (setf start k)))
+               (:chunked
+                (setf start (read-chunked-data c vector start end))))))
+  start)
+
+(defun next-chunk-size (c)
+  "Decode C's chunked body up to the data of its next chunk: that chunk's
+data octets not yet read, or 0 at the end of the body."
+  (let ((d (conn-slot c chunk-decoder)))
+    (with-connection-slots (inbuf in-start in-end) c
+      (loop
+        (case (chunk-decoder-state d)
+          ((nil) (return 0))
+          (:data (return (chunk-decoder-left d)))
+          (t (ensure-input c)
+             (setf in-start (handler-bind ((request-body-error
+                                             (lambda (e) (body-broken c e))))
+                              (chunk-decoder-step d inbuf in-start in-end)))))))))
+
+(defun read-rechunked (c vector start end)
+  "C's chunked body re-chunked (see the header) into VECTOR[START,END);
+returns the index after the last octet, less than END only at its end."
+  (declare (type fixnum start end))
+  (with-connection-slots (synth synth-pos synth-data-left synth-done body-mode) c
+    (loop while (< start end)
+          do (cond (synth
+                    (let* ((octets synth)
+                           (n (min (- end start) (- (length (the octets octets)) synth-pos))))
+                      (replace vector octets :start1 start :end1 (+ start n) :start2 synth-pos)
+                      (incf start n)
+                      (when (= (incf synth-pos n) (length octets))
+                        (setf synth nil synth-pos 0))))
+                   ((plusp synth-data-left)
+                    (let ((k (read-chunked-data c vector start
+                                                (+ start (min (- end start) synth-data-left)))))
+                      (when (= k start) ; the decoder says the chunk ended early: impossible
+                        (error "READ-RECHUNKED: chunk data ended early on ~A" c))
+                      (when (zerop (decf synth-data-left (- k start)))
+                        (setf synth +crlf-octets+ synth-pos 0))
+                      (setf start k)))
+                   (synth-done
+                    (setf body-mode nil)
+                    (return))
+                   (t
+                    (let ((size (next-chunk-size c)))
+                      (if (zerop size)
+                          (setf synth +last-chunk-octets+ synth-pos 0 synth-done t)
+                          (let ((n (min size +rechunk-size+)))
+                            (setf synth (encode-ascii (format nil "~X~C~C" n #\Return #\Linefeed))
+                                  synth-pos 0
+                                  synth-data-left n))))))))
+  start)
+
+(defun read-message (c vector start end)
+  "The request C serves as the layer above reads it through the stream: the
+rest of its head, then its body (chunked bodies re-chunked), then nothing.
+Returns the index after the last octet read into VECTOR[START,END)."
+  (declare (type fixnum start end))
+  (with-connection-slots (inbuf in-start head-left body-mode) c
+    (when (and (plusp head-left) (< start end))
+      ;; The head is all buffered: CHECK-HEAD saw it.
+      (let ((n (min head-left (- end start))))
+        (replace vector (the octets inbuf) :start1 start :end1 (+ start n) :start2 in-start)
+        (incf in-start n)
+        (decf head-left n)
+        (incf start n)))
+    (if (and (< start end) (zerop head-left) body-mode
+             (not (conn-slot c framing-broken))) ; a broken body has no more octets
+        (if (eq body-mode :chunked)
+            (read-rechunked c vector start end)
+            (connection-read-body c vector start end))
+        start)))
+
+(defun read-available-now (c)
+  "Read whatever input C has now, without waiting: true if some came."
+  (with-connection-slots (fd inbuf in-start in-end scan) c
+    (let ((buffer (ensure-inbuf c)))
+      (when (= in-start in-end)
+        (setf in-start 0 in-end 0 scan 0))
+      (and (< in-end (length buffer))
+           (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+             (declare (ignore errno))
+             (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+             (when (plusp n)
+               (incf in-end n)
+               t))))))
+
+(defconstant +max-skip-reads+ 8
+  "How many reads of input that is already there FINISH-MESSAGE makes to skip
+an unread body, before it gives up and lets the connection close.")
+
+(defun finish-message (c)
+  "After the handler: skip what it left unread of its request (head octets,
+body) in the input that is here.  True when the next request starts at
+IN-START; NIL when the rest has not all arrived, or the framing is broken:
+then the connection must close after the answer."
+  (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw) c
+    (cond
+      (raw t)                           ; TLS: its own layer reads the requests
+      (framing-broken nil)
+      (t
+       (incf in-start head-left)
+       (setf head-left 0)
+       (let ((reads 0))
+         (declare (type fixnum reads))
+         (handler-case
+             (loop
+               (let ((available (- in-end in-start)))
+                 (case body-mode
+                   ((nil) (return t))
+                   (:length
+                    (let ((n (min body-left available)))
+                      (incf in-start n)
+                      (when (zerop (decf body-left n))
+                        (setf body-mode nil))))
+                   (:chunked
+                    (let ((d (conn-slot c chunk-decoder)))
+                      (case (chunk-decoder-state d)
+                        ((nil) (setf body-mode nil))
+                        (:data (let ((n (min (chunk-decoder-left d) available)))
+                                 (incf in-start n)
+                                 (chunk-decoder-take d n)))
+                        (t (setf in-start (chunk-decoder-step d inbuf in-start in-end))))))))
+               (when (and body-mode (= in-start in-end)
+                          (or (>= (incf reads) +max-skip-reads+)
+                              (not (read-available-now c))))
+                 (return nil)))
+           (request-body-error ()
+             (setf framing-broken t)
+             nil)))))))
+
+;;; The native layer's view of a body: a binary input stream.
+
+(defclass body-stream (sb-gray:fundamental-binary-input-stream)
+  ((connection :initarg :connection)
+   (continue :initarg :continue :initform nil
+             :documentation "True until the first read, if the client sent
+Expect: 100-continue: that read first answers 100 Continue.")
+   (octet :initform (make-array 1 :element-type '(unsigned-byte 8))))
+  (:documentation "The body of the request a connection serves, decoded, as
+it arrives: end of file at the end of the body."))
+
+(defun make-body-stream (c &key continue)
+  "A BODY-STREAM over the request C serves.  With CONTINUE, the first read
+sends 100 Continue first (RFC 9110, 10.1.1: only once the body is wanted)."
+  (make-instance 'body-stream :connection c :continue continue))
+
+(defmethod stream-element-type ((s body-stream))
+  '(unsigned-byte 8))
+
+(defun body-stream-start (s)
+  (with-slots (connection continue) s
+    (when continue
+      (setf continue nil)
+      (when (and (zerop (the fixnum (conn-slot connection sent)))
+                 (connection-body-pending-p connection))
+        (connection-write-octets connection +response-100+)
+        (flush-output connection)
+        ;; An interim answer is not the response: it must not count as one.
+        (setf (conn-slot connection sent) 0)))
+    connection))
+
+(defmethod sb-gray:stream-read-sequence ((s body-stream) sequence &optional (start 0) end)
+  (let ((c (body-stream-start s)))
+    (connection-read-body c sequence start (or end (length sequence)))))
+
+(defmethod sb-gray:stream-read-byte ((s body-stream))
+  (let ((c (body-stream-start s))
+        (octet (slot-value s 'octet)))
+    (if (= 1 (connection-read-body c octet 0 1))
+        (aref octet 0)
+        :eof)))
+
+(defmethod sb-gray:stream-listen ((s body-stream))
+  (let ((c (slot-value s 'connection)))
+    (and (connection-body-pending-p c)
+         (< (conn-slot c in-start) (conn-slot c in-end)))))
