@@ -80,6 +80,8 @@
                (:file "hunchentoot/connections")
                (:file "native/app")
                (:file "native/parser")
+               (:file "native/bodies")
+               (:file "hunchentoot/bodies")
                (:file "clack/handler")
                ;; run in a child process by core/shutdown
                (:static-file "child/stop-server.lisp"))

@@ -159,6 +159,28 @@ keys are keywords or strings."
         (replace buffer octets :start1 fill))
     (+ fill n)))
 
+;;; Not GALLOP.CORE:PUT-LATIN1: that copies header values, turning CR and LF
+;;; into spaces so that a value cannot inject a header.  A body is sent as
+;;; it is, every octet.
+(defun put-ascii (buffer fill string)
+  "Copy STRING, a simple string of ASCII characters only (see
+SIMPLE-ASCII-STRING-P), into BUFFER at FILL unchanged: each character as
+its code, CR, LF and NUL included.  The index after it; BUFFER must have
+room."
+  (declare (type octets buffer) (type fixnum fill) (type simple-string string))
+  ;; One loop per string representation, reading characters directly.
+  (macrolet ((copy (type)
+               `(let ((string string))
+                  (declare (type ,type string) (optimize speed (safety 0)))
+                  (dotimes (i (length string))
+                    ;; LOGAND: an octet whatever the caller passed (the codes
+                    ;; are below 128, so it changes nothing).
+                    (setf (aref buffer (+ fill i)) (logand #xff (char-code (schar string i))))))))
+    (if (typep string '(simple-array character (*)))
+        (copy (simple-array character (*)))
+        (copy simple-base-string)))
+  (the fixnum (+ fill (length string))))
+
 (defun fast-head-size (status-line date-line headers content-length chunked keep-alive http-1.0)
   "The size of the head WRITE-HEAD would write, or NIL if it needs the
 general path (a header value that is not a string, a huge length)."
@@ -187,7 +209,8 @@ general path (a header value that is not a string, a huge length)."
 (defun write-head (c status headers &key content-length chunked keep-alive http-1.0 ascii-body)
   "Write the status line and headers.  Adds Date, Content-Length (when known
 and the app did not give one), Transfer-Encoding and Connection.  Then
-ASCII-BODY, a simple string of ASCII characters, if given."
+ASCII-BODY, a simple string of ASCII characters, if given, unchanged (CR and
+LF too: only header values are neutralised)."
   (let ((status-line (status-line status))
         (date-line (date-line)))
     (multiple-value-bind (size has-length)
@@ -218,7 +241,7 @@ ASCII-BODY, a simple string of ASCII characters, if given."
                     (setf fill (put-octets buffer fill (load-time-value +keep-alive-line+ t)))))
              (setf fill (put-octets buffer fill crlf))
              (when ascii-body
-               (setf fill (gallop.core:put-latin1 buffer fill ascii-body)))
+               (setf fill (put-ascii buffer fill ascii-body)))
              (gallop.core:connection-commit-output c fill)))
           (t
            (write-head-in-parts c status-line date-line headers content-length chunked
