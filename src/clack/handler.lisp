@@ -8,16 +8,50 @@
   (:export #:run))
 (in-package #:clack.handler.gallop)
 
-(defun run (app &rest options &key (address "127.0.0.1") (port 5000) debug
-                                   (max-thread-count 100) (standby-thread-count 4)
-                                   (backlog 1024) &allow-other-keys)
-  "Serve the Clack APP on ADDRESS:PORT with Gallop until this thread is
-destroyed or interrupted.  Other Clack options are ignored."
-  (declare (ignore options))
-  (let ((server (gallop:start app :address address :port port :debug debug
-                                  :max-thread-count max-thread-count
-                                  :standby-thread-count standby-thread-count
-                                  :backlog backlog))
+(defun keyword-parameters (lambda-list)
+  "The keywords of the &KEY parameters of LAMBDA-LIST, in order."
+  (loop for rest on (rest (member '&key lambda-list))
+        for parameter = (first rest)
+        until (member parameter lambda-list-keywords)
+        collect (let ((name (if (consp parameter) (first parameter) parameter)))
+                  ;; NAME is VAR or (KEYWORD VAR).
+                  (if (consp name)
+                      (first name)
+                      (intern (symbol-name name) "KEYWORD")))))
+
+(defun start-keywords ()
+  "The keywords GALLOP:START accepts, read from its lambda list, so that a
+key added to START is passed on from clackup with no list here to update.
+Read at each RUN, not cached: a START redefined since this file was loaded
+is still seen whole."
+  (let ((keywords (keyword-parameters
+                   (sb-introspect:function-lambda-list #'gallop:start))))
+    ;; START's lambda list is unreadable only if it was compiled without
+    ;; debug information; say so rather than drop every option.
+    (unless (member :port keywords)
+      (error "Cannot read the keyword parameters of ~S (got ~S)." 'gallop:start keywords))
+    keywords))
+
+;; Fail when this file is loaded, not at the first clackup.
+(start-keywords)
+
+(defun start-options (options)
+  "The options of the property list OPTIONS that GALLOP:START accepts, in
+their order (so the first of a repeated key still wins).  Clack's own
+options (:SERVER, :USE-THREAD, :USE-DEFAULT-MIDDLEWARES, :SILENT,
+:ALLOW-OTHER-KEYS ...) and any other key are left out."
+  (loop with keywords = (start-keywords)
+        for (key value) on options by #'cddr
+        when (member key keywords)
+          append (list key value)))
+
+(defun run (app &rest options &key &allow-other-keys)
+  "Serve the Clack APP with Gallop until this thread is destroyed or
+interrupted.  Every option GALLOP:START accepts is passed to it (:ADDRESS,
+:PORT, :DEBUG, :MAX-THREAD-COUNT, :MAX-HEAD-BYTES, :HEADER-TIMEOUT ...,
+with START's defaults for the ones not given); the others are Clack's own
+and are ignored."
+  (let ((server (apply #'gallop:start app (start-options options)))
         (forever (sb-thread:make-semaphore :name "clack.handler.gallop")))
     (unwind-protect
          (loop (sb-thread:wait-on-semaphore forever))
