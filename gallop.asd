@@ -47,7 +47,7 @@
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "hunchentoot" "usocket" "cl+ssl" "bordeaux-threads")
+  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads")
   :pathname "src/hunchentoot/"
   :serial t
   :components ((:file "compat")

@@ -290,7 +290,19 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
     result))
 
 (defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
-  (let ((result (call-next-method)))
+  (let ((result
+          (if (and *connection* (typep stream 'chunga:chunked-stream))
+              ;; Hunchentoot turns chunking off here, and chunga refuses to
+              ;; turn input chunking off while a chunk it read is not all
+              ;; consumed (a handler that read part of a chunked body, or
+              ;; whose client left mid-body): an error logged after the
+              ;; answer was sent.  On a Gallop connection the rest of the
+              ;; body is Gallop's to skip (FINISH-MESSAGE), so go on with the
+              ;; socket stream; output chunking was turned off first.
+              (handler-case (call-next-method)
+                (chunga:chunga-error ()
+                  (chunga:chunked-stream-stream stream)))
+              (call-next-method))))
     (when (and *connection*
                (or (eq result *connection*)
                    (eq result (connection-owner-stream *connection*))))
