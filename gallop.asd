@@ -69,6 +69,7 @@
                (:file "core/deadline")
                (:file "core/aborts")
                (:file "core/chunks")
+               (:file "core/budget")
                (:file "core/shutdown")
                (:file "core/cpus")
                (:file "hunchentoot/handlers")

@@ -113,6 +113,8 @@ deadline interrupt meant for one request never hits the next.")
                 :documentation "True once the handler was interrupted: close after it.")
    (expect-continue :initform nil
                     :documentation "True if the request asked for 100 Continue.")
+   (budgeted :initform 0 :type fixnum
+             :documentation "Octets of the engine's head budget this connection holds.")
    (close-after :initform nil
                 :documentation "True when the connection must close after this answer.")
    (head-left :initform 0 :type fixnum
@@ -158,7 +160,7 @@ read requests from and write responses to."))
     '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
-      (head-left . fixnum) (body-left . fixnum) (synth-pos . fixnum)
+      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (synth-pos . fixnum)
       (synth-data-left . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
@@ -265,7 +267,12 @@ front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
              (decf in-end in-start)
              (setf in-start 0)
              t)
-            ((< (length buffer) max)
+            ((and (< (length buffer) max)
+                  ;; Growing past the head budget would let heads exhaust
+                  ;; the heap (see CHARGE-HEAD): the caller answers 431/503.
+                  (let ((engine (conn-slot c engine)))
+                    (<= (+ (engine-head-bytes engine) (min max (* 2 (length buffer))))
+                        (engine-head-budget engine))))
              (let ((bigger (make-array (min max (* 2 (length buffer)))
                                        :element-type '(unsigned-byte 8))))
                (replace bigger buffer :end2 in-end)

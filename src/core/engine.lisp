@@ -59,6 +59,7 @@ client's upload, not the server's memory.")
   (max-body-bytes +default-max-body-bytes+ :type fixnum)
   (max-request-line-bytes +default-max-request-line-bytes+ :type fixnum)
   (max-queue 1024 :type fixnum)
+  (head-budget 0 :type fixnum) ; see server.lisp
   (retry-after 1 :type fixnum)
   (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters
@@ -70,6 +71,7 @@ client's upload, not the server's memory.")
   (aborted 0 :type sb-ext:word)
   (rejected 0 :type sb-ext:word)
   (pending 0 :type sb-ext:word)
+  (head-bytes 0 :type sb-ext:word)
   (in-flight 0 :type sb-ext:word)
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
@@ -165,7 +167,8 @@ Connection: close."
   "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
 epoll), :ACTIVE (owned by a worker or by a handler that detached them),
 :IN-FLIGHT requests, :PENDING (accepted, not yet served), totals :ACCEPTED,
-:CLOSED, :REQUESTS, :SHED (503 at accept), :REJECTED (400/408/414/431),
+:CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
+:HEAD-BYTES (input buffers of connections parked with a partial head), :REJECTED (400/408/414/431),
 :TIMEOUTS, :ABORTED (requests the client gave up on: it closed or reset the
 connection while a handler read or answered), and the pool's :THREADS and
 :IDLE-THREADS."
@@ -182,6 +185,7 @@ connection while a handler read or answered), and the pool's :THREADS and
       (list :open open :idle idle :active active
             :in-flight (engine-in-flight engine)
             :pending (engine-pending engine)
+            :head-bytes (engine-head-bytes engine)
             :accepted (engine-accepted engine)
             :closed (engine-closed engine)
             :requests (engine-requests engine)

@@ -28,7 +28,7 @@ kept).")
                       (write-timeout 20) handler-timeout (max-head-bytes +default-max-head-bytes+)
                       (max-body-bytes +default-max-body-bytes+)
                       (max-request-line-bytes +default-max-request-line-bytes+)
-                      (max-queue 1024) (retry-after 1) thread-starter log-error)
+                      (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
@@ -44,7 +44,9 @@ MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
 MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.  MAX-QUEUE bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
-RETRY-AFTER."
+RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
+input buffers of all connections parked with part of a request head; past
+it, such a connection gets 503."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw
                                 :header-timeout-ms (ms header-timeout)
@@ -56,6 +58,8 @@ RETRY-AFTER."
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-queue max-queue :retry-after retry-after
+                                :head-budget (or head-budget
+                                                 (floor (sb-ext:dynamic-space-size) 4))
                                 :log-error log-error)))
       (setf (engine-pool engine)
             (make-pool :name name :min-threads min-threads :max-threads max-threads
@@ -153,6 +157,7 @@ close it after the client has read the answer."
         (fd (connection-fd c)))
     (unless (eq (connection-state c) :closed)
       (unfresh c)
+      (uncharge-head c)
       (setf (connection-state c) :closed)
       (wheel-forget c)
       (setf (conn-slot c out-fill) 0
@@ -186,14 +191,49 @@ must read again."
                (unless head-started (setf head-started now))
                (schedule c (+ head-started (engine-header-timeout-ms engine))))))
       (release-buffers c)
+      (unless (charge-head c)
+        ;; Partial heads already hold the engine's whole head budget: this
+        ;; one is not kept (the answer is 503, not a crash of the heap).
+        (sb-ext:atomic-incf (engine-shed engine))
+        (reject-connection c (response-503 engine))
+        (return-from park t))
       ;; From here on, an event (or the housekeeper, once the deadline
       ;; passes) may take C.  Input that came while C was busy left it
       ;; :DIRTY: keep it and read again, or that input would wait for an
       ;; event that already came.
       (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
         (:active t)
-        (:dirty (setf (connection-state c) :active) nil)
+        (:dirty (setf (connection-state c) :active)
+         (uncharge-head c)
+         nil)
         (t (error "PARK: ~A is not owned by this worker" c))))))
+
+;;; The head budget.  A connection parked with part of a request head holds
+;;; its input buffer (8 KiB, or up to MAX-HEAD-BYTES when the head is long)
+;;; while no worker serves it, and clients choose how many such connections
+;;; there are.  The engine counts those buffers in HEAD-BYTES and keeps them
+;;; under HEAD-BUDGET (a quarter of the heap by default), so that heads can
+;;; never exhaust the heap: past it, a connection is answered 503 instead of
+;;; being parked, and no buffer grows.  Invariant: HEAD-BYTES is the sum of
+;;; the BUDGETED octets of every connection.
+
+(defun charge-head (c)
+  "Count C's input buffer against the head budget if C is about to park with
+a partial request in it.  NIL when that would exceed the budget."
+  (with-connection-slots (inbuf in-start in-end budgeted engine) c
+    (or (null inbuf) (= in-start in-end) (plusp budgeted)
+        (let ((n (length (the octets inbuf))))
+          (if (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
+                 (engine-head-budget engine))
+              (progn (sb-ext:atomic-decf (engine-head-bytes engine) n) nil)
+              (progn (setf budgeted n) t))))))
+
+(defun uncharge-head (c)
+  "C no longer parks with a partial head: give its share of the budget back."
+  (with-connection-slots (budgeted engine) c
+    (when (plusp budgeted)
+      (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+      (setf budgeted 0))))
 
 (defun reject-connection (c response &key (registered t))
   "Send RESPONSE (an error the engine writes itself; NIL: nothing more), shut
@@ -201,6 +241,7 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
   (let* ((engine (connection-engine c))
          (fd (connection-fd c)))
     (unfresh c)
+    (uncharge-head c)
     (when registered
       (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
     (when response
@@ -255,6 +296,7 @@ FLAGS."
 repeat while complete heads are buffered (pipelining); then park, close or
 leave C as the handler decided.  The caller owns C."
   (unfresh c)
+  (uncharge-head c)
   (with-connection-slots (fd in-end raw) c
     (flet ((head-ready-p ()
              ;; A complete head is buffered; a head over a limit is refused
@@ -268,7 +310,13 @@ leave C as the handler decided.  The caller owns C."
         (let ((ready (if raw (< (conn-slot c in-start) in-end) (head-ready-p))))
           (unless ready
             (unless (make-room c (engine-max-head-bytes engine))
-              (return (reject c +response-431+)))
+              ;; Full: at the head limit (431), or short of it because the
+              ;; head budget is spent (503).
+              (return (if (< (length (the octets (conn-slot c inbuf)))
+                             (engine-max-head-bytes engine))
+                          (progn (sb-ext:atomic-incf (engine-shed engine))
+                                 (reject-connection c (response-503 engine)))
+                          (reject c +response-431+))))
             (let ((buffer (conn-slot c inbuf)))
               (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
                 (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
