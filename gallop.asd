@@ -26,6 +26,7 @@
                (:file "head")
                (:file "chunks")
                (:file "body")
+               (:file "tls")
                (:file "wheel")
                (:file "server")))
 

@@ -201,6 +201,10 @@ Returns the index after the last octet read into VECTOR[START,END)."
 
 (defun read-available-now (c)
   "Read whatever input C has now, without waiting: true if some came."
+  (when (conn-slot c source)
+    ;; TLS: whether the TLS stream has more can't be asked without blocking
+    ;; (see FILL-FROM-SOURCE); what was not read yet closes the connection.
+    (return-from read-available-now nil))
   (with-connection-slots (fd inbuf in-start in-end scan) c
     (let ((buffer (ensure-inbuf c)))
       (when (= in-start in-end)

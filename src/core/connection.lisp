@@ -113,6 +113,20 @@ deadline interrupt meant for one request never hits the next.")
                 :documentation "True once the handler was interrupted: close after it.")
    (expect-continue :initform nil
                     :documentation "True if the request asked for 100 Continue.")
+   (source :initform nil
+           :documentation "For the plaintext side of a TLS connection (tls.lisp): the
+TLS stream it reads and writes instead of its fd.")
+   (cipher :initform nil
+           :documentation "For the plaintext side of a TLS connection: the connection
+carrying the ciphertext.")
+   (pending :initform nil
+            :documentation "On a plaintext connection: a function, true when the TLS
+stream holds decrypted octets not read yet.")
+   (message :initform nil
+            :documentation "On a plaintext connection: true while a checked request is read.")
+   (read-deadline :initform 0 :type fixnum
+                  :documentation "When non-zero, the time (NOW-MS) by which reads must be done:
+the header timeout of a head read through TLS (tls.lisp).")
    (budgeted :initform 0 :type fixnum
              :documentation "Octets of the engine's head budget this connection holds.")
    (close-after :initform nil
@@ -160,7 +174,7 @@ read requests from and write responses to."))
     '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
-      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (synth-pos . fixnum)
+      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (read-deadline . fixnum) (synth-pos . fixnum)
       (synth-data-left . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
@@ -348,9 +362,20 @@ a 500 after the failure) should not fail and log again."
     (setf (conn-slot c gone) t))
   (error 'connection-error :stream c :errno errno :operation operation))
 
+(defun read-wait-ms (c)
+  "How long a read on C may wait: the read timeout, or less when C has a
+READ-DEADLINE (0 once it passed)."
+  (let ((timeout (engine-read-timeout-ms (connection-engine c)))
+        (deadline (conn-slot c read-deadline)))
+    (if (plusp deadline)
+        (max 0 (min timeout (- deadline (now-ms))))
+        timeout)))
+
 (defun fill-input (c)
   "Read more input into the empty buffer of C, blocking (bounded by the read
 timeout) until some arrives.  Returns NIL at end of file."
+  (when (conn-slot c source)
+    (return-from fill-input (fill-from-source c)))
   (with-connection-slots (fd inbuf in-start in-end scan engine) c
     (let ((buffer (ensure-inbuf c)))
       (when (= in-start in-end)
@@ -362,7 +387,7 @@ timeout) until some arrives.  Returns NIL at end of file."
                 ((zerop n) (return nil))
                 ((/= errno +eagain+)
                  (client-went-away c errno "read"))
-                (t (wait-for-fd c +pollin+ (engine-read-timeout-ms engine) "read"))))))))
+                (t (wait-for-fd c +pollin+ (read-wait-ms c) "read"))))))))
 
 (defun leave-boundary (c)
   "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
@@ -370,7 +395,8 @@ request may be read now on this stream; NIL (end of file for the reader)
 when the connection should instead go back to the engine, which parks it,
 serves the next buffered request, or (when stopping) closes it."
   (with-connection-slots (boundary park-requested owner-stream in-start in-end engine fd) c
-    (cond ((not (engine-running-p engine)) nil)
+    (cond ((conn-slot c source) (plain-leave-boundary c))
+          ((not (engine-running-p engine)) nil)
           ((conn-slot c interrupted) nil)
           ((or (conn-slot c close-after) (conn-slot c framing-broken)) nil)
           (owner-stream
@@ -409,6 +435,8 @@ serves the next buffered request, or (when stopping) closes it."
       (return-from sb-gray:stream-read-byte :eof))
     (cond ((not raw)
            ;; The request being served, and no further (body.lisp).
+           (when (and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c)))
+             (return-from sb-gray:stream-read-byte :eof))
            (if (and (plusp (conn-slot c head-left)) (< in-start in-end))
                (prog1 (aref (the octets inbuf) in-start) ; the head: in the buffer
                  (incf in-start)
@@ -435,7 +463,11 @@ serves the next buffered request, or (when stopping) closes it."
       (when (and boundary (< start end) (not (leave-boundary c)))
         (return-from sb-gray:stream-read-sequence start))
       (unless raw
-        (return-from sb-gray:stream-read-sequence (read-message c sequence start end)))
+        (return-from sb-gray:stream-read-sequence
+          (if (and (conn-slot c source) (not (conn-slot c message)) (< start end)
+                   (not (read-next-head c)))
+              start
+              (read-message c sequence start end))))
       (loop while (< start end)
             do (when (and (= in-start in-end) (not (fill-input c)))
                  (return))
@@ -450,6 +482,8 @@ serves the next buffered request, or (when stopping) closes it."
 
 (defun send-all (c buffer start end)
   (declare (type octets buffer) (type fixnum start end))
+  (when (conn-slot c source)
+    (return-from send-all (send-to-source c buffer start end)))
   (when (conn-slot c gone)
     (return-from send-all))
   (let ((fd (connection-fd c))
@@ -519,7 +553,12 @@ at once."
        (if abort
            (setf (conn-slot c out-fill) 0)
            (ignore-errors (flush-output c)))
-       (setf (conn-slot c close-requested) t)))
+       (setf (conn-slot c close-requested) t)
+       (when (conn-slot c source)
+         ;; The plaintext side of TLS: closing the TLS stream ends the
+         ;; session and closes the cipher connection under it.
+         (release-buffers c)
+         (ignore-errors (close (conn-slot c source) :abort abort)))))
     (:detached
      (unless abort (ignore-errors (flush-output c)))
      (setf (conn-slot c out-fill) 0)

@@ -18,7 +18,7 @@
    #:connection-remote-address #:connection-remote-port
    #:connection-local-address #:connection-local-port
    #:connection-user-data #:connection-mark-boundary
-   #:connection-owner-stream
+   #:connection-owner-stream #:make-plain-connection
    #:connection-head #:connection-consume-head #:connection-body-length
    #:connection-chunked-p #:connection-request-method #:connection-close-after-p
    #:connection-read-body #:connection-body-pending-p #:make-body-stream #:body-stream

@@ -48,3 +48,25 @@
 (defun raw-post-data-slot ()
   "The name of the slot behind HUNCHENTOOT:RAW-POST-DATA."
   (load-time-value (find-symbol "RAW-POST-DATA" '#:hunchentoot) t))
+
+;;; Not Hunchentoot's either: cl+ssl's stream keeps its OpenSSL handle in
+;;; the internal accessor SSL-STREAM-HANDLE (cl+ssl 2019 to now), and binds
+;;; no SSL_pending.  Gallop asks SSL_pending whether a TLS connection has a
+;;; decrypted request waiting before it waits on the socket for one (see
+;;; gallop.core's tls.lisp).
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (fboundp (find-symbol "SSL-STREAM-HANDLE" '#:cl+ssl))
+    (error "This cl+ssl has no SSL-STREAM-HANDLE.")))
+
+(defun ssl-pending-function (stream)
+  "A function answering whether the cl+ssl STREAM holds decrypted octets not
+read yet, or NIL if STREAM is not a cl+ssl stream."
+  (let ((handle-of (find-symbol "SSL-STREAM-HANDLE" '#:cl+ssl)))
+    (when (typep stream (find-symbol "SSL-STREAM" '#:cl+ssl))
+      (lambda ()
+        (let ((handle (funcall handle-of stream)))
+          (and handle
+               (plusp (sb-alien:alien-funcall
+                       (sb-alien:extern-alien "SSL_pending"
+                                              (function sb-alien:int sb-sys:system-area-pointer))
+                       handle))))))))

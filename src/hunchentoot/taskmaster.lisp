@@ -284,10 +284,14 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
 
 (defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
   (let ((result (call-next-method)))
-    (when (and *connection* (eq stream *connection*) (not (eq result stream)))
-      ;; Wrapped (TLS): remember the wrapper, whose boundaries count too.
-      (setf (connection-owner-stream *connection*) result))
-    result))
+    (if (and *connection* (eq stream *connection*) (not (eq result stream)))
+        ;; Wrapped (TLS): Hunchentoot reads the plaintext through one more
+        ;; Gallop connection, with the same checks and limits as a plain
+        ;; socket (see gallop.core's tls.lisp); its boundaries count.
+        (setf (connection-owner-stream *connection*)
+              (gallop.core:make-plain-connection *connection* result
+                                                 :pending (ssl-pending-function result)))
+        result)))
 
 (defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
   (let ((result
@@ -303,8 +307,10 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
                 (chunga:chunga-error ()
                   (chunga:chunked-stream-stream stream)))
               (call-next-method))))
-    (when (and *connection*
-               (or (eq result *connection*)
-                   (eq result (connection-owner-stream *connection*))))
-      (connection-mark-boundary *connection*))
+    (when *connection*
+      (cond ((eq result *connection*)
+             (connection-mark-boundary *connection*))
+            ((eq result (connection-owner-stream *connection*))
+             ;; TLS: the plaintext connection reads the next request.
+             (connection-mark-boundary result))))
     result))

@@ -1,0 +1,163 @@
+;;;; tls.lisp -- the plaintext side of a TLS connection, read with the same
+;;;; head checks, limits and body framing as a plain socket.
+;;;;
+;;;; A TLS connection is served in raw mode: its CONNECTION carries the
+;;;; ciphertext, and the layer above wraps it in a TLS stream (cl+ssl).  The
+;;;; requests are inside that stream, where the engine's checks cannot see
+;;;; them.  So the layer above wraps the TLS stream once more, in a second
+;;;; CONNECTION made by MAKE-PLAIN-CONNECTION, whose SOURCE is the TLS
+;;;; stream: its input buffer fills from the TLS stream instead of recv(2),
+;;;; its output goes to the TLS stream instead of send(2), and everything
+;;;; else is the plain code: SCAN-HEAD with its limits (414, 431), CHECK-HEAD
+;;;; (400, 413, 501, 505), BEGIN-MESSAGE and the body framing of body.lisp,
+;;;; FINISH-MESSAGE between requests.  A refused head is answered through
+;;;; the TLS stream, and the connection closes after it.
+;;;;
+;;;; The differences are in who waits: a plain connection waits in epoll
+;;;; between requests and while a head arrives; a TLS connection keeps its
+;;;; worker (its cipher state is in cl+ssl's stream), bounded by the idle
+;;;; timeout between requests and by the header timeout while a head
+;;;; arrives (the READ-DEADLINE of the cipher connection, whose reads the
+;;;; TLS stream makes).
+;;;;
+;;;; Invariants: a plain connection is never in the engine's table or epoll
+;;;; set, and is always :ACTIVE; MESSAGE is true while a request's head has
+;;;; been checked and its reading has not reached the next boundary.
+
+(in-package #:gallop.core)
+
+(defun make-plain-connection (cipher source &key pending)
+  "A CONNECTION that reads and writes the plaintext of SOURCE, the TLS stream
+over the connection CIPHER, with the engine's checks (see above).  PENDING,
+if given, is a function that says whether SOURCE holds decrypted octets not
+read yet (SSL_pending)."
+  (let ((c (make-instance 'connection :fd (connection-fd cipher)
+                                      :engine (connection-engine cipher)
+                                      :token 0
+                                      :remote-address (connection-remote-address cipher)
+                                      :remote-port (connection-remote-port cipher))))
+    (setf (connection-state c) :active
+          (conn-slot c source) source
+          (conn-slot c cipher) cipher
+          (conn-slot c pending) pending
+          (conn-slot c fresh) nil)
+    c))
+
+(defun source-want (c)
+  "How many octets C can read from its TLS stream without waiting for more
+than the client must send: what is left of a Content-Length body or of a
+chunk's data; else 1 (a head, or chunk framing, may end at any octet)."
+  (with-connection-slots (message head-left body-mode body-left chunk-decoder) c
+    (cond ((or (not message) (plusp head-left)) 1)
+          ((eq body-mode :length) (max 1 body-left))
+          ((and (eq body-mode :chunked) (eq (chunk-decoder-state chunk-decoder) :data))
+           (chunk-decoder-left chunk-decoder))
+          (t 1))))
+
+(defun fill-from-source (c)
+  "Read into C's empty input buffer from its TLS stream, blocking (bounded by
+the cipher connection's read timeout or deadline): at most SOURCE-WANT
+octets, since the TLS stream only returns when it has all it was asked for
+\(and LISTEN on it may block inside cl+ssl's Lisp BIO).  NIL at end of
+file, or when the TLS stream failed (the client went away or timed out:
+nobody to answer)."
+  (with-connection-slots (inbuf in-start in-end scan source) c
+    (let ((buffer (ensure-inbuf c)))
+      (declare (type octets buffer))
+      (when (= in-start in-end)
+        (setf in-start 0 in-end 0 scan 0))
+      (let ((want (min (source-want c) (- (length buffer) in-end))))
+        (and (plusp want)
+             (handler-case
+                 (let ((end (read-sequence buffer source :start in-end :end (+ in-end want))))
+                   (when (> end in-end)
+                     (setf in-end end)
+                     t))
+               (error () nil)))))))
+
+(defun send-to-source (c buffer start end)
+  "Write BUFFER[START,END) through C's TLS stream."
+  (when (conn-slot c gone)
+    (return-from send-to-source))
+  (handler-case
+      (let ((source (conn-slot c source)))
+        (write-sequence buffer source :start start :end end)
+        (force-output source)
+        (incf (the fixnum (conn-slot c sent)) (- end start)))
+    (error (e)
+      (setf (conn-slot c gone) t)
+      (error 'connection-error :stream c :operation (format nil "TLS write (~A)" e)))))
+
+(defun answer-through-source (c response)
+  "Answer the refused request on C with RESPONSE (one of the engine's own
+answers) and make C end after it."
+  (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
+  (ignore-errors (send-to-source c response 0 (length response)))
+  (setf (conn-slot c close-after) t)
+  nil)
+
+(defun read-next-head (c)
+  "Read the next request head on the plain connection C until it is
+complete and checked, then begin its message: true.  NIL when there is none
+\(end of file) or it was refused (answered here): C then ends."
+  (let* ((cipher (conn-slot c cipher))
+         (engine (connection-engine c)))
+    (setf (conn-slot cipher read-deadline) (+ (now-ms) (engine-header-timeout-ms engine)))
+    (unwind-protect
+         (loop
+           (let ((status (scan-head c)))
+             (case status
+               (:complete
+                (let ((refusal (check-head c)))
+                  (when refusal
+                    (return (answer-through-source c (error-response refusal))))
+                  (begin-message c)
+                  (setf (conn-slot c message) t)
+                  (return t)))
+               (:line-too-long (return (answer-through-source c +response-414+)))
+               (:too-large (return (answer-through-source c +response-431+)))
+               (:incomplete
+                (unless (make-room c (engine-max-head-bytes engine))
+                  (return (answer-through-source c +response-431+)))
+                (unless (fill-from-source c)
+                  (when (and (< (conn-slot c in-start) (conn-slot c in-end))
+                             (>= (now-ms) (conn-slot cipher read-deadline)))
+                    ;; Part of a head, and its time ran out.
+                    (sb-ext:atomic-incf (engine-timeouts engine))
+                    (answer-through-source c +response-408+))
+                  (return nil))))))
+      (setf (conn-slot cipher read-deadline) 0))))
+
+(defun plain-leave-boundary (c)
+  "LEAVE-BOUNDARY for the plain connection C: skip what the handler left of
+its request, then wait for the next one (bounded by the idle timeout, and
+given up when the engine stops).  True when a request may be read now."
+  (let* ((cipher (conn-slot c cipher))
+         (engine (connection-engine c)))
+    (setf (conn-slot c message) nil
+          (conn-slot c boundary) nil)
+    (when (or (not (finish-message c))
+              (conn-slot c close-after)
+              (not (engine-running-p engine)))
+      (return-from plain-leave-boundary nil))
+    (when (and (= (conn-slot c in-start) (conn-slot c in-end))
+               ;; Ciphertext already read from the socket, or plaintext
+               ;; the TLS library decrypted and holds: a pipelined request
+               ;; is there, and no event will say so.
+               (= (conn-slot cipher in-start) (conn-slot cipher in-end))
+               (not (let ((pending (conn-slot c pending)))
+                      (and pending (ignore-errors (funcall pending))))))
+      ;; Nothing here: wait for the next request without counting as in
+      ;; flight (a soft stop does not wait for an idle TLS client).
+      (sb-sys:without-interrupts
+        (disarm-handler-deadline cipher)
+        (end-in-flight engine))
+      (let ((ready (unwind-protect
+                        (poll-fds (connection-fd c) +pollin+ (engine-stop-fd engine)
+                                  (engine-idle-timeout-ms engine))
+                     (sb-ext:atomic-incf (engine-in-flight engine)))))
+        (unless (eq ready :ready)
+          (return-from plain-leave-boundary nil))))
+    ;; The next request on this TLS connection gets a deadline of its own.
+    (arm-handler-deadline cipher)
+    (engine-running-p engine)))
