@@ -64,6 +64,7 @@
   :serial t
   :components ((:file "package")
                (:file "util")
+               (:file "wire")
                (:file "core/engine")
                (:file "core/head")
                (:file "core/emfile")
@@ -73,6 +74,7 @@
                (:file "core/budget")
                (:file "core/shutdown")
                (:file "core/cpus")
+               (:file "core/answers")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")
