@@ -60,6 +60,10 @@ serves: record its framing."
   (with-connection-slots (in-start scan head-left) c
     (setf in-start scan head-left 0)))
 
+(defun connection-head-pending-p (c)
+  "True if the layer above has not read the checked request head yet."
+  (plusp (the fixnum (conn-slot c head-left))))
+
 (defun connection-body-pending-p (c)
   "True if the request being served has a body (not all of it read yet)."
   (and (conn-slot c body-mode) t))

@@ -70,3 +70,15 @@ read yet, or NIL if STREAM is not a cl+ssl stream."
                        (sb-alien:extern-alien "SSL_pending"
                                               (function sb-alien:int sb-sys:system-area-pointer))
                        handle))))))))
+
+;;; ACCEPTOR-SHUTDOWN-P (internal accessor, same in 1.2.38 and 1.3.x):
+;;; PROCESS-CONNECTION checks it before reading each request and returns
+;;; when it is true.  During a soft stop Gallop still serves the requests
+;;; that had already arrived (engine-stop :soft), so for a connection whose
+;;; checked request head Hunchentoot has not read yet, it answers NIL (see
+;;; taskmaster.lisp).  Elsewhere (counting requests in progress, STOP) it is
+;;; untouched.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (typep (fdefinition (find-symbol "ACCEPTOR-SHUTDOWN-P" '#:hunchentoot))
+                 'generic-function)
+    (error "This Hunchentoot's ACCEPTOR-SHUTDOWN-P is not a generic function.")))

@@ -239,6 +239,8 @@ new connections get 503.")
         (call-next-method)
         (flet ((closing ()
                  (when (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
+                           ;; HUNCHENTOOT:STOP sets this before it stops us
+                           (hunchentoot::acceptor-shutdown-p acceptor)
                            (gallop.core:connection-close-after-p c))
                    (setf (hunchentoot:header-out :connection) "Close"))))
           (unwind-protect
@@ -278,6 +280,11 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
   (if (and *connection* (some #'client-abort-condition-p format-arguments))
       (gallop.core:note-client-abort (gallop.core:connection-engine *connection*))
       (call-next-method)))
+
+(defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
+  ;; See compat.lisp: a request that arrived before a soft stop is served.
+  (and (not (and *connection* (gallop.core:connection-head-pending-p *connection*)))
+       (call-next-method)))
 
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.

@@ -56,7 +56,7 @@ followed by LF, or past LIMIT octets."
   (or (char<= #\a char #\z) (char<= #\A char #\Z) (char<= #\0 char #\9)
       (find char "!#$%&'*+-.^_`|~")))
 
-(defun parse-status-line (line)
+(defun exact-parse-status-line (line)
   "(values status reason) of \"HTTP/1.1 DDD reason\"; a WIRE-ERROR otherwise."
   (unless (and (>= (length line) 13)
                (string= "HTTP/1.1 " line :end2 9)
@@ -67,7 +67,7 @@ followed by LF, or past LIMIT octets."
     (wire-error "a malformed status line ~S" line))
   (values (parse-integer line :start 9 :end 12) (subseq line 13)))
 
-(defun parse-field-line (line what)
+(defun exact-parse-field-line (line what)
   "(name . value) of a field line \"name: value\", the value without the
 whitespace around it; a WIRE-ERROR for an empty or non-token name, or a
 control character other than HTAB in the value."
@@ -120,7 +120,7 @@ lines as trailers, and the final CRLF.  (values body chunk-sizes)"
             (wire-error "chunk data of ~D octets not followed by CRLF" size)))))
     (loop for line = (read-wire-line stream "trailer section")
           until (zerop (length line))
-          do (parse-field-line line "trailer line"))
+          do (exact-parse-field-line line "trailer line"))
     (values (coerce body '(simple-array (unsigned-byte 8) (*))) (nreverse sizes))))
 
 (defun read-exact-response (stream &key head)
@@ -132,10 +132,10 @@ Content-Length (digits only) and one Transfer-Encoding (\"chunked\" only),
 not both; the body exactly as framed.  Returns an EXACT-RESPONSE or
 signals a WIRE-ERROR."
   (multiple-value-bind (status reason)
-      (parse-status-line (read-wire-line stream "status line"))
+      (exact-parse-status-line (read-wire-line stream "status line"))
     (let* ((headers (loop for line = (read-wire-line stream "header section")
                           until (zerop (length line))
-                          collect (parse-field-line line "header line")))
+                          collect (exact-parse-field-line line "header line")))
            (response (make-exact-response :status status :reason reason :headers headers
                                           :framing :none))
            (length (exact-header response "Content-Length"))
