@@ -1,11 +1,14 @@
 # Gallop -- the two commands a newcomer needs:
 #   make serve   start the example server on http://127.0.0.1:4242/ (Ctrl-C stops it)
 #   make test    run every test (installs what it needs first)
+#
+#   make conformance   the conformance corpus (tests/conformance/) against nginx: a table
+#                      of the cases where Gallop and nginx differ (doc/conformance.md)
 
 SHELL := /bin/bash
 LISP = scripts/lisp.sh
 
-.PHONY: all deps serve test clean
+.PHONY: all deps serve test conformance clean
 
 all: test
 
@@ -19,6 +22,13 @@ serve: deps
 test: deps
 	@set -o pipefail; \
 	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --eval '(gallop-tests:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+
+conformance: deps
+	@scripts/deps.sh nginx-light
+	@set -o pipefail; \
+	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --load tests/conformance/nginx.lisp \
+	   --eval '(gallop-tests::nginx-conformance-main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
 
 clean:

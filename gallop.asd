@@ -59,7 +59,7 @@
 
 (defsystem "gallop/tests"
   :description "Gallop's tests: real servers, real sockets, real clients."
-  :depends-on ("gallop" "fiveam" "drakma" "usocket" "sb-posix")
+  :depends-on ("gallop" "fiveam" "drakma" "usocket" "sb-posix" "sb-md5")
   :pathname "tests/"
   :serial t
   :components ((:file "package")
@@ -87,6 +87,9 @@
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
                (:file "clack/handler")
+               ;; the conformance corpus (make conformance also runs it against nginx)
+               (:file "conformance/corpus")
+               (:file "conformance/runner")
                ;; run in a child process by core/shutdown
                (:static-file "child/stop-server.lisp"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

@@ -1,0 +1,399 @@
+;;;; runner.lisp -- runs the conformance corpus (corpus.lisp) over raw
+;;;; sockets against Gallop's three front ends, and (make conformance,
+;;;; nginx.lisp) against nginx.
+;;;;
+;;;; For each case the client connects, writes the case's octets, half-closes
+;;;; (shutdown SHUT_WR: the server sees end of file after the last byte, so no
+;;;; case waits for a timeout), and reads every answer until the server
+;;;; closes.  The answers are then parsed and compared with the verdict: the
+;;;; sequence of statuses (interim 1xx answers aside), for each request served
+;;;; the line the app wrote in its X-Seen header -- method, target, header
+;;;; count, body length and MD5 of the body, exactly as the app saw them --
+;;;; and, for an error Gallop writes itself, that it is a complete HTTP/1.1
+;;;; message (Content-Type, Content-Length equal to the body, Connection:
+;;;; close) followed by nothing.
+;;;;
+;;;; The three front ends, each started once for the whole corpus:
+;;;;   :native          GALLOP:START with CONFORMANCE-APP
+;;;;   :gallop-acceptor GALLOP:EASY-ACCEPTOR (subclass) with a default handler
+;;;;   :stock-acceptor  HUNCHENTOOT:EASY-ACCEPTOR (subclass) with
+;;;;                    :TASKMASTER (make-instance 'gallop:taskmaster)
+;;;; Their timeouts are 2 s, a safety net only.
+
+(in-package #:gallop-tests)
+
+(def-suite conformance :in gallop
+  :description "The conformance corpus: one reading of every request, on every front end.")
+(in-suite conformance)
+
+;;; What the app saw, as one line: the app writes it, the runner expects it.
+
+(defun md5-hex (octets)
+  (format nil "~(~{~2,'0X~}~)"
+          (coerce (sb-md5:md5sum-sequence (coerce octets '(simple-array (unsigned-byte 8) (*))))
+                  'list)))
+
+(defun seen-line (method target header-count body)
+  "The X-Seen value for a request: METHOD TARGET HEADER-COUNT BODY-LENGTH
+MD5-OF-BODY."
+  (format nil "~A ~A ~D ~D ~A" method target header-count (length body) (md5-hex body)))
+
+(defun read-stream-octets (stream)
+  "Every octet left on the binary STREAM."
+  (let ((out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0))
+        (buffer (make-array 4096 :element-type '(unsigned-byte 8))))
+    (loop for n = (read-sequence buffer stream)
+          do (loop for i below n do (vector-push-extend (aref buffer i) out))
+          while (= n (length buffer)))
+    out))
+
+(defun conformance-app (env)
+  "The native app: reads the whole :RAW-BODY and answers 200 with an empty
+body and what it saw in X-Seen."
+  (let ((body (let ((stream (getf env :raw-body)))
+                (if stream (read-stream-octets stream) #()))))
+    (list 200
+          (list :content-type "text/plain"
+                :x-seen (seen-line (symbol-name (getf env :request-method))
+                                   (getf env :request-uri)
+                                   (hash-table-count (getf env :headers))
+                                   body))
+          '(""))))
+
+(defun conformance-handler ()
+  "The Hunchentoot handler: the same as CONFORMANCE-APP."
+  (let ((body (or (handler-bind ((chunga:chunga-warning #'muffle-warning))
+                    ;; chunga warns of every chunk extension it keeps.
+                    (hunchentoot:raw-post-data :force-binary t))
+                  #())))
+    (setf (hunchentoot:content-type*) "text/plain"
+          (hunchentoot:header-out :x-seen)
+          (seen-line (symbol-name (hunchentoot:request-method*))
+                     (hunchentoot:request-uri*)
+                     (length (hunchentoot:headers-in*))
+                     body))
+    ""))
+
+(defclass conformance-gallop-acceptor (gallop:easy-acceptor) ()
+  (:documentation "GALLOP:EASY-ACCEPTOR answering every request with CONFORMANCE-HANDLER."))
+
+(defclass conformance-stock-acceptor (hunchentoot:easy-acceptor) ()
+  (:documentation "A stock HUNCHENTOOT:EASY-ACCEPTOR (run with GALLOP:TASKMASTER)
+answering every request with CONFORMANCE-HANDLER."))
+
+(defmethod hunchentoot:acceptor-dispatch-request ((acceptor conformance-gallop-acceptor) request)
+  (declare (ignore request))
+  (conformance-handler))
+
+(defmethod hunchentoot:acceptor-dispatch-request ((acceptor conformance-stock-acceptor) request)
+  (declare (ignore request))
+  (conformance-handler))
+
+(defparameter *front-ends* '(:native :gallop-acceptor :stock-acceptor)
+  "Gallop's front ends, each of which must give every case its verdict.")
+
+(defun hunchentoot-front-end-p (front-end)
+  (member front-end '(:gallop-acceptor :stock-acceptor)))
+
+(defun call-with-front-end (front-end function)
+  "Start FRONT-END on 127.0.0.1 and a free port, call FUNCTION with the port,
+and always stop it."
+  (ecase front-end
+    (:native
+     (let ((server (gallop:start #'conformance-app
+                                 :address "127.0.0.1" :port 0
+                                 :header-timeout 2 :idle-timeout 2
+                                 :read-timeout 2 :write-timeout 2
+                                 :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
+       (unwind-protect (funcall function (gallop:server-port server))
+         (gallop:stop server))))
+    ((:gallop-acceptor :stock-acceptor)
+     (let ((acceptor (if (eq front-end :gallop-acceptor)
+                         (make-server 'conformance-gallop-acceptor
+                                      :read-timeout 2 :write-timeout 2)
+                         (make-server 'conformance-stock-acceptor
+                                      :read-timeout 2 :write-timeout 2
+                                      :taskmaster (make-instance 'gallop:taskmaster)))))
+       (hunchentoot:start acceptor)
+       (unwind-protect (funcall function (port-of acceptor))
+         (hunchentoot:stop acceptor))))))
+
+;;; The client: write, half-close, read to end of file
+
+(defun write-all (fd octets)
+  "Write OCTETS to the blocking socket FD; NIL if the peer stopped reading
+first (it may answer and close before all was sent: a refused head)."
+  (sb-sys:with-pinned-objects (octets)
+    (loop with start = 0
+          while (< start (length octets))
+          do (multiple-value-bind (n errno)
+                 (sb-unix:unix-write fd octets start (- (length octets) start))
+               (cond ((and n (plusp n)) (incf start n))
+                     ((eql errno sb-unix:eintr))
+                     (t (return-from write-all nil)))))
+    t))
+
+(defun exchange-octets (port octets &key (timeout 6))
+  "Connect to 127.0.0.1:PORT, write OCTETS, half-close, and read until the
+server closes.  Returns the octets read, and :TIMEOUT if nothing came for
+TIMEOUT seconds before end of file, :RESET if the server reset the
+connection, else NIL."
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp))
+        (out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0))
+        (buffer (make-array 65536 :element-type '(unsigned-byte 8)))
+        (writer nil))
+    (unwind-protect
+         (progn
+           (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port)
+           (let ((fd (sb-bsd-sockets:socket-file-descriptor socket)))
+             (flet ((send-and-half-close ()
+                      (write-all fd octets)
+                      (ignore-errors (sb-bsd-sockets:socket-shutdown socket :direction :output))))
+               ;; Large cases are written by a thread while this one reads,
+               ;; so that neither side blocks on a full socket buffer.
+               (if (< (length octets) 8192)
+                   (send-and-half-close)
+                   (setf writer (sb-thread:make-thread #'send-and-half-close
+                                                       :name "conformance writer"))))
+             (values out
+                     (loop
+                       (unless (sb-sys:wait-until-fd-usable fd :input timeout)
+                         (return :timeout))
+                       (multiple-value-bind (n errno)
+                           (sb-sys:with-pinned-objects (buffer)
+                             (sb-unix:unix-read fd (sb-sys:vector-sap buffer) (length buffer)))
+                         (cond ((null n)
+                                (unless (eql errno sb-unix:eintr)
+                                  (return :reset)))
+                               ((zerop n) (return nil))
+                               (t (loop for i below n
+                                        do (vector-push-extend (aref buffer i) out)))))))))
+      (when writer (sb-thread:join-thread writer :default nil :timeout 10))
+      (sb-bsd-sockets:socket-close socket))))
+
+;;; Parsing what came back
+
+(defstruct (answer (:conc-name answer-))
+  status headers body
+  (complete t))                         ; NIL: end of file inside the body
+
+(defun answer-header (answer name)
+  (cdr (assoc name (answer-headers answer) :test #'string-equal)))
+
+(defun octets-latin1 (octets start end)
+  (map 'string #'code-char (subseq octets start end)))
+
+(defun parse-answers (octets)
+  "Split OCTETS, everything a server sent, into ANSWERs.  Returns them and
+the octets left over that do not start a well-formed response (NIL if none)."
+  (let ((answers '()) (i 0) (n (length octets)))
+    (loop
+      (when (>= i n) (return (values (nreverse answers) nil)))
+      (let* ((head-end (search #(13 10 13 10) octets :start2 i))
+             (lines (and head-end (uiop:split-string (octets-latin1 octets i head-end)
+                                                     :separator '(#\Newline))))
+             (status-line (and lines (string-right-trim '(#\Return) (first lines))))
+             (status (and status-line (> (length status-line) 12)
+                          (or (string= "HTTP/1.1 " status-line :end2 9)
+                              (string= "HTTP/1.0 " status-line :end2 9))
+                          (parse-integer status-line :start 9 :end 12 :junk-allowed t))))
+        (unless status
+          (return (values (nreverse answers) (subseq octets i))))
+        (let* ((headers (loop for line in (rest lines)
+                              for l = (string-right-trim '(#\Return) line)
+                              for colon = (position #\: l)
+                              when colon
+                                collect (cons (subseq l 0 colon)
+                                              (string-trim " " (subseq l (1+ colon))))))
+               (answer (make-answer :status status :headers headers :body #()))
+               (length (let ((v (cdr (assoc "Content-Length" headers :test #'string-equal))))
+                         (and v (parse-integer v :junk-allowed t))))
+               (chunked (search "chunked" (or (cdr (assoc "Transfer-Encoding" headers
+                                                          :test #'string-equal))
+                                              ""))))
+          (setf i (+ head-end 4))
+          (cond ((< status 200))        ; interim: no body
+                (chunked
+                 ;; Only the app could answer chunked; take chunks to the last.
+                 (loop
+                   (let* ((eol (search #(13 10) octets :start2 i))
+                          (size (and eol (parse-integer (octets-latin1 octets i eol)
+                                                        :radix 16 :junk-allowed t))))
+                     (unless size
+                       (setf (answer-complete answer) nil i n) (return))
+                     (setf i (+ eol 2))
+                     (when (zerop size)
+                       (let ((end (search #(13 10 13 10) octets :start2 (- i 2))))
+                         (setf i (if end (+ end 4) n)))
+                       (return))
+                     (setf (answer-body answer)
+                           (concatenate '(vector (unsigned-byte 8)) (answer-body answer)
+                                        (subseq octets i (min n (+ i size)))))
+                     (setf i (min n (+ i size 2))))))
+                (length
+                 (setf (answer-body answer) (subseq octets i (min n (+ i length))))
+                 (when (> (+ i length) n) (setf (answer-complete answer) nil))
+                 (setf i (min n (+ i length))))
+                (t                      ; delimited by end of file
+                 (setf (answer-body answer) (subseq octets i) i n)))
+          (push answer answers))))))
+
+;;; Running a case
+
+(defstruct (outcome (:conc-name outcome-))
+  answers leftover end octets)
+
+(defun run-case (case port)
+  "Send CASE to the server on PORT; its OUTCOME."
+  (multiple-value-bind (octets end) (exchange-octets port (case-octets case))
+    (multiple-value-bind (answers leftover) (parse-answers octets)
+      (make-outcome :answers answers :leftover leftover :end end :octets octets))))
+
+(defun outcome-statuses (outcome)
+  "The statuses of the final (non-1xx) answers of OUTCOME."
+  (loop for a in (outcome-answers outcome)
+        when (>= (answer-status a) 200) collect (answer-status a)))
+
+(defun expected-seen-line (seen front-end)
+  "The X-Seen line the app must write for the request SEEN.  Hunchentoot
+interns the method upper-cased (its own behaviour: chunga's AS-KEYWORD), so
+its front ends report it so."
+  (destructuring-bind (method target count body) seen
+    (seen-line (if (hunchentoot-front-end-p front-end) (string-upcase method) method)
+               target count body)))
+
+(defun short (octets &optional (max 300))
+  "OCTETS as a readable string, at most MAX characters."
+  (let ((s (with-output-to-string (out)
+             (loop for b across (subseq octets 0 (min (length octets) max))
+                   do (cond ((= b 13) (write-string "\\r" out))
+                            ((= b 10) (write-string "\\n" out))
+                            ((or (< b 32) (>= b 127)) (format out "\\x~2,'0X" b))
+                            (t (write-char (code-char b) out)))))))
+    (if (> (length octets) max) (concatenate 'string s "...") s)))
+
+(defun verdict-problems (case outcome front-end)
+  "What is wrong with OUTCOME as the answer of FRONT-END to CASE: a list of
+strings, NIL when it is the case's verdict."
+  (let ((problems '())
+        (final (remove-if (lambda (a) (< (answer-status a) 200)) (outcome-answers outcome))))
+    (flet ((problem (control &rest args) (push (apply #'format nil control args) problems)))
+      (when (eq (outcome-end outcome) :timeout)
+        (problem "the server did not close within the time-out"))
+      (unless (equal (outcome-statuses outcome) (expected-statuses case))
+        (problem "statuses ~S, expected ~S" (outcome-statuses outcome) (expected-statuses case)))
+      (when (outcome-leftover outcome)
+        (problem "bytes that are not a response: ~S" (short (outcome-leftover outcome))))
+      (loop for seen in (case-seen case)
+            for answer in final
+            for expected = (expected-seen-line seen front-end)
+            for got = (answer-header answer "X-Seen")
+            when (and (= 200 (answer-status answer)) (not (equal got expected)))
+              do (problem "the app saw ~S, expected ~S" got expected))
+      ;; An answer Gallop writes itself is a complete message that closes.
+      (let ((error-answer (nth (length (case-seen case)) final)))
+        (when (and error-answer (integerp (case-then case))
+                   (= (answer-status error-answer) (case-then case)))
+          (unless (answer-complete error-answer)
+            (problem "the ~D answer ends before its Content-Length" (answer-status error-answer)))
+          (unless (answer-header error-answer "Content-Length")
+            (problem "the ~D answer has no Content-Length" (answer-status error-answer)))
+          (unless (answer-header error-answer "Content-Type")
+            (problem "the ~D answer has no Content-Type" (answer-status error-answer)))
+          (unless (string-equal "close" (answer-header error-answer "Connection"))
+            (problem "the ~D answer does not say Connection: close"
+                     (answer-status error-answer))))))
+    (nreverse problems)))
+
+(defun run-corpus (front-end &key (cases (corpus-cases)))
+  "Run CASES against a fresh FRONT-END; a list of (CASE OUTCOME PROBLEMS)."
+  (call-with-front-end front-end
+                       (lambda (port)
+                         (loop for case in cases
+                               for outcome = (run-case case port)
+                               collect (list case outcome
+                                             (verdict-problems case outcome front-end))))))
+
+(defun describe-failure (case outcome problems front-end)
+  (format nil "~A (RFC ~A) on ~(~A~): ~{~A~^; ~}~%  sent:     ~A~%  received: ~A"
+          (case-name case) (case-section case) front-end problems
+          (short (case-octets case)) (short (outcome-octets outcome))))
+
+(defun check-front-end (front-end)
+  "One FiveAM check per case: FRONT-END gives it its verdict."
+  (loop for (case outcome problems) in (run-corpus front-end)
+        do (is (null problems) "~A" (describe-failure case outcome problems front-end))))
+
+(defun find-case (name)
+  (or (find name (corpus-cases) :key #'case-name :test #'string=)
+      (error "No conformance case named ~S." name)))
+
+(defun try-case (name &optional (front-end :native))
+  "Run the case NAME against a fresh FRONT-END and describe what came back
+(for debugging at the REPL)."
+  (let ((case (find-case name)))
+    (destructuring-bind (case outcome problems) (first (run-corpus front-end :cases (list case)))
+      (format t "~&~A~%" (if problems
+                             (describe-failure case outcome problems front-end)
+                             (format nil "~A: ok~%  received: ~A" name
+                                     (short (outcome-octets outcome) 2000)))))
+    (values)))
+
+;;; The tests
+
+(test conformance-corpus-is-well-formed
+  (let* ((cases (corpus-cases))
+         (problems
+           (loop for case in cases
+                 for name = (case-name case)
+                 unless (plusp (length (case-section case)))
+                   collect (format nil "~A: no RFC section" name)
+                 unless (or (null (case-then case)) (eq :close (case-then case))
+                            (member (case-then case) '(400 413 414 431 501 505)))
+                   collect (format nil "~A: verdict ~S" name (case-then case))
+                 unless (or (case-seen case) (case-then case))
+                   collect (format nil "~A: neither requests seen nor an end" name)
+                 append (loop for seen in (case-seen case)
+                              unless (and (plusp (length (first seen))) (plusp (length (second seen)))
+                                          (typep (third seen) '(integer 0)))
+                                collect (format nil "~A: malformed expected request ~S" name seen)))))
+    (is (>= (length cases) 150) "only ~D cases" (length cases))
+    (is (= (length cases)
+           (length (remove-duplicates cases :key #'case-name :test #'string=)))
+        "case names are not unique")
+    (is (null problems) "~{~A~^~%~}" problems)))
+
+(test conformance-parser-reads-answers-exactly
+  ;; The runner's own parser, on byte vectors: two answers and a rest.
+  (multiple-value-bind (answers leftover)
+      (parse-answers (unescape (concatenate 'string
+                                            "HTTP/1.1 100 Continue||"
+                                            "HTTP/1.1 200 OK|X-Seen: a|Content-Length: 2||hi"
+                                            "HTTP/1.1 400 Bad Request|Content-Length: 3|Connection: close||bad"
+                                            "junk")))
+    (is (equal '(100 200 400) (mapcar #'answer-status answers)))
+    (is (equalp (unescape "hi") (answer-body (second answers))))
+    (is (equal "a" (answer-header (second answers) "x-seen")))
+    (is (equalp (unescape "junk") leftover)))
+  (multiple-value-bind (answers leftover)
+      (parse-answers (unescape "HTTP/1.1 400 Bad Request|Content-Length: 11||short"))
+    (is (null leftover))
+    (is (not (answer-complete (first answers)))))
+  ;; and the verdict check finds an error answer that does not close
+  (let* ((case (find-case "cl-plus-sign"))
+         (octets (unescape "HTTP/1.1 400 Bad Request|Content-Length: 3||bad")))
+    (multiple-value-bind (answers leftover) (parse-answers octets)
+      (is (equal '("the 400 answer has no Content-Type"
+                   "the 400 answer does not say Connection: close")
+                 (verdict-problems case (make-outcome :answers answers :leftover leftover
+                                                      :octets octets)
+                                   :native))))))
+
+(test conformance-native
+  (check-front-end :native))
+
+(test conformance-gallop-acceptor
+  (check-front-end :gallop-acceptor))
+
+(test conformance-stock-acceptor-with-gallop-taskmaster
+  (check-front-end :stock-acceptor))
