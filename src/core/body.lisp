@@ -78,7 +78,11 @@ serves: record its framing."
 The request is not over, so end of file here means the client went away."
   (with-connection-slots (in-start in-end) c
     (when (and (= in-start in-end) (not (fill-input c)))
-      (setf (conn-slot c framing-broken) t)
+      ;; The client ended its side in the middle of a request: there is no
+      ;; request to answer (as nginx, nothing is sent; later sends are
+      ;; dropped), and the connection closes.
+      (setf (conn-slot c framing-broken) t
+            (conn-slot c gone) t)
       (error 'connection-error :stream c :operation "read body"))))
 
 (defun take-input (c vector start end)

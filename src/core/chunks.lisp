@@ -59,7 +59,7 @@ handler that catches every ERROR cannot turn the client's bad body into an
 ordinary answer: it reaches Gallop, which answers STATUS (unless a response
 was already sent) and closes the connection."))
 
-(defconstant +max-chunk-line+ 4096
+(defconstant +max-chunk-line+ 1024
   "The longest chunk size line (with its extensions) or trailer line.")
 
 (defstruct (chunk-decoder (:constructor make-chunk-decoder ()) (:copier nil))

@@ -15,13 +15,13 @@
 ;;; must not contain, so a test sees malformed framing and not just a wrong
 ;;; body.
 
-(define-condition wire-error (error)
-  ((text :initarg :text :reader wire-error-text))
-  (:report (lambda (condition stream) (write-string (wire-error-text condition) stream)))
+(define-condition exact-wire-error (error)
+  ((text :initarg :text :reader exact-wire-error-text))
+  (:report (lambda (condition stream) (write-string (exact-wire-error-text condition) stream)))
   (:documentation "The response on the wire is not a valid HTTP/1.1 message."))
 
-(defun wire-error (control &rest arguments)
-  (error 'wire-error :text (apply #'format nil control arguments)))
+(defun exact-wire-error (control &rest arguments)
+  (error 'exact-wire-error :text (apply #'format nil control arguments)))
 
 (defstruct (exact-response (:conc-name exact-))
   "One response as READ-EXACT-RESPONSE read it."
@@ -40,15 +40,15 @@ followed by LF, or past LIMIT octets."
     (loop
       (let ((b (read-byte stream nil nil)))
         (cond ((null b)
-               (wire-error "end of file in the ~A after ~S" what (coerce line 'string)))
+               (exact-wire-error "end of file in the ~A after ~S" what (coerce line 'string)))
               ((= b 13)
                (if (eql (read-byte stream nil nil) 10)
                    (return (coerce line 'string))
-                   (wire-error "a bare CR in the ~A ~S" what (coerce line 'string))))
+                   (exact-wire-error "a bare CR in the ~A ~S" what (coerce line 'string))))
               ((= b 10)
-               (wire-error "a bare LF in the ~A ~S" what (coerce line 'string)))
+               (exact-wire-error "a bare LF in the ~A ~S" what (coerce line 'string)))
               ((>= (length line) limit)
-               (wire-error "the ~A is longer than ~D octets" what limit))
+               (exact-wire-error "the ~A is longer than ~D octets" what limit))
               (t (vector-push-extend (code-char b) line)))))))
 
 (defun tchar-p (char)
@@ -64,7 +64,7 @@ followed by LF, or past LIMIT octets."
                (char= #\Space (char line 12))
                (every (lambda (c) (or (char= c #\Tab) (char<= #\Space c #\~) (char>= c (code-char #x80))))
                       (subseq line 13)))
-    (wire-error "a malformed status line ~S" line))
+    (exact-wire-error "a malformed status line ~S" line))
   (values (parse-integer line :start 9 :end 12) (subseq line 13)))
 
 (defun exact-parse-field-line (line what)
@@ -73,12 +73,12 @@ whitespace around it; a WIRE-ERROR for an empty or non-token name, or a
 control character other than HTAB in the value."
   (let ((colon (position #\: line)))
     (unless (and colon (plusp colon) (every #'tchar-p (subseq line 0 colon)))
-      (wire-error "a malformed ~A ~S" what line))
+      (exact-wire-error "a malformed ~A ~S" what line))
     (let ((value (string-trim '(#\Space #\Tab) (subseq line (1+ colon)))))
       (when (find-if (lambda (c) (or (and (< (char-code c) 32) (char/= c #\Tab))
                                      (= (char-code c) 127)))
                      value)
-        (wire-error "a control character in the ~A ~S" what line))
+        (exact-wire-error "a control character in the ~A ~S" what line))
       (cons (subseq line 0 colon) value))))
 
 (defun exact-header-values (response name)
@@ -89,7 +89,7 @@ control character other than HTAB in the value."
   "The value of the header NAME, NIL when absent; a WIRE-ERROR when repeated."
   (let ((values (exact-header-values response name)))
     (when (cdr values)
-      (wire-error "the header ~A appears ~D times" name (length values)))
+      (exact-wire-error "the header ~A appears ~D times" name (length values)))
     (first values)))
 
 (defun read-octets-exactly (stream count what)
@@ -97,7 +97,7 @@ control character other than HTAB in the value."
   (let* ((octets (make-array count :element-type '(unsigned-byte 8)))
          (got (read-sequence octets stream)))
     (unless (= got count)
-      (wire-error "the ~A ends after ~D of ~D octets" what got count))
+      (exact-wire-error "the ~A ends after ~D of ~D octets" what got count))
     octets))
 
 (defun read-chunked-strictly (stream)
@@ -109,7 +109,7 @@ lines as trailers, and the final CRLF.  (values body chunk-sizes)"
     (loop
       (let ((line (read-wire-line stream "chunk size line" :limit 1024)))
         (unless (and (< 0 (length line) 16) (every (lambda (c) (digit-char-p c 16)) line))
-          (wire-error "a malformed chunk size line ~S" line))
+          (exact-wire-error "a malformed chunk size line ~S" line))
         (let ((size (parse-integer line :radix 16)))
           (when (zerop size)
             (return))
@@ -117,7 +117,7 @@ lines as trailers, and the final CRLF.  (values body chunk-sizes)"
           (loop for b across (read-octets-exactly stream size "chunk")
                 do (vector-push-extend b body))
           (unless (and (eql 13 (read-byte stream nil nil)) (eql 10 (read-byte stream nil nil)))
-            (wire-error "chunk data of ~D octets not followed by CRLF" size)))))
+            (exact-wire-error "chunk data of ~D octets not followed by CRLF" size)))))
     (loop for line = (read-wire-line stream "trailer section")
           until (zerop (length line))
           do (exact-parse-field-line line "trailer line"))
@@ -141,11 +141,11 @@ signals a WIRE-ERROR."
            (length (exact-header response "Content-Length"))
            (coding (exact-header response "Transfer-Encoding")))
       (when (and length (not (and (plusp (length length)) (every #'digit-char-p length))))
-        (wire-error "a malformed Content-Length ~S" length))
+        (exact-wire-error "a malformed Content-Length ~S" length))
       (when (and length coding)
-        (wire-error "both Content-Length and Transfer-Encoding"))
+        (exact-wire-error "both Content-Length and Transfer-Encoding"))
       (when (and coding (string-not-equal coding "chunked"))
-        (wire-error "a Transfer-Encoding other than chunked: ~S" coding))
+        (exact-wire-error "a Transfer-Encoding other than chunked: ~S" coding))
       (cond ((or head (< status 200) (= status 204) (= status 304)))
             (coding
              (multiple-value-bind (body sizes) (read-chunked-strictly stream)
@@ -157,7 +157,7 @@ signals a WIRE-ERROR."
                    (exact-framing response) :content-length))
             (t
              (unless (string-equal (exact-header response "Connection") "close")
-               (wire-error "a body framed by nothing, on a connection not closed"))
+               (exact-wire-error "a body framed by nothing, on a connection not closed"))
              (setf (exact-body response)
                    (coerce (read-to-eof stream) '(simple-array (unsigned-byte 8) (*)))
                    (exact-framing response) :close)))
@@ -667,7 +667,7 @@ well-formed one is read exactly."
                       "2" :crlf "ab" :crlf "1" :crlf :cr :crlf "00" :crlf "T: x" :crlf :crlf)))
       (is (equalp (wire "ab" :cr) (exact-body r)))
       (is (equal '(2 1) (exact-chunk-sizes r))))
-    (macrolet ((bad (&rest parts) `(signals wire-error (read-it ,@parts))))
+    (macrolet ((bad (&rest parts) `(signals exact-wire-error (read-it ,@parts))))
       (bad "HTTP/1.1 200 OK" :lf "Content-Length: 0" :crlf :crlf)
       (bad "HTTP/1.1 200 OK" :crlf "Content-Length: 0" :cr "X: y" :crlf :crlf)
       (bad "HTTP/1.1 200" :crlf "Content-Length: 0" :crlf :crlf)
