@@ -144,7 +144,7 @@ where Gallop's status sequence differs from nginx's, or the corpus's verdict
 does.  Returns the number of cases where the verdict and nginx differ and
 doc/conformance.md does not explain it."
   (let* ((cases (corpus-cases))
-         (gallop (loop for front-end in *front-ends*
+         (gallop (loop for front-end in *conformance-front-ends*
                        collect (cons front-end
                                      (mapcar (lambda (r) (outcome-statuses (second r)))
                                              (run-corpus front-end)))))
@@ -159,7 +159,7 @@ doc/conformance.md does not explain it."
           for spec = (expected-statuses case)
           for native = (nth i (cdr (assoc :native gallop)))
           for others-agree = (every (lambda (fe) (equal native (nth i (cdr (assoc fe gallop)))))
-                                    *front-ends*)
+                                    *conformance-front-ends*)
           for theirs = (nth i nginx)
           unless (and others-agree (equal native theirs) (equal spec theirs))
             do (push (list (case-name case) (case-section case)

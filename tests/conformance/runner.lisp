@@ -89,13 +89,13 @@ answering every request with CONFORMANCE-HANDLER."))
   (declare (ignore request))
   (conformance-handler))
 
-(defparameter *front-ends* '(:native :gallop-acceptor :stock-acceptor)
+(defparameter *conformance-front-ends* '(:native :gallop-acceptor :stock-acceptor)
   "Gallop's front ends, each of which must give every case its verdict.")
 
 (defun hunchentoot-front-end-p (front-end)
   (member front-end '(:gallop-acceptor :stock-acceptor)))
 
-(defun call-with-front-end (front-end function)
+(defun call-with-conformance-front-end (front-end function)
   "Start FRONT-END on 127.0.0.1 and a free port, call FUNCTION with the port,
 and always stop it."
   (ecase front-end
@@ -307,7 +307,7 @@ strings, NIL when it is the case's verdict."
 
 (defun run-corpus (front-end &key (cases (corpus-cases)))
   "Run CASES against a fresh FRONT-END; a list of (CASE OUTCOME PROBLEMS)."
-  (call-with-front-end front-end
+  (call-with-conformance-front-end front-end
                        (lambda (port)
                          (loop for case in cases
                                for outcome = (run-case case port)
