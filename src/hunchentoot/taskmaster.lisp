@@ -69,6 +69,10 @@ the client gets 503 and the connection is closed.")
    (max-body-bytes :initarg :max-body-bytes
                    :documentation "Requests declaring a larger Content-Length get 413
 before their body is read.")
+   (head-budget :initarg :head-budget :initform nil
+                :documentation "Octets of input buffers that connections parked with a
+partial request head may hold in all (default: a quarter of the heap); past
+it a new one gets 503.")
    (engine :initform nil :reader taskmaster-engine
            :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
    (listener :initform nil
@@ -137,7 +141,7 @@ new connections get 503.")
         (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
     (with-slots (max-thread-count standby-thread-count thread-idle-timeout
                  header-timeout idle-timeout handler-timeout max-head-bytes max-request-line-bytes
-                 max-body-bytes) tm
+                 max-body-bytes head-budget) tm
       (gallop.core:make-engine
        :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
        :handler (lambda (connection) (serve-connection acceptor connection))
@@ -153,6 +157,7 @@ new connections get 503.")
        :max-head-bytes max-head-bytes
        :max-request-line-bytes max-request-line-bytes
        :max-body-bytes max-body-bytes
+       :head-budget head-budget
        :max-queue (taskmaster-max-queue-length tm)
        :thread-starter (lambda (thunk name)
                          (hunchentoot:start-thread tm thunk :name name))

@@ -245,6 +245,7 @@ write its response, and tell the engine what to do with C next."
                     (max-body-bytes gallop.core:+default-max-body-bytes+)
                     (max-head-bytes gallop.core:+default-max-head-bytes+)
                     (max-request-line-bytes gallop.core:+default-max-request-line-bytes+)
+                    head-budget
                     (max-queue-length 1024) debug (log *error-output*))
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
@@ -273,6 +274,7 @@ is bounded only while that function runs in the worker."
                      :handler-timeout handler-timeout
                      :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
                      :max-request-line-bytes max-request-line-bytes
+                     :head-budget head-budget
                      :max-queue max-queue-length
                      :log-error (lambda (format-control &rest args)
                                   (apply #'log-error server format-control args)))))
