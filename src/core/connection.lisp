@@ -158,7 +158,7 @@ connection closes after the answer.")
    (user-data :initarg :user-data :initform nil
               :documentation "What the layer above keeps with this connection.")
    (owner-stream :initform nil
-                 :documentation "A stream wrapping this one (TLS), if any.")
+                 :documentation "The plaintext connection reading TLS over this one, if any.")
    (close-hook :initarg :close-hook :initform nil
                :documentation "Called instead of close(2) to release the fd."))
   (:documentation "A client connection, and the binary stream the layers above
@@ -393,29 +393,16 @@ timeout) until some arrives.  Returns NIL at end of file."
   "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
 request may be read now on this stream; NIL (end of file for the reader)
 when the connection should instead go back to the engine, which parks it,
-serves the next buffered request, or (when stopping) closes it."
-  (with-connection-slots (boundary park-requested owner-stream in-start in-end engine fd) c
+serves the next buffered request, or (when stopping, or when this request
+must be the last) closes it.  The plaintext side of TLS reads its next
+request itself (PLAIN-LEAVE-BOUNDARY)."
+  (with-connection-slots (park-requested engine) c
     (cond ((conn-slot c source) (plain-leave-boundary c))
-          ((not (engine-running-p engine)) nil)
-          ((conn-slot c interrupted) nil)
-          ((or (conn-slot c close-after) (conn-slot c framing-broken)) nil)
-          (owner-stream
-           ;; TLS: buffered cipher state can't be parked; wait here for the
-           ;; next request, bounded by the idle timeout, and give up on stop.
-           (when (= in-start in-end)
-             (sb-sys:without-interrupts
-               (disarm-handler-deadline c)
-               (end-in-flight engine))
-             (let ((ready (unwind-protect
-                               (poll-fds fd +pollin+ (engine-stop-fd engine)
-                                         (engine-idle-timeout-ms engine))
-                            (sb-ext:atomic-incf (engine-in-flight engine)))))
-               (unless (eq ready :ready)
-                 (return-from leave-boundary nil))))
-           ;; The next request on this TLS connection gets a deadline of its own.
-           (arm-handler-deadline c)
-           (setf boundary nil)
-           t)
+          ((or (not (engine-running-p engine))
+               (conn-slot c interrupted)
+               (conn-slot c close-after)
+               (conn-slot c framing-broken))
+           nil)
           (t
            (setf park-requested t)
            nil))))

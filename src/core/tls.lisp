@@ -138,6 +138,7 @@ given up when the engine stops).  True when a request may be read now."
           (conn-slot c boundary) nil)
     (when (or (not (finish-message c))
               (conn-slot c close-after)
+              (conn-slot cipher interrupted) ; the handler ran past its deadline
               (not (engine-running-p engine)))
       (return-from plain-leave-boundary nil))
     (when (and (= (conn-slot c in-start) (conn-slot c in-end))
