@@ -73,3 +73,13 @@ soak:
 soak-short:
 	@scripts/deps.sh wrk
 	@$(SOAK) '(gallop-soak:main :short)'
+
+# Uploads in bounded memory (bench/uploads.lisp): the server's RSS while 8 clients at once
+# each upload 50 MiB (Content-Length, chunked in 64 KiB chunks, chunked in one chunk) to a
+# handler that reads the body and to one that ignores it; gallop:start, gallop:easy-acceptor
+# and, for comparison, stock Hunchentoot, each in its own process.  Non-zero when a row of
+# Gallop's rises more than 32 MiB or an answer is wrong.
+.PHONY: bench-uploads
+
+bench-uploads:
+	@$(LISP) --load bench/uploads.lisp --eval '(gallop-bench-uploads:main)'

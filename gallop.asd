@@ -86,10 +86,12 @@
                (:file "native/parser")
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
+               (:file "core/uploads")      ; uses native/bodies' strict reader
                (:file "clack/handler")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")
-               ;; run in a child process by core/shutdown
-               (:static-file "child/stop-server.lisp"))
+               ;; run in child processes by core/shutdown and core/uploads
+               (:static-file "child/stop-server.lisp")
+               (:static-file "child/upload-server.lisp"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

@@ -20,6 +20,11 @@
 ;;;; /big answers 1 MiB of octets (no sleep), for every kind: the soak test
 ;;;; (bench/soak.lisp) reads part of it and hangs up, so that the server's
 ;;;; writes fail in mid-response.  The benchmark itself only requests /yo.
+;;;; /upload reads the request body to its end in 64 KiB pieces and answers
+;;;; the number of octets read (native: from :RAW-BODY; Hunchentoot: from
+;;;; (HUNCHENTOOT:RAW-POST-DATA :WANT-STREAM T)); /ignore answers "ignored"
+;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
+;;;; measures the server's memory while clients upload to them.
 ;;;;
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
 ;;;; (default 10), and BENCH_TIMEOUT (seconds) the read and write timeouts,
@@ -98,6 +103,32 @@
   (setf (hunchentoot:content-type*) "application/octet-stream")
   *big-body*)
 
+;;; Uploads (bench/uploads.lisp)
+
+(defconstant +upload-piece-bytes+ 65536
+  "The size of the pieces /upload reads a body in.")
+
+(defun count-body (stream)
+  "Read the body STREAM to its end in pieces of +UPLOAD-PIECE-BYTES+ (one
+buffer per request, reused), keeping nothing; the number of octets read."
+  (let ((buffer (make-array +upload-piece-bytes+ :element-type '(unsigned-byte 8)))
+        (total 0))
+    (declare (type fixnum total))
+    ;; Until a read returns nothing: READ-SEQUENCE returns a short count
+    ;; only at end of file, but a Gray stream need not.
+    (loop for n of-type fixnum = (read-sequence buffer stream)
+          until (zerop n)
+          do (incf total n))
+    total))
+
+(hunchentoot:define-easy-handler (upload :uri "/upload") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (princ-to-string (count-body (hunchentoot:raw-post-data :want-stream t))))
+
+(hunchentoot:define-easy-handler (ignore-upload :uri "/ignore") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  "ignored")
+
 (defun query-parameter (query name)
   "The value of NAME in the query string QUERY (no decoding: the benchmark's
 names are plain)."
@@ -108,7 +139,7 @@ names are plain)."
               return (subseq part (length prefix))))))
 
 (defun native-app (env)
-  "The native counterpart of /yo and /big."
+  "The native counterpart of /yo, /big, /upload and /ignore."
   (let ((path (getf env :path-info)))
     (cond ((string= path "/yo")
            (when (plusp *handler-sleep-seconds*)
@@ -121,6 +152,11 @@ names are plain)."
                    (list (if name (concatenate 'string "Hey " name "!") "Hey!")))))
           ((string= path "/big")
            (list 200 '(:content-type "application/octet-stream") *big-body*))
+          ((string= path "/upload")
+           (list 200 '(:content-type "text/plain")
+                 (list (princ-to-string (count-body (getf env :raw-body))))))
+          ((string= path "/ignore")
+           '(200 (:content-type "text/plain") ("ignored")))
           (t
            '(404 (:content-type "text/plain") ("Not Found"))))))
 

@@ -265,6 +265,18 @@ new connections get 503.")
                (null (slot-value request slot)))
       (setf (slot-value request slot) t))))
 
+(defmethod hunchentoot:acceptor-log-access :before ((acceptor hunchentoot:acceptor) &key return-code)
+  ;; Hunchentoot's SEND-RESPONSE calls this, then reads the body the handler
+  ;; left unread into memory ("to clear the stream"): all of it, and a
+  ;; chunked one with ADJUST-ARRAY 8 KiB at a time, copying what it has each
+  ;; time.  When a handler answers through HUNCHENTOOT:SEND-HEADERS (as
+  ;; HANDLE-STATIC-FILE does), that happens while it runs, before the
+  ;; HANDLE-REQUEST method above can leave the body to Gallop: do it here.
+  ;; (Such a handler then gets NIL from RAW-POST-DATA, not the body.)
+  (declare (ignore return-code))
+  (when (and *connection* (boundp 'hunchentoot:*request*) hunchentoot:*request*)
+    (leave-unread-body hunchentoot:*request*)))
+
 (defun client-abort-condition-p (object)
   "True if OBJECT is a condition saying the client went away (it closed or
 reset the connection); timeouts don't count.  Hunchentoot maps every
