@@ -32,9 +32,9 @@
     (error "This usocket's UNKNOWN-ERROR has no REAL-ERROR slot.")))
 
 ;;; The slot behind HUNCHENTOOT:RAW-POST-DATA (REQUEST, same name in 1.2.38
-;;; and 1.3.x).  When a handler returns without reading the request body,
-;;; Hunchentoot's SEND-RESPONSE reads all of it into memory (to "clear the
-;;; stream") before it answers; Gallop ends each request's stream at its own
+;;; and 1.3.x).  When a handler did not read the request body, Hunchentoot's
+;;; SEND-RESPONSE reads all of it into memory (to "clear the stream") before
+;;; it answers; Gallop ends each request's stream at its own
 ;;; end, so that is not needed, and up to MAX-BODY-BYTES per request is too
 ;;; much to spend on a body nobody wants.  Setting the slot to T, which
 ;;; Hunchentoot itself stores once multipart data was consumed, makes

@@ -236,9 +236,9 @@ new connections get 503.")
   ;;  - a client's malformed or oversized chunked body
   ;;    (GALLOP.CORE:REQUEST-BODY-ERROR, signalled while the handler reads
   ;;    it) is answered 400 or 413, like any bad request, not a logged 500;
-  ;;  - a body the handler did not read is left to Gallop, which skips it if
-  ;;    it is already here or closes the connection after the answer:
-  ;;    Hunchentoot's SEND-RESPONSE would read all of it into memory first.
+  ;; (A body the handler did not read is left to Gallop: see
+  ;; ACCEPTOR-LOG-ACCESS below.)
+  (declare (ignore request))
   (let ((c *connection*))
     (if (null c)
         (call-next-method)
@@ -248,17 +248,15 @@ new connections get 503.")
                            (hunchentoot::acceptor-shutdown-p acceptor)
                            (gallop.core:connection-close-after-p c))
                    (setf (hunchentoot:header-out :connection) "Close"))))
-          (unwind-protect
-               (handler-case (multiple-value-prog1 (call-next-method) (closing))
-                 (gallop.core:request-body-error (condition)
-                   (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
-                   (closing)
-                   (hunchentoot:abort-request-handler)))
-            (leave-unread-body request))))))
+          (handler-case (multiple-value-prog1 (call-next-method) (closing))
+            (gallop.core:request-body-error (condition)
+              (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
+              (closing)
+              (hunchentoot:abort-request-handler)))))))
 
 (defun leave-unread-body (request)
-  "After the handler: if it did not read REQUEST's body, mark it as consumed
-\(see compat.lisp), so that Hunchentoot does not read it into memory."
+  "Before Hunchentoot answers REQUEST: if its body was not read, mark it as
+consumed (see compat.lisp), so that Hunchentoot does not read it into memory."
   (let ((slot (raw-post-data-slot)))
     (when (and *connection*
                (gallop.core:connection-body-pending-p *connection*)
@@ -269,10 +267,12 @@ new connections get 503.")
   ;; Hunchentoot's SEND-RESPONSE calls this, then reads the body the handler
   ;; left unread into memory ("to clear the stream"): all of it, and a
   ;; chunked one with ADJUST-ARRAY 8 KiB at a time, copying what it has each
-  ;; time.  When a handler answers through HUNCHENTOOT:SEND-HEADERS (as
-  ;; HANDLE-STATIC-FILE does), that happens while it runs, before the
-  ;; HANDLE-REQUEST method above can leave the body to Gallop: do it here.
-  ;; (Such a handler then gets NIL from RAW-POST-DATA, not the body.)
+  ;; time.  On a Gallop connection each request's stream ends at its own
+  ;; end, and Gallop skips an unread body if it is here or closes the
+  ;; connection after the answer: mark it consumed instead.  This runs for
+  ;; every answer, whether the handler returned it or sent it through
+  ;; HUNCHENTOOT:SEND-HEADERS (as HANDLE-STATIC-FILE does).  (A handler that
+  ;; reads RAW-POST-DATA only after SEND-HEADERS then gets NIL.)
   (declare (ignore return-code))
   (when (and *connection* (boundp 'hunchentoot:*request*) hunchentoot:*request*)
     (leave-unread-body hunchentoot:*request*)))
