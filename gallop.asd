@@ -70,6 +70,7 @@
                (:file "core/chunks")
                (:file "core/shutdown")
                (:file "core/cpus")
+               (:file "core/epoll-close")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")
