@@ -75,6 +75,7 @@
                (:file "core/shutdown")
                (:file "core/cpus")
                (:file "core/answers")
+               (:file "core/epoll-close")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

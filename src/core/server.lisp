@@ -156,6 +156,20 @@ close it after the client has read the answer."
   (let ((engine (connection-engine c))
         (fd (connection-fd c)))
     (unless (eq (connection-state c) :closed)
+      ;; Out of the workers' epoll set before the fd closes.  Since Linux
+      ;; 6.10 epoll_wait holds a reference to a ready file while it polls
+      ;; it; a close(2) in that instant leaves the last reference, and so
+      ;; the socket's release (its FIN), to that worker, which does it only
+      ;; on its return to user space, and a worker whose poll found nothing
+      ;; sleeps on in epoll_wait (up to the pool's idle timeout, 10 s): the
+      ;; client waits that long for an answer or end of file.  EPOLL_CTL_DEL
+      ;; waits for such a poll to end, so the close below drops the last
+      ;; reference itself.  (Draining, detached and shed connections are not
+      ;; in that set.)
+      (when (member (connection-state c) '(:active :dirty :parked))
+        (let ((epfd (pool-epfd (engine-pool engine))))
+          (when (>= epfd 0)
+            (epoll-ctl epfd +epoll-ctl-del+ fd 0 0))))
       (unfresh c)
       (uncharge-head c)
       (setf (connection-state c) :closed)

@@ -110,23 +110,20 @@ return the response body."
            (hung '())
            (outcomes
              (loop for i below 400
-                   collect (let* ((input (if (zerop (mod i 4))
-                                             (random-bytes random-state (1+ (random 300 random-state)))
-                                             (mutate random-state (elt samples (mod i 3)))))
-                                  (outcome (fuzz-exchange port input)))
-                             (when (eq outcome :hang)
-                               ;; Seen about once in five full-suite runs, never
-                               ;; alone (see the issue notes): say so, try the
-                               ;; same input again, and fail if it hangs again.
-                               (format t "~&    fuzz: no answer in 10 s to ~S; stats ~S; retrying~%"
-                                       (printable input) (gallop:stats server))
-                               (setf outcome (fuzz-exchange port input))
-                               (when (eq outcome :hang)
-                                 (push (printable input) hung)))
-                             outcome))))
+                   for input = (if (zerop (mod i 4))
+                                   (random-bytes random-state (1+ (random 300 random-state)))
+                                   (mutate random-state (elt samples (mod i 3))))
+                   for outcome = (fuzz-exchange port input)
+                   collect outcome
+                   when (eq outcome :hang)
+                     ;; The first hang fails the test: no retry (see
+                     ;; core/epoll-close.lisp for the one this test found).
+                     do (setf hung (list (printable input) (gallop:stats server)))
+                        (loop-finish))))
       ;; The server's own limits (2 s here) end every exchange well before
       ;; the client's 10 s timeout.
-      (is (null hung) "~D exchanges hung: ~S" (length hung) hung)
+      (is (null hung) "no answer and no end of file in 10 s to ~S; server stats then: ~S"
+          (first hung) (second hung))
       (is (zerop (count :bad-status outcomes)))
       (is (plusp (count :response outcomes)))
       ;; the server still serves, and holds no connection of the fuzzer
