@@ -5,7 +5,8 @@
 ;;;; For each case the client connects, writes the case's octets, half-closes
 ;;;; (shutdown SHUT_WR: the server sees end of file after the last byte, so no
 ;;;; case waits for a timeout), and reads every answer until the server
-;;;; closes.  The answers are then parsed and compared with the verdict: the
+;;;; closes.  The answers are then read strictly, by the tests' one response
+;;;; reader (PARSE-WIRE, tests/wire.lisp), and compared with the verdict: the
 ;;;; sequence of statuses (interim 1xx answers aside), for each request served
 ;;;; the line the app wrote in its X-Seen header -- method, target, header
 ;;;; count, body length and MD5 of the body, exactly as the app saw them --
@@ -173,86 +174,43 @@ connection, else NIL."
 
 ;;; Parsing what came back
 
-(defstruct (answer (:conc-name answer-))
-  status headers body
-  (complete t))                         ; NIL: end of file inside the body
-
-(defun answer-header (answer name)
-  (cdr (assoc name (answer-headers answer) :test #'string-equal)))
-
-(defun octets-latin1 (octets start end)
-  (map 'string #'code-char (subseq octets start end)))
-
 (defun parse-answers (octets)
-  "Split OCTETS, everything a server sent, into ANSWERs.  Returns them and
-the octets left over that do not start a well-formed response (NIL if none)."
-  (let ((answers '()) (i 0) (n (length octets)))
-    (loop
-      (when (>= i n) (return (values (nreverse answers) nil)))
-      (let* ((head-end (search #(13 10 13 10) octets :start2 i))
-             (lines (and head-end (uiop:split-string (octets-latin1 octets i head-end)
-                                                     :separator '(#\Newline))))
-             (status-line (and lines (string-right-trim '(#\Return) (first lines))))
-             (status (and status-line (> (length status-line) 12)
-                          (or (string= "HTTP/1.1 " status-line :end2 9)
-                              (string= "HTTP/1.0 " status-line :end2 9))
-                          (parse-integer status-line :start 9 :end 12 :junk-allowed t))))
-        (unless status
-          (return (values (nreverse answers) (subseq octets i))))
-        (let* ((headers (loop for line in (rest lines)
-                              for l = (string-right-trim '(#\Return) line)
-                              for colon = (position #\: l)
-                              when colon
-                                collect (cons (subseq l 0 colon)
-                                              (string-trim " " (subseq l (1+ colon))))))
-               (answer (make-answer :status status :headers headers :body #()))
-               (length (let ((v (cdr (assoc "Content-Length" headers :test #'string-equal))))
-                         (and v (parse-integer v :junk-allowed t))))
-               (chunked (search "chunked" (or (cdr (assoc "Transfer-Encoding" headers
-                                                          :test #'string-equal))
-                                              ""))))
-          (setf i (+ head-end 4))
-          (cond ((< status 200))        ; interim: no body
-                (chunked
-                 ;; Only the app could answer chunked; take chunks to the last.
-                 (loop
-                   (let* ((eol (search #(13 10) octets :start2 i))
-                          (size (and eol (parse-integer (octets-latin1 octets i eol)
-                                                        :radix 16 :junk-allowed t))))
-                     (unless size
-                       (setf (answer-complete answer) nil i n) (return))
-                     (setf i (+ eol 2))
-                     (when (zerop size)
-                       (let ((end (search #(13 10 13 10) octets :start2 (- i 2))))
-                         (setf i (if end (+ end 4) n)))
-                       (return))
-                     (setf (answer-body answer)
-                           (concatenate '(vector (unsigned-byte 8)) (answer-body answer)
-                                        (subseq octets i (min n (+ i size)))))
-                     (setf i (min n (+ i size 2))))))
-                (length
-                 (setf (answer-body answer) (subseq octets i (min n (+ i length))))
-                 (when (> (+ i length) n) (setf (answer-complete answer) nil))
-                 (setf i (min n (+ i length))))
-                (t                      ; delimited by end of file
-                 (setf (answer-body answer) (subseq octets i) i n)))
-          (push answer answers))))))
+  "Split OCTETS, everything a server sent before it closed, into the
+responses they hold, each read strictly by PARSE-WIRE (tests/wire.lisp) as
+it would be read off the connection: a WIRE-RESPONSE per answer, interim 1xx
+answers included.  Second and third values: where the octets stop being a
+valid response, the octets from there and the WIRE-ERROR saying why (a
+Content-Length longer than what came, a malformed head, stray bytes ...);
+NIL and NIL when every octet belongs to an answer."
+  (let ((answers '()) (i 0))
+    (loop while (< i (length octets))
+          do (handler-case
+                 (multiple-value-bind (answer end) (parse-wire octets :start i)
+                   (push answer answers)
+                   (setf i end))
+               (wire-error (e)
+                 (return-from parse-answers (values (nreverse answers) (subseq octets i) e)))))
+    (values (nreverse answers) nil nil)))
 
 ;;; Running a case
 
 (defstruct (outcome (:conc-name outcome-))
-  answers leftover end octets)
+  answers   ; the WIRE-RESPONSEs read, in order
+  leftover  ; the octets from the first that is not part of a valid answer
+  error     ; the WIRE-ERROR saying why they are not
+  end       ; how the connection ended: NIL (end of file), :TIMEOUT or :RESET
+  octets)   ; everything the server sent
 
 (defun run-case (case port)
   "Send CASE to the server on PORT; its OUTCOME."
   (multiple-value-bind (octets end) (exchange-octets port (case-octets case))
-    (multiple-value-bind (answers leftover) (parse-answers octets)
-      (make-outcome :answers answers :leftover leftover :end end :octets octets))))
+    (multiple-value-bind (answers leftover error) (parse-answers octets)
+      (make-outcome :answers answers :leftover leftover :error error :end end :octets octets))))
 
 (defun outcome-statuses (outcome)
   "The statuses of the final (non-1xx) answers of OUTCOME."
   (loop for a in (outcome-answers outcome)
-        when (>= (answer-status a) 200) collect (answer-status a)))
+        when (>= (wire-status a) 200) collect (wire-status a)))
 
 (defun expected-seen-line (seen front-end)
   "The X-Seen line the app must write for the request SEEN.  Hunchentoot
@@ -276,33 +234,35 @@ its front ends report it so."
   "What is wrong with OUTCOME as the answer of FRONT-END to CASE: a list of
 strings, NIL when it is the case's verdict."
   (let ((problems '())
-        (final (remove-if (lambda (a) (< (answer-status a) 200)) (outcome-answers outcome))))
+        (final (remove-if (lambda (a) (< (wire-status a) 200)) (outcome-answers outcome))))
     (flet ((problem (control &rest args) (push (apply #'format nil control args) problems)))
       (when (eq (outcome-end outcome) :timeout)
         (problem "the server did not close within the time-out"))
       (unless (equal (outcome-statuses outcome) (expected-statuses case))
         (problem "statuses ~S, expected ~S" (outcome-statuses outcome) (expected-statuses case)))
+      ;; An answer cut short of its Content-Length, a malformed one, or
+      ;; bytes after the last: PARSE-ANSWERS stopped there and says why.
       (when (outcome-leftover outcome)
-        (problem "bytes that are not a response: ~S" (short (outcome-leftover outcome))))
+        (problem "bytes that are not a response (~A): ~S"
+                 (wire-error-message (outcome-error outcome)) (short (outcome-leftover outcome))))
       (loop for seen in (case-seen case)
             for answer in final
             for expected = (expected-seen-line seen front-end)
-            for got = (answer-header answer "X-Seen")
-            when (and (= 200 (answer-status answer)) (not (equal got expected)))
+            for got = (wire-header answer "X-Seen")
+            when (and (= 200 (wire-status answer)) (not (equal got expected)))
               do (problem "the app saw ~S, expected ~S" got expected))
       ;; An answer Gallop writes itself is a complete message that closes.
+      ;; (A repeated field reads as a list of values: not a single "close".)
       (let ((error-answer (nth (length (case-seen case)) final)))
         (when (and error-answer (integerp (case-then case))
-                   (= (answer-status error-answer) (case-then case)))
-          (unless (answer-complete error-answer)
-            (problem "the ~D answer ends before its Content-Length" (answer-status error-answer)))
-          (unless (answer-header error-answer "Content-Length")
-            (problem "the ~D answer has no Content-Length" (answer-status error-answer)))
-          (unless (answer-header error-answer "Content-Type")
-            (problem "the ~D answer has no Content-Type" (answer-status error-answer)))
-          (unless (string-equal "close" (answer-header error-answer "Connection"))
+                   (= (wire-status error-answer) (case-then case)))
+          (unless (wire-header error-answer "Content-Length")
+            (problem "the ~D answer has no Content-Length" (wire-status error-answer)))
+          (unless (wire-header error-answer "Content-Type")
+            (problem "the ~D answer has no Content-Type" (wire-status error-answer)))
+          (unless (equalp "close" (wire-header error-answer "Connection"))
             (problem "the ~D answer does not say Connection: close"
-                     (answer-status error-answer))))))
+                     (wire-status error-answer))))))
     (nreverse problems)))
 
 (defun run-corpus (front-end &key (cases (corpus-cases)))
@@ -364,29 +324,45 @@ strings, NIL when it is the case's verdict."
     (is (null problems) "~{~A~^~%~}" problems)))
 
 (test conformance-parser-reads-answers-exactly
-  ;; The runner's own parser, on byte vectors: two answers and a rest.
-  (multiple-value-bind (answers leftover)
+  ;; The runner's splitting of what came back, on byte vectors: three
+  ;; answers and a rest.
+  (multiple-value-bind (answers leftover error)
       (parse-answers (unescape (concatenate 'string
                                             "HTTP/1.1 100 Continue||"
                                             "HTTP/1.1 200 OK|X-Seen: a|Content-Length: 2||hi"
                                             "HTTP/1.1 400 Bad Request|Content-Length: 3|Connection: close||bad"
                                             "junk")))
-    (is (equal '(100 200 400) (mapcar #'answer-status answers)))
-    (is (equalp (unescape "hi") (answer-body (second answers))))
-    (is (equal "a" (answer-header (second answers) "x-seen")))
-    (is (equalp (unescape "junk") leftover)))
-  (multiple-value-bind (answers leftover)
-      (parse-answers (unescape "HTTP/1.1 400 Bad Request|Content-Length: 11||short"))
+    (is (equal '(100 200 400) (mapcar #'wire-status answers)))
+    (is (equalp (unescape "hi") (wire-body (second answers))))
+    (is (equal "a" (wire-header (second answers) "x-seen")))
+    (is (equalp (unescape "junk") leftover))
+    (is (and error (search "ended inside the status line" (wire-error-message error)))))
+  (multiple-value-bind (answers leftover error)
+      (parse-answers (unescape "HTTP/1.1 200 OK|Content-Length: 0||HTTP/1.1 204 No Content||"))
+    (is (equal '(200 204) (mapcar #'wire-status answers)))
     (is (null leftover))
-    (is (not (answer-complete (first answers)))))
+    (is (null error)))
+  ;; An answer that ends before its Content-Length is not an answer, and
+  ;; the verdict check says so.
+  (let* ((case (find-case "cl-plus-sign"))
+         (octets (unescape "HTTP/1.1 400 Bad Request|Content-Type: text/plain|Content-Length: 11|Connection: close||short")))
+    (multiple-value-bind (answers leftover error) (parse-answers octets)
+      (is (null answers))
+      (is (equalp octets leftover))
+      (is (and error (search "after 5 of 11 body bytes" (wire-error-message error))))
+      (let ((problems (verdict-problems case (make-outcome :answers answers :leftover leftover
+                                                           :error error :octets octets)
+                                        :native)))
+        (is (equal "statuses NIL, expected (400)" (first problems)))
+        (is (search "after 5 of 11 body bytes" (second problems)) "~S" problems))))
   ;; and the verdict check finds an error answer that does not close
   (let* ((case (find-case "cl-plus-sign"))
          (octets (unescape "HTTP/1.1 400 Bad Request|Content-Length: 3||bad")))
-    (multiple-value-bind (answers leftover) (parse-answers octets)
+    (multiple-value-bind (answers leftover error) (parse-answers octets)
       (is (equal '("the 400 answer has no Content-Type"
                    "the 400 answer does not say Connection: close")
                  (verdict-problems case (make-outcome :answers answers :leftover leftover
-                                                      :octets octets)
+                                                      :error error :octets octets)
                                    :native))))))
 
 (test conformance-native

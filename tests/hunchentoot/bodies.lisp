@@ -2,8 +2,9 @@
 ;;;; strings (UTF-8) with CR, LF, NUL and characters beyond ASCII, octet
 ;;;; vectors with every value, SEND-HEADERS streams and HANDLE-STATIC-FILE,
 ;;;; on GALLOP:EASY-ACCEPTOR and on a stock HUNCHENTOOT:EASY-ACCEPTOR with a
-;;;; GALLOP:TASKMASTER.  Read back strictly on keep-alive connections (see
-;;;; tests/native/bodies.lisp for the reader and the random content).
+;;;; GALLOP:TASKMASTER.  Read back strictly, by READ-WIRE (tests/wire.lisp),
+;;;; on keep-alive connections (see tests/native/bodies.lisp for the exchange
+;;;; runner and the random content).
 
 (in-package #:gallop-tests)
 (in-suite requests)
@@ -95,8 +96,8 @@ beyond ASCII, every octet value, and an empty body in each shape."
                    :flush (zerop (random 2 rng)))))
 
 (defun ht-case-problems (case head response)
-  (append (unless (eql 200 (exact-status response))
-            (list (format nil "status ~D, 200 expected" (exact-status response))))
+  (append (unless (eql 200 (wire-status response))
+            (list (format nil "status ~D, 200 expected" (wire-status response))))
           (header-problems response
                            `(("Content-Type" . ,(if (eq (ht-case-shape case) :string)
                                                     "text/plain; charset=utf-8"

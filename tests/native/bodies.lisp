@@ -3,165 +3,14 @@
 ;;;; TAB and characters beyond ASCII, small (head and body in one output
 ;;;; buffer) and large, read back byte by byte by a strict client on
 ;;;; keep-alive connections, so that a body changed in flight or a wrong
-;;;; Content-Length (which breaks the next answer) is seen.
+;;;; Content-Length (which breaks the next answer) is seen.  The client is
+;;;; READ-WIRE (tests/wire.lisp), the tests' one strict response reader.
 ;;;;
-;;;; Also the strict response reader and the random content that
+;;;; Also the random content and the exchange runner that
 ;;;; tests/hunchentoot/bodies.lisp uses for Hunchentoot handlers.
 
 (in-package #:gallop-tests)
 (in-suite native)
-
-;;; A strict response reader: a wire error on anything an HTTP/1.1 response
-;;; must not contain, so a test sees malformed framing and not just a wrong
-;;; body.
-
-(define-condition exact-wire-error (error)
-  ((text :initarg :text :reader exact-wire-error-text))
-  (:report (lambda (condition stream) (write-string (exact-wire-error-text condition) stream)))
-  (:documentation "The response on the wire is not a valid HTTP/1.1 message."))
-
-(defun exact-wire-error (control &rest arguments)
-  (error 'exact-wire-error :text (apply #'format nil control arguments)))
-
-(defstruct (exact-response (:conc-name exact-))
-  "One response as READ-EXACT-RESPONSE read it."
-  status
-  reason
-  headers                               ; ((name . value) ...) in order, values trimmed
-  body                                  ; octets, or NIL when the answer has none
-  framing                               ; :content-length, :chunked, :close or :none
-  chunk-sizes)                          ; the sizes of the data chunks, in order
-
-(defun read-wire-line (stream what &key (limit 65536))
-  "One line ending in CRLF, without the CRLF, as a string of the octets'
-latin-1 characters.  A WIRE-ERROR at end of file, on a bare LF or a CR not
-followed by LF, or past LIMIT octets."
-  (let ((line (make-array 64 :element-type 'character :adjustable t :fill-pointer 0)))
-    (loop
-      (let ((b (read-byte stream nil nil)))
-        (cond ((null b)
-               (exact-wire-error "end of file in the ~A after ~S" what (coerce line 'string)))
-              ((= b 13)
-               (if (eql (read-byte stream nil nil) 10)
-                   (return (coerce line 'string))
-                   (exact-wire-error "a bare CR in the ~A ~S" what (coerce line 'string))))
-              ((= b 10)
-               (exact-wire-error "a bare LF in the ~A ~S" what (coerce line 'string)))
-              ((>= (length line) limit)
-               (exact-wire-error "the ~A is longer than ~D octets" what limit))
-              (t (vector-push-extend (code-char b) line)))))))
-
-(defun tchar-p (char)
-  "True for the characters of an RFC 9110 token."
-  (or (char<= #\a char #\z) (char<= #\A char #\Z) (char<= #\0 char #\9)
-      (find char "!#$%&'*+-.^_`|~")))
-
-(defun exact-parse-status-line (line)
-  "(values status reason) of \"HTTP/1.1 DDD reason\"; a WIRE-ERROR otherwise."
-  (unless (and (>= (length line) 13)
-               (string= "HTTP/1.1 " line :end2 9)
-               (every #'digit-char-p (subseq line 9 12))
-               (char= #\Space (char line 12))
-               (every (lambda (c) (or (char= c #\Tab) (char<= #\Space c #\~) (char>= c (code-char #x80))))
-                      (subseq line 13)))
-    (exact-wire-error "a malformed status line ~S" line))
-  (values (parse-integer line :start 9 :end 12) (subseq line 13)))
-
-(defun exact-parse-field-line (line what)
-  "(name . value) of a field line \"name: value\", the value without the
-whitespace around it; a WIRE-ERROR for an empty or non-token name, or a
-control character other than HTAB in the value."
-  (let ((colon (position #\: line)))
-    (unless (and colon (plusp colon) (every #'tchar-p (subseq line 0 colon)))
-      (exact-wire-error "a malformed ~A ~S" what line))
-    (let ((value (string-trim '(#\Space #\Tab) (subseq line (1+ colon)))))
-      (when (find-if (lambda (c) (or (and (< (char-code c) 32) (char/= c #\Tab))
-                                     (= (char-code c) 127)))
-                     value)
-        (exact-wire-error "a control character in the ~A ~S" what line))
-      (cons (subseq line 0 colon) value))))
-
-(defun exact-header-values (response name)
-  (loop for (key . value) in (exact-headers response)
-        when (string-equal key name) collect value))
-
-(defun exact-header (response name)
-  "The value of the header NAME, NIL when absent; a WIRE-ERROR when repeated."
-  (let ((values (exact-header-values response name)))
-    (when (cdr values)
-      (exact-wire-error "the header ~A appears ~D times" name (length values)))
-    (first values)))
-
-(defun read-octets-exactly (stream count what)
-  "COUNT octets from STREAM; a WIRE-ERROR if it ends before."
-  (let* ((octets (make-array count :element-type '(unsigned-byte 8)))
-         (got (read-sequence octets stream)))
-    (unless (= got count)
-      (exact-wire-error "the ~A ends after ~D of ~D octets" what got count))
-    octets))
-
-(defun read-chunked-strictly (stream)
-  "A chunked body, its framing checked exactly: size lines of hex digits
-only, each chunk's data followed by CRLF, a last chunk of zeros, field
-lines as trailers, and the final CRLF.  (values body chunk-sizes)"
-  (let ((body (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0))
-        (sizes '()))
-    (loop
-      (let ((line (read-wire-line stream "chunk size line" :limit 1024)))
-        (unless (and (< 0 (length line) 16) (every (lambda (c) (digit-char-p c 16)) line))
-          (exact-wire-error "a malformed chunk size line ~S" line))
-        (let ((size (parse-integer line :radix 16)))
-          (when (zerop size)
-            (return))
-          (push size sizes)
-          (loop for b across (read-octets-exactly stream size "chunk")
-                do (vector-push-extend b body))
-          (unless (and (eql 13 (read-byte stream nil nil)) (eql 10 (read-byte stream nil nil)))
-            (exact-wire-error "chunk data of ~D octets not followed by CRLF" size)))))
-    (loop for line = (read-wire-line stream "trailer section")
-          until (zerop (length line))
-          do (exact-parse-field-line line "trailer line"))
-    (values (coerce body '(simple-array (unsigned-byte 8) (*))) (nreverse sizes))))
-
-(defun read-exact-response (stream &key head)
-  "Read one HTTP/1.1 response from STREAM strictly (HEAD: the answer to a
-HEAD request, so no body).  Every line must end in CRLF; the status line
-must be \"HTTP/1.1 DDD reason\"; every header line \"name: value\" with a
-token name and no control characters in the value; at most one
-Content-Length (digits only) and one Transfer-Encoding (\"chunked\" only),
-not both; the body exactly as framed.  Returns an EXACT-RESPONSE or
-signals a WIRE-ERROR."
-  (multiple-value-bind (status reason)
-      (exact-parse-status-line (read-wire-line stream "status line"))
-    (let* ((headers (loop for line = (read-wire-line stream "header section")
-                          until (zerop (length line))
-                          collect (exact-parse-field-line line "header line")))
-           (response (make-exact-response :status status :reason reason :headers headers
-                                          :framing :none))
-           (length (exact-header response "Content-Length"))
-           (coding (exact-header response "Transfer-Encoding")))
-      (when (and length (not (and (plusp (length length)) (every #'digit-char-p length))))
-        (exact-wire-error "a malformed Content-Length ~S" length))
-      (when (and length coding)
-        (exact-wire-error "both Content-Length and Transfer-Encoding"))
-      (when (and coding (string-not-equal coding "chunked"))
-        (exact-wire-error "a Transfer-Encoding other than chunked: ~S" coding))
-      (cond ((or head (< status 200) (= status 204) (= status 304)))
-            (coding
-             (multiple-value-bind (body sizes) (read-chunked-strictly stream)
-               (setf (exact-body response) body
-                     (exact-chunk-sizes response) sizes
-                     (exact-framing response) :chunked)))
-            (length
-             (setf (exact-body response) (read-octets-exactly stream (parse-integer length) "body")
-                   (exact-framing response) :content-length))
-            (t
-             (unless (string-equal (exact-header response "Connection") "close")
-               (exact-wire-error "a body framed by nothing, on a connection not closed"))
-             (setf (exact-body response)
-                   (coerce (read-to-eof stream) '(simple-array (unsigned-byte 8) (*)))
-                   (exact-framing response) :close)))
-      response)))
 
 ;;; Random content, from a fixed seed
 
@@ -309,8 +158,9 @@ first differ."
 (defun run-exchanges (port exchanges &key (per-connection 8) (max-failures 10))
   "Send EXCHANGES in order, PER-CONNECTION on each keep-alive connection
 (the last with Connection: close, after which the server must close it),
-reading each answer with READ-EXACT-RESPONSE: a wrong Content-Length or
-stray bytes break the next answer.  One FiveAM check per exchange, naming
+reading each answer with READ-WIRE: a wrong Content-Length or stray bytes
+break the next answer, and a body delimited by the end of the connection
+must come with Connection: close.  One FiveAM check per exchange, naming
 its problems.  Stops after MAX-FAILURES failed exchanges, so that a broken
 server costs a bounded time.  Returns how many exchanges were checked."
   (let ((socket nil) (on-socket 0) (failures 0) (checked 0))
@@ -323,7 +173,6 @@ server costs a bounded time.  Returns how many exchanges were checked."
                  while (< failures max-failures)
                  do (unless socket (setf socket (connect port :timeout 5)))
                     (let* ((last (or (null more) (= (1+ on-socket) per-connection)))
-                           (stream (usocket:socket-stream socket))
                            (problems '())
                            (closed nil))
                       (send socket (apply #'crlf (format nil "~:[GET~;HEAD~] ~A HTTP/1.1"
@@ -332,18 +181,22 @@ server costs a bounded time.  Returns how many exchanges were checked."
                                           (and last '("Connection: close"))))
                       (incf on-socket)
                       (handler-case
-                          (let ((response (read-exact-response stream :head (exchange-head x))))
+                          (let ((response (read-wire socket :head-request (exchange-head x)
+                                                            :persistent t)))
                             (setf problems (funcall (exchange-check x) response))
-                            (let ((close (string-equal "close" (exact-header response "Connection"))))
+                            ;; A repeated Connection field is not "close"
+                            ;; (HEADER-PROBLEMS reports the repetition).
+                            (let ((close (equalp "close" (wire-header response "Connection"))))
                               (cond ((and last (not close))
                                      (push "no Connection: close after one was asked for" problems))
                                     ((and close (not last) (not (exchange-may-close x)))
                                      (push "Connection: close on a keep-alive exchange" problems)))
                               (when close
                                 (setf closed t)
-                                (unless (closed-by-peer-p socket)
-                                  (push "more octets, or no end of file, after the last answer"
-                                        problems)))))
+                                ;; no octet after the answer, then end of file
+                                (handler-case (read-wire-end socket response)
+                                  (wire-error (e)
+                                    (push (format nil "after the last answer: ~A" e) problems))))))
                         (error (e)
                           (push (format nil "~A" e) problems)))
                       (incf checked)
@@ -357,24 +210,26 @@ server costs a bounded time.  Returns how many exchanges were checked."
   "Problems with RESPONSE's headers: EXPECTED-HEADERS ((name . value) ...,
 value NIL for \"absent\") not as given, a repeated header, no Date."
   (let ((problems '())
-        (names (mapcar #'car (exact-headers response))))
+        (names (mapcar #'car (wire-headers response))))
     (loop for (name . more) on names
           when (member name more :test #'string-equal)
             do (push (format nil "the header ~A is repeated" name) problems))
     (loop for (name . value) in expected-headers
-          for got = (first (exact-header-values response name))
+          for got = (first (wire-header-values response name))
           unless (equal value got)
             do (push (format nil "~A: ~S expected, ~S received" name value got) problems))
-    (unless (exact-header-values response "Date")
+    (unless (wire-header-values response "Date")
       (push "no Date" problems))
     problems))
 
 (defun body-problems (response expected &key head streamed)
   "Problems with RESPONSE's framing and body, EXPECTED being the octets the
 GET answer carries.  STREAMED: the length is unknown, so a GET answer must
-be chunked and a HEAD answer has no Content-Length."
+be chunked (size lines of hex digits only: Gallop sends no chunk extension)
+and a HEAD answer has no Content-Length."
   (let ((problems '())
-        (length (exact-header response "Content-Length")))
+        ;; READ-WIRE refuses a repeated Content-Length.
+        (length (wire-header response "Content-Length")))
     (flet ((problem (control &rest arguments)
              (push (apply #'format nil control arguments) problems)))
       (cond (head
@@ -385,9 +240,12 @@ be chunked and a HEAD answer has no Content-Length."
                     (problem "HEAD of a streamed answer: Content-Length ~S" length))))
             (t
              (let ((framing (if streamed :chunked :content-length)))
-               (unless (eq framing (exact-framing response))
-                 (problem "framed by ~S, ~S expected" (exact-framing response) framing)))
-             (let ((difference (first-difference expected (exact-body response))))
+               (unless (eq framing (wire-framing response))
+                 (problem "framed by ~S, ~S expected" (wire-framing response) framing)))
+             (when (wire-flag-p response :chunk-extensions)
+               (problem "a chunk line with an extension (chunk sizes ~S)"
+                        (wire-chunk-sizes response)))
+             (let ((difference (first-difference expected (wire-body response))))
                (when difference (problem "body: ~A" difference))))))
     problems))
 
@@ -569,8 +427,8 @@ in its shape.  SPAWN runs a function in a new thread (joined by the test)."
 
 (defun native-case-problems (case head response)
   (let ((problems '()))
-    (unless (eql (native-case-status case) (exact-status response))
-      (push (format nil "status ~D, ~D expected" (exact-status response) (native-case-status case))
+    (unless (eql (native-case-status case) (wire-status response))
+      (push (format nil "status ~D, ~D expected" (wire-status response) (native-case-status case))
             problems))
     (append problems
             (header-problems response
@@ -637,52 +495,8 @@ the body after such a head is still exact."
         (unwind-protect
              (dolist (path '("/short" "/long" "/short"))
                (send socket (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))
-               (let ((r (read-exact-response (usocket:socket-stream socket))))
-                 (is (equal "a  Injected: yes b c" (exact-header r "X-Value")))
-                 (is (null (exact-header r "Injected")))
-                 (is (equalp (utf-8-octets body) (exact-body r)))))
+               (let ((r (read-wire socket :persistent t)))
+                 (is (equal "a  Injected: yes b c" (wire-header r "X-Value")))
+                 (is (null (wire-header r "Injected")))
+                 (is (equalp (utf-8-octets body) (wire-body r)))))
           (usocket:socket-close socket))))))
-
-(defun wire (&rest parts)
-  "Octets of PARTS: strings as they are, :CRLF :CR :LF :NUL as those octets."
-  (octets (format nil "~{~A~}"
-                  (loop for part in parts
-                        collect (case part
-                                  (:crlf (format nil "~C~C" #\Return #\Linefeed))
-                                  (:cr (string #\Return))
-                                  (:lf (string #\Linefeed))
-                                  (:nul (string (code-char 0)))
-                                  (t part))))))
-
-(test strict-reader-rejects-malformed-responses
-  "The strict reader itself: each malformed response is a WIRE-ERROR, a
-well-formed one is read exactly."
-  (flet ((read-it (&rest parts)
-           (read-exact-response
-            (flexi-streams:make-in-memory-input-stream (apply #'wire parts)))))
-    (let ((r (read-it "HTTP/1.1 200 OK" :crlf "Content-Length: 3" :crlf :crlf "a" :lf "b")))
-      (is (equalp (wire "a" :lf "b") (exact-body r)))
-      (is (eq :content-length (exact-framing r))))
-    (let ((r (read-it "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf
-                      "2" :crlf "ab" :crlf "1" :crlf :cr :crlf "00" :crlf "T: x" :crlf :crlf)))
-      (is (equalp (wire "ab" :cr) (exact-body r)))
-      (is (equal '(2 1) (exact-chunk-sizes r))))
-    (macrolet ((bad (&rest parts) `(signals exact-wire-error (read-it ,@parts))))
-      (bad "HTTP/1.1 200 OK" :lf "Content-Length: 0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Content-Length: 0" :cr "X: y" :crlf :crlf)
-      (bad "HTTP/1.1 200" :crlf "Content-Length: 0" :crlf :crlf)
-      (bad "HTTP/1.0 200 OK" :crlf "Content-Length: 0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Content-Length: 5" :crlf :crlf "abc")
-      (bad "HTTP/1.1 200 OK" :crlf "Content-Length: 1" :crlf "Content-Length: 1" :crlf :crlf "a")
-      (bad "HTTP/1.1 200 OK" :crlf "Content-Length: +1" :crlf :crlf "a")
-      (bad "HTTP/1.1 200 OK" :crlf "X: a" :nul "b" :crlf "Content-Length: 0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "X : a" :crlf "Content-Length: 0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Content-Length: 1" :crlf "Transfer-Encoding: chunked" :crlf :crlf
-           "1" :crlf "a" :crlf "0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf "2" :crlf "abc" :crlf "0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf "2;x=y" :crlf "ab" :crlf "0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf "2" :crlf "ab" :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf "2" :lf "ab" :crlf "0" :crlf :crlf)
-      (bad "HTTP/1.1 200 OK" :crlf "Transfer-Encoding: chunked" :crlf :crlf "0" :crlf)
-      ;; no framing, and the connection is not said to close
-      (bad "HTTP/1.1 200 OK" :crlf "X: y" :crlf :crlf "abc"))))
