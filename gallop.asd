@@ -87,7 +87,7 @@
                (:file "native/parser")
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
-               (:file "core/uploads")      ; uses native/bodies' strict reader
+               (:file "core/uploads")
                (:file "clack/handler")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")

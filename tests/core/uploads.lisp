@@ -116,14 +116,14 @@ answer before every 64 KiB: stop as soon as one arrived."
 (defun check-exact-answer (response body)
   "NIL if RESPONSE is a 200 with a Content-Length framed BODY, else what is
 wrong."
-  (let ((got (map 'string #'code-char (exact-body response)))
-        (length (exact-header response "Content-Length")))
-    (cond ((/= 200 (exact-status response))
-           (format nil "status ~D, body ~S" (exact-status response) got))
-          ((not (eq :content-length (exact-framing response)))
-           (format nil "framed by ~A, not Content-Length" (exact-framing response)))
-          ((/= (parse-integer length) (length (exact-body response)))
-           (format nil "Content-Length ~A for ~D octets" length (length (exact-body response))))
+  (let ((got (map 'string #'code-char (wire-body response)))
+        (length (wire-header response "Content-Length")))
+    (cond ((/= 200 (wire-status response))
+           (format nil "status ~D, body ~S" (wire-status response) got))
+          ((not (eq :content-length (wire-framing response)))
+           (format nil "framed by ~A, not Content-Length" (wire-framing response)))
+          ((/= (parse-integer length) (length (wire-body response)))
+           (format nil "Content-Length ~A for ~D octets" length (length (wire-body response))))
           ((string/= got body)
            (format nil "body ~S, not ~S" got body)))))
 
@@ -147,13 +147,13 @@ description of what was not."
                (handler-case (send-upload-body stream framing)
                  (stream-error () nil))
                (or (check-exact-answer
-                    (read-exact-response stream)
+                    (read-wire socket :persistent t)
                     (cond ((string= path "/upload") (princ-to-string *upload-body-bytes*))
                           ((string= path "/ignore") "ignored")
                           (t "streamed")))
                    (if (string= path "/upload")
                        (progn (send socket (crlf "GET / HTTP/1.1" "Host: 127.0.0.1"))
-                              (check-exact-answer (read-exact-response stream) "ok"))
+                              (check-exact-answer (read-wire socket :persistent t) "ok"))
                        (unless (closed-or-reset-p stream)
                          "the connection stayed open after the answer"))))
           (ignore-errors (usocket:socket-close socket))))
@@ -210,7 +210,7 @@ description of what was not."
                                     (unwind-protect
                                          (progn (send socket (crlf "GET / HTTP/1.1" "Host: 127.0.0.1"))
                                                 (check-exact-answer
-                                                 (read-exact-response (usocket:socket-stream socket))
+                                                 (read-wire socket :persistent t)
                                                  "ok"))
                                       (usocket:socket-close socket)))
                                 (error (e) (format nil "~A" e)))))
@@ -255,7 +255,7 @@ description of what was not."
                                              "Content-Type: application/octet-stream"
                                              "Content-Length: 1000000")
                                        "0123456789"))
-             (let ((problem (handler-case (check-exact-answer (read-exact-response stream)
+             (let ((problem (handler-case (check-exact-answer (read-wire socket :persistent t)
                                                               "streamed")
                               (error (e) (format nil "~A" e)))))
                (is (null problem) "~A" problem))
