@@ -300,6 +300,17 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
                                                  :pending (ssl-pending-function result)))
         result)))
 
+(defmethod close :around ((stream gallop.core:connection) &key abort)
+  ;; The plaintext side of a TLS connection closes its TLS stream, made over
+  ;; *CONNECTION*: let cl+ssl's SSL_shutdown send close_notify through it
+  ;; (see compat.lisp).
+  (declare (ignore abort))
+  (if (and *connection*
+           (not (eq stream *connection*))
+           (eq stream (connection-owner-stream *connection*)))
+      (call-with-ssl-bio-stream *connection* #'call-next-method)
+      (call-next-method)))
+
 (defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
   (let ((result
           (if (and *connection* (typep stream 'chunga:chunked-stream))
