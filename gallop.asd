@@ -82,6 +82,7 @@
                (:file "hunchentoot/taskmaster")
                (:file "hunchentoot/lifecycle")
                (:file "hunchentoot/ssl")
+               (:file "hunchentoot/tls")
                (:file "hunchentoot/connections")
                (:file "native/app")
                (:file "native/parser")

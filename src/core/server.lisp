@@ -370,9 +370,11 @@ leave C as the handler decided.  The caller owns C."
   "Close C after its last answer: at once when the client sent nothing more,
 else after reading and discarding what it still sends for a while (LINGER-MS:
 a close(2) with unread input sends a reset, which can destroy the answer
-before the client read it)."
-  (if (or (conn-slot c raw)
-          (and (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end))))
+before the client read it).  A raw (TLS) connection always lingers: what
+the client sent is not known here, and a TLS client sends its close_notify
+alert, data, as soon as it is done, often before the answer came."
+  (if (and (not (conn-slot c raw))
+           (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end)))
       (close-connection c)
       (reject-connection c nil)))
 

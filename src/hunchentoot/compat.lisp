@@ -71,6 +71,24 @@ read yet, or NIL if STREAM is not a cl+ssl stream."
                                               (function sb-alien:int sb-sys:system-area-pointer))
                        handle))))))))
 
+;;; Also cl+ssl's: over a Lisp stream (a Gallop connection has no fd for
+;;; OpenSSL), its BIO writes to the special variable *SOCKET*, which cl+ssl
+;;; binds around SSL_read and SSL_write but not around the SSL_shutdown in
+;;; its CLOSE (cl+ssl 2019 to 2022 at least).  Unbound there, the BIO's write
+;;; fails quietly and close_notify is never sent: every TLS connection would
+;;; end as an "incomplete close", which a client (OpenSSL 3: "unexpected eof
+;;; while reading") cannot tell from a cut answer.  RFC 9112 section 9.8:
+;;; a server must attempt the exchange of closure alerts.  Gallop binds it.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (find-symbol "*SOCKET*" '#:cl+ssl)
+    (error "This cl+ssl has no *SOCKET*.")))
+
+(defun call-with-ssl-bio-stream (stream function)
+  "Call FUNCTION with cl+ssl's Lisp BIO writing to STREAM (the stream a TLS
+stream was made over), as it does inside cl+ssl's own calls."
+  (progv (list (find-symbol "*SOCKET*" '#:cl+ssl)) (list stream)
+    (funcall function)))
+
 ;;; ACCEPTOR-SHUTDOWN-P (internal accessor, same in 1.2.38 and 1.3.x):
 ;;; PROCESS-CONNECTION checks it before reading each request and returns
 ;;; when it is true.  During a soft stop Gallop still serves the requests

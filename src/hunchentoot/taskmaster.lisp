@@ -23,6 +23,14 @@
 (defvar *connection* nil
   "The Gallop connection the current worker is serving, if any.")
 
+(defun request-connection ()
+  "The Gallop connection Hunchentoot reads the current request through,
+whose state says where that request is (head or body left, close after):
+*CONNECTION* itself, or on TLS the plaintext connection over its TLS stream
+\(see gallop.core's tls.lisp), since *CONNECTION* carries only ciphertext."
+  (let ((owner (and *connection* (connection-owner-stream *connection*))))
+    (if (typep owner 'gallop.core:connection) owner *connection*)))
+
 (defvar *taskmasters* (make-hash-table :test 'eq :weakness :key :synchronized t)
   "Each running acceptor's GALLOP:TASKMASTER.  Hunchentoot exports no way from
 an acceptor to its taskmaster.")
@@ -239,7 +247,7 @@ new connections get 503.")
   ;; (A body the handler did not read is left to Gallop: see
   ;; ACCEPTOR-LOG-ACCESS below.)
   (declare (ignore request))
-  (let ((c *connection*))
+  (let ((c (request-connection)))
     (if (null c)
         (call-next-method)
         (flet ((closing ()
@@ -257,9 +265,10 @@ new connections get 503.")
 (defun leave-unread-body (request)
   "Before Hunchentoot answers REQUEST: if its body was not read, mark it as
 consumed (see compat.lisp), so that Hunchentoot does not read it into memory."
-  (let ((slot (raw-post-data-slot)))
-    (when (and *connection*
-               (gallop.core:connection-body-pending-p *connection*)
+  (let ((slot (raw-post-data-slot))
+        (c (request-connection)))
+    (when (and c
+               (gallop.core:connection-body-pending-p c)
                (null (slot-value request slot)))
       (setf (slot-value request slot) t))))
 
@@ -300,7 +309,8 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
 
 (defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
   ;; See compat.lisp: a request that arrived before a soft stop is served.
-  (and (not (and *connection* (gallop.core:connection-head-pending-p *connection*)))
+  (and (not (let ((c (request-connection)))
+              (and c (gallop.core:connection-head-pending-p c))))
        (call-next-method)))
 
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
@@ -316,6 +326,17 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
               (gallop.core:make-plain-connection *connection* result
                                                  :pending (ssl-pending-function result)))
         result)))
+
+(defmethod close :around ((stream gallop.core:connection) &key abort)
+  ;; The plaintext side of a TLS connection closes its TLS stream, made over
+  ;; *CONNECTION*: let cl+ssl's SSL_shutdown send close_notify through it
+  ;; (see compat.lisp).
+  (declare (ignore abort))
+  (if (and *connection*
+           (not (eq stream *connection*))
+           (eq stream (connection-owner-stream *connection*)))
+      (call-with-ssl-bio-stream *connection* #'call-next-method)
+      (call-next-method)))
 
 (defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
   (let ((result

@@ -12,7 +12,7 @@
 ;;;; header: the proxy reads and checks the whole body first, as a Gallop app
 ;;;; does.  Its limits are Gallop's defaults as far as nginx can express them
 ;;;; (body 64 MiB, request line 64 KiB, 16 header buffers of 64 KiB).  Then
-;;;; every case of the corpus goes to nginx and to Gallop's three front ends,
+;;;; every case of the corpus goes to nginx and to Gallop's front ends,
 ;;;; and a table lists the cases where Gallop's status sequence, or the
 ;;;; corpus's verdict, differs from nginx's.  doc/conformance.md explains
 ;;;; each difference between the verdict and nginx; the cases it does not
@@ -176,7 +176,7 @@ doc/conformance.md does not explain it."
                     ~D cases where Gallop or the corpus's verdict differ from nginx:~%~
                     spec    the status sequence the corpus expects (close: no answer)~%~
                     gallop  what GALLOP:START answered; ! not the spec's verdict, * its ~
-                    three front ends disagree~%~
+                    front ends disagree~%~
                     doc     where spec and nginx differ: whether doc/conformance.md explains it~2%"
             (length cases) (nginx-version) (length rows))
     (let ((widths (loop for column from 0 below 6

@@ -1,5 +1,5 @@
 ;;;; runner.lisp -- runs the conformance corpus (corpus.lisp) over raw
-;;;; sockets against Gallop's three front ends, and (make conformance,
+;;;; sockets (and TLS) against Gallop's four front ends, and (make conformance,
 ;;;; nginx.lisp) against nginx.
 ;;;;
 ;;;; For each case the client connects, writes the case's octets, half-closes
@@ -14,12 +14,22 @@
 ;;;; message (Content-Type, Content-Length equal to the body, Connection:
 ;;;; close) followed by nothing.
 ;;;;
-;;;; The three front ends, each started once for the whole corpus:
+;;;; The four front ends, each started once for the whole corpus:
 ;;;;   :native          GALLOP:START with CONFORMANCE-APP
 ;;;;   :gallop-acceptor GALLOP:EASY-ACCEPTOR (subclass) with a default handler
 ;;;;   :stock-acceptor  HUNCHENTOOT:EASY-ACCEPTOR (subclass) with
 ;;;;                    :TASKMASTER (make-instance 'gallop:taskmaster)
+;;;;   :ssl-acceptor    GALLOP:EASY-SSL-ACCEPTOR (subclass, the certificate
+;;;;                    of hunchentoot/ssl.lisp) with the same handler
 ;;;; Their timeouts are 2 s, a safety net only.
+;;;;
+;;;; Over TLS (hunchentoot/tls.lisp's client) each case gets a handshake of
+;;;; its own; the octets are written a TLS record of at most 16 KiB at a
+;;;; time, and the client's "half-close" is a close_notify alert (SSL_shutdown):
+;;;; the server's TLS stream reads it as end of file, exactly where a plain
+;;;; server sees the FIN, and the client keeps reading until the server's own
+;;;; close_notify.  So every case, cut requests included, gets the plain
+;;;; verdict over TLS: there is no case where TLS may differ.
 
 (in-package #:gallop-tests)
 
@@ -78,6 +88,9 @@ body and what it saw in X-Seen."
 (defclass conformance-gallop-acceptor (gallop:easy-acceptor) ()
   (:documentation "GALLOP:EASY-ACCEPTOR answering every request with CONFORMANCE-HANDLER."))
 
+(defclass conformance-ssl-acceptor (gallop:easy-ssl-acceptor) ()
+  (:documentation "GALLOP:EASY-SSL-ACCEPTOR answering every request with CONFORMANCE-HANDLER."))
+
 (defclass conformance-stock-acceptor (hunchentoot:easy-acceptor) ()
   (:documentation "A stock HUNCHENTOOT:EASY-ACCEPTOR (run with GALLOP:TASKMASTER)
 answering every request with CONFORMANCE-HANDLER."))
@@ -86,15 +99,19 @@ answering every request with CONFORMANCE-HANDLER."))
   (declare (ignore request))
   (conformance-handler))
 
+(defmethod hunchentoot:acceptor-dispatch-request ((acceptor conformance-ssl-acceptor) request)
+  (declare (ignore request))
+  (conformance-handler))
+
 (defmethod hunchentoot:acceptor-dispatch-request ((acceptor conformance-stock-acceptor) request)
   (declare (ignore request))
   (conformance-handler))
 
-(defparameter *conformance-front-ends* '(:native :gallop-acceptor :stock-acceptor)
+(defparameter *conformance-front-ends* '(:native :gallop-acceptor :stock-acceptor :ssl-acceptor)
   "Gallop's front ends, each of which must give every case its verdict.")
 
 (defun hunchentoot-front-end-p (front-end)
-  (member front-end '(:gallop-acceptor :stock-acceptor)))
+  (member front-end '(:gallop-acceptor :stock-acceptor :ssl-acceptor)))
 
 (defun call-with-conformance-front-end (front-end function)
   "Start FRONT-END on 127.0.0.1 and a free port, call FUNCTION with the port,
@@ -108,13 +125,18 @@ and always stop it."
                                  :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
        (unwind-protect (funcall function (gallop:server-port server))
          (gallop:stop server))))
-    ((:gallop-acceptor :stock-acceptor)
-     (let ((acceptor (if (eq front-end :gallop-acceptor)
-                         (make-server 'conformance-gallop-acceptor
-                                      :read-timeout 2 :write-timeout 2)
-                         (make-server 'conformance-stock-acceptor
-                                      :read-timeout 2 :write-timeout 2
-                                      :taskmaster (make-instance 'gallop:taskmaster)))))
+    ((:gallop-acceptor :stock-acceptor :ssl-acceptor)
+     (let ((acceptor (ecase front-end
+                       (:gallop-acceptor
+                        (make-server 'conformance-gallop-acceptor
+                                     :read-timeout 2 :write-timeout 2))
+                       (:stock-acceptor
+                        (make-server 'conformance-stock-acceptor
+                                     :read-timeout 2 :write-timeout 2
+                                     :taskmaster (make-instance 'gallop:taskmaster)))
+                       (:ssl-acceptor
+                        (make-ssl-server 'conformance-ssl-acceptor
+                                         :read-timeout 2 :write-timeout 2)))))
        (hunchentoot:start acceptor)
        (unwind-protect (funcall function (port-of acceptor))
          (hunchentoot:stop acceptor))))))
@@ -201,9 +223,12 @@ NIL and NIL when every octet belongs to an answer."
   end       ; how the connection ended: NIL (end of file), :TIMEOUT or :RESET
   octets)   ; everything the server sent
 
-(defun run-case (case port)
-  "Send CASE to the server on PORT; its OUTCOME."
-  (multiple-value-bind (octets end) (exchange-octets port (case-octets case))
+(defun run-case (case port &optional front-end)
+  "Send CASE to the server on PORT (FRONT-END: over TLS for :SSL-ACCEPTOR);
+its OUTCOME."
+  (multiple-value-bind (octets end) (if (eq front-end :ssl-acceptor)
+                                        (tls-exchange-octets port (case-octets case))
+                                        (exchange-octets port (case-octets case)))
     (multiple-value-bind (answers leftover error) (parse-answers octets)
       (make-outcome :answers answers :leftover leftover :error error :end end :octets octets))))
 
@@ -238,6 +263,9 @@ strings, NIL when it is the case's verdict."
     (flet ((problem (control &rest args) (push (apply #'format nil control args) problems)))
       (when (eq (outcome-end outcome) :timeout)
         (problem "the server did not close within the time-out"))
+      (when (and (eq front-end :ssl-acceptor) (eq (outcome-end outcome) :reset))
+        ;; RFC 9112 9.8: a server closes a TLS connection with close_notify.
+        (problem "the TLS connection ended without the server's close_notify"))
       (unless (equal (outcome-statuses outcome) (expected-statuses case))
         (problem "statuses ~S, expected ~S" (outcome-statuses outcome) (expected-statuses case)))
       ;; An answer cut short of its Content-Length, a malformed one, or
@@ -270,7 +298,7 @@ strings, NIL when it is the case's verdict."
   (call-with-conformance-front-end front-end
                        (lambda (port)
                          (loop for case in cases
-                               for outcome = (run-case case port)
+                               for outcome = (run-case case port front-end)
                                collect (list case outcome
                                              (verdict-problems case outcome front-end))))))
 
@@ -373,3 +401,6 @@ strings, NIL when it is the case's verdict."
 
 (test conformance-stock-acceptor-with-gallop-taskmaster
   (check-front-end :stock-acceptor))
+
+(test conformance-ssl-acceptor-over-tls
+  (check-front-end :ssl-acceptor))
