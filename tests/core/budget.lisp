@@ -153,3 +153,26 @@ stays with it meanwhile."
              (is (wait-until (lambda () (zerop (engine-stat engine :head-bytes))))))
         (gallop.core:engine-stop engine)
         (sb-bsd-sockets:socket-close listener)))))
+
+(test dropped-grown-buffers-bring-a-full-collection
+  ;; Grown head buffers live long enough to reach older generations, which
+  ;; SBCL collects rarely: once a quarter of the heap's worth of them has
+  ;; been left to the GC, the engine collects every generation (and the
+  ;; count starts again).  An 8 KiB buffer goes back to the free list and is
+  ;; not counted.
+  (let ((pool gallop.core::*buffer-pool*)
+        (grown (make-array 16384 :element-type '(unsigned-byte 8)))
+        (pooled (gallop.core::acquire-buffer)))
+    (setf (gallop.core::buffer-pool-dropped pool) 0)
+    (gallop.core::release-buffer pooled)
+    (is (= 0 (gallop.core::buffer-pool-dropped pool)))
+    (gallop.core::release-buffer grown)
+    (is (= 16384 (gallop.core::buffer-pool-dropped pool)))
+    ;; Just short of a quarter of the heap: the next grown buffer crosses it.
+    (setf (gallop.core::buffer-pool-dropped pool)
+          (- (floor (sb-ext:dynamic-space-size) 4) 1000))
+    (sb-ext:gc)                         ; so that no collection is due on its own
+    (let ((epoch sb-kernel::*gc-epoch*))
+      (gallop.core::release-buffer grown)
+      (is (= 0 (gallop.core::buffer-pool-dropped pool)))
+      (is (not (eq epoch sb-kernel::*gc-epoch*)) "no collection"))))
