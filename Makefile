@@ -83,3 +83,20 @@ soak-short:
 
 bench-uploads:
 	@$(LISP) --load bench/uploads.lisp --eval '(gallop-bench-uploads:main)'
+
+# Partial request heads against the head budget (bench/heads.lisp; results in
+# BENCHMARKS.md, "Partial heads and the head budget"): 19,000 connections to
+# 127.0.0.1 from a client process, each sending a head just short of the
+# server's limit without its final empty line (1 MiB; :max-head-bytes 65536;
+# :max-head-bytes 16 MiB; and ordinary 4,000-octet heads), against
+# gallop:start and gallop:easy-acceptor with SBCL's default heap; each case
+# bounded to 180 s.  Non-zero when the server died, answered badly, stopped
+# serving, or did not give the budget back.
+#   make bench-heads   about 1 min
+
+.PHONY: bench-heads
+
+bench-heads:
+	@set -o pipefail; \
+	 $(LISP) --load bench/heads.lisp --eval '(gallop-bench-heads:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'

@@ -26,6 +26,8 @@
 ;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
 ;;;; measures the server's memory while clients upload to them.
 ;;;;
+;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
+;;;; head-budget benchmark, bench/heads.lisp, lowers it to 65536).
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
 ;;;; (default 10), and BENCH_TIMEOUT (seconds) the read and write timeouts,
 ;;;; from which Gallop's header and keep-alive idle timeouts default (20 s;
@@ -41,6 +43,8 @@
 ;;;;   "gc"    -> a full garbage collection, then "GC <dynamic usage in bytes>"
 ;;;;              (the soak test calls it before reading RSS, so that
 ;;;;              samples do not depend on when the last collection ran);
+;;;;   "heap"  -> "HEAP <dynamic usage> <dynamic space size>" in bytes, without
+;;;;              collecting (garbage included: what the heap holds now);
 ;;;;   "quit" or end of file -> exit at once.  End of file means the harness is
 ;;;;   gone, so a crashed harness never leaves a server behind.
 ;;;; Everything else the process prints (compiler chatter, errors) goes to
@@ -194,11 +198,18 @@ to set up, so that run raises it.")
   "Seconds for the acceptor's read and write timeouts, and so for Gallop's
 header and idle timeouts (default: 20 s).")
 
+(defparameter *max-head-bytes*
+  (let ((v (uiop:getenv "BENCH_MAX_HEAD_BYTES")))
+    (and v (plusp (length v)) (parse-integer v)))
+  "Gallop's :MAX-HEAD-BYTES (default: its own, 1 MiB).")
+
 (defun gallop-options ()
-  "The pool and keep-alive timeouts set from the environment, as initargs of
-GALLOP:TASKMASTER and keywords of GALLOP:START alike."
+  "The pool and keep-alive timeouts and the head limit set from the
+environment, as initargs of GALLOP:TASKMASTER and keywords of GALLOP:START
+alike."
   (append (and *idle-timeout* (list :idle-timeout *idle-timeout*))
-          (and *thread-idle-timeout* (list :thread-idle-timeout *thread-idle-timeout*))))
+          (and *thread-idle-timeout* (list :thread-idle-timeout *thread-idle-timeout*))
+          (and *max-head-bytes* (list :max-head-bytes *max-head-bytes*))))
 
 (defun acceptor-timeout-args ()
   "The read and write timeouts of a Hunchentoot acceptor, from BENCH_TIMEOUT."
@@ -262,6 +273,9 @@ GALLOP:TASKMASTER and keywords of GALLOP:START alike."
                      ((string= command "gc")
                       (sb-ext:gc :full t)
                       (reply "GC ~D" (sb-kernel:dynamic-usage)))
+                     ((string= command "heap")
+                      (reply "HEAP ~D ~D" (sb-kernel:dynamic-usage)
+                             (sb-ext:dynamic-space-size)))
                      ((string= command "quit")
                       (return)))))
   (sb-sys:interactive-interrupt () nil)

@@ -24,7 +24,8 @@
 (defstruct (buffer-pool (:constructor make-buffer-pool ()) (:copier nil))
   (lock (sb-thread:make-mutex :name "gallop buffer pool"))
   (free (make-array +max-free-buffers+) :type simple-vector)
-  (count 0 :type fixnum))
+  (count 0 :type fixnum)
+  (dropped 0 :type sb-ext:word)) ; octets of grown buffers left to the GC, see NOTE-DROPPED
 
 (sb-ext:define-load-time-global *buffer-pool* (make-buffer-pool))
 
@@ -53,10 +54,27 @@ keeps, and whose cdr is their count.  NIL elsewhere.")
               (shiftf (svref (buffer-pool-free pool) (1- n)) nil))))
         (make-array +buffer-size+ :element-type '(unsigned-byte 8)))))
 
+(defun note-dropped (octets)
+  "A buffer of OCTETS grown for a long head was left to the GC.  Such buffers
+live long enough (a head arriving over many reads) to be promoted to older
+generations, which SBCL collects rarely; under a stream of long heads that
+garbage filled the heap (a 1 GiB heap exhausted with 16 MiB heads, though the
+live heads stayed within the head budget).  So once a quarter of the heap's
+worth of them was dropped, collect every generation."
+  (declare (type fixnum octets))
+  (let* ((pool *buffer-pool*)
+         (dropped (+ octets (sb-ext:atomic-incf (buffer-pool-dropped pool) octets))))
+    (when (and (>= dropped (floor (sb-ext:dynamic-space-size) 4))
+               ;; One thread collects, the one that reset the count.
+               (= dropped (sb-ext:compare-and-swap (buffer-pool-dropped pool) dropped 0)))
+      (sb-ext:gc :full t))))
+
 (defun release-buffer (buffer)
   "Give BUFFER back.  Buffers of another size (grown for a large head) are
-left to the GC."
+left to the GC (see NOTE-DROPPED)."
   (declare (type octets buffer))
+  (unless (= (length buffer) +buffer-size+)
+    (note-dropped (length buffer)))
   (when (= (length buffer) +buffer-size+)
     (let ((pool *buffer-pool*)
           (cache *thread-buffers*))

@@ -259,18 +259,43 @@ epoll rather than closed."
     (or inbuf (setf inbuf (acquire-buffer)))))
 
 (defun release-buffers (c)
-  "Give back the buffers of C that hold nothing."
-  (with-connection-slots (inbuf in-start in-end scan outbuf out-fill) c
+  "Give back the buffers of C that hold nothing (and the head budget the input
+buffer held, see CHARGE-HEAD)."
+  (with-connection-slots (inbuf in-start in-end scan outbuf out-fill budgeted engine) c
     (when (and inbuf (= in-start in-end))
       (release-buffer inbuf)
-      (setf inbuf nil in-start 0 in-end 0 scan 0))
+      (setf inbuf nil in-start 0 in-end 0 scan 0)
+      (when (plusp budgeted)
+        (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+        (setf budgeted 0)))
     (when (and outbuf (zerop out-fill))
       (release-buffer outbuf)
       (setf outbuf nil))))
 
+(defun charge-growth (c size)
+  "Before C's input buffer grows to SIZE octets, count SIZE against the
+engine's head budget in place of what C already holds there.  NIL when that
+would exceed the budget.  A buffer is charged while a worker reads into it,
+not only once it is parked: otherwise every worker reading a long head could
+grow one up to MAX-HEAD-BYTES beside the budget, and with a raised head limit
+those together exhausted the heap.  The plaintext side of TLS (read within
+one worker run, never parked, never closed through CLOSE-CONNECTION) only
+checks the budget."
+  (declare (type fixnum size))
+  (with-connection-slots (engine budgeted source) c
+    (if source
+        (<= (+ (engine-head-bytes engine) size) (engine-head-budget engine))
+        (let ((delta (- size budgeted)))
+          ;; ATOMIC-INCF returns the old value.
+          (if (> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
+                 (engine-head-budget engine))
+              (progn (sb-ext:atomic-decf (engine-head-bytes engine) delta) nil)
+              (progn (setf budgeted size) t))))))
+
 (defun make-room (c max)
   "Make space after IN-END in the input buffer: move unread bytes to the
-front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
+front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at
+MAX, or when growing it would exceed the head budget (see CHARGE-GROWTH)."
   (with-connection-slots (inbuf in-start in-end scan) c
     (let ((buffer (ensure-inbuf c)))
       (declare (type octets buffer))
@@ -283,10 +308,8 @@ front, or grow the buffer up to MAX bytes.  Returns NIL when it is full at MAX."
              t)
             ((and (< (length buffer) max)
                   ;; Growing past the head budget would let heads exhaust
-                  ;; the heap (see CHARGE-HEAD): the caller answers 431/503.
-                  (let ((engine (conn-slot c engine)))
-                    (<= (+ (engine-head-bytes engine) (min max (* 2 (length buffer))))
-                        (engine-head-budget engine))))
+                  ;; the heap: the caller answers 431/503.
+                  (charge-growth c (min max (* 2 (length buffer)))))
              (let ((bigger (make-array (min max (* 2 (length buffer)))
                                        :element-type '(unsigned-byte 8))))
                (replace bigger buffer :end2 in-end)

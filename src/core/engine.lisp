@@ -168,7 +168,9 @@ Connection: close."
 epoll), :ACTIVE (owned by a worker or by a handler that detached them),
 :IN-FLIGHT requests, :PENDING (accepted, not yet served), totals :ACCEPTED,
 :CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
-:HEAD-BYTES (input buffers of connections parked with a partial head), :REJECTED (400/408/414/431),
+:HEAD-BYTES (input buffers counted against the head budget: those of
+connections parked with a partial head, and those grown for a long head),
+:REJECTED (400/408/414/431),
 :TIMEOUTS, :ABORTED (requests the client gave up on: it closed or reset the
 connection while a handler read or answered), and the pool's :THREADS and
 :IDLE-THREADS."

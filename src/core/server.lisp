@@ -45,8 +45,8 @@ MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.  MAX-Q
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
 RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
-input buffers of all connections parked with part of a request head; past
-it, such a connection gets 503."
+input buffers of all connections parked with part of a request head, and
+every buffer grown for a long head; past it, such a connection gets 503."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw
                                 :header-timeout-ms (ms header-timeout)
@@ -218,7 +218,6 @@ must read again."
       (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
         (:active t)
         (:dirty (setf (connection-state c) :active)
-         (uncharge-head c)
          nil)
         (t (error "PARK: ~A is not owned by this worker" c))))))
 
@@ -228,8 +227,12 @@ must read again."
 ;;; there are.  The engine counts those buffers in HEAD-BYTES and keeps them
 ;;; under HEAD-BUDGET (a quarter of the heap by default), so that heads can
 ;;; never exhaust the heap: past it, a connection is answered 503 instead of
-;;; being parked, and no buffer grows.  Invariant: HEAD-BYTES is the sum of
-;;; the BUDGETED octets of every connection.
+;;; being parked, and no buffer grows.  A buffer grown for a long head is
+;;; counted from the moment it grows (CHARGE-GROWTH), whether parked or being
+;;; read, and a counted buffer stays counted until the connection gives it
+;;; back (RELEASE-BUFFERS) or closes.  Invariant: HEAD-BYTES is the sum of
+;;; the BUDGETED octets of every connection, and BUDGETED is 0 or the length
+;;; of the connection's input buffer.
 
 (defun charge-head (c)
   "Count C's input buffer against the head budget if C is about to park with
@@ -243,7 +246,8 @@ a partial request in it.  NIL when that would exceed the budget."
               (progn (setf budgeted n) t))))))
 
 (defun uncharge-head (c)
-  "C no longer parks with a partial head: give its share of the budget back."
+  "C gives its input buffer up (rejected or closed): give its share of the
+budget back."
   (with-connection-slots (budgeted engine) c
     (when (plusp budgeted)
       (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
@@ -310,7 +314,8 @@ FLAGS."
 repeat while complete heads are buffered (pipelining); then park, close or
 leave C as the handler decided.  The caller owns C."
   (unfresh c)
-  (uncharge-head c)
+  ;; C keeps its share of the head budget while this worker reads into its
+  ;; buffer: buffers being read count as much as parked ones.
   (with-connection-slots (fd in-end raw) c
     (flet ((head-ready-p ()
              ;; A complete head is buffered; a head over a limit is refused
