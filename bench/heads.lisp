@@ -75,7 +75,6 @@
 (defparameter *bench-dir*
   (make-pathname :name nil :type nil :version nil
                  :defaults (or *load-truename* *default-pathname-defaults*)))
-(defparameter *repo* (uiop:pathname-parent-directory-pathname *bench-dir*))
 
 ;;; Settings
 
@@ -429,15 +428,7 @@ T when the answer is exactly 200 \"Hey!\"; else NIL and why."
 (defstruct (server (:conc-name server-))
   kind port process pid log (lock (sb-thread:make-mutex :name "server pipe")))
 
-(defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
-(defun kill-and-reap (process)
-  (when (alive-p process)
-    (ignore-errors (sb-ext:process-kill process 15))
-    (unless (wait-exit process 3)
-      (ignore-errors (sb-ext:process-kill process 9))
-      (wait-exit process 5)))
-  (ignore-errors (sb-ext:process-close process)))
 
 (defun server-environment (max-head-bytes)
   (append (list "BENCH_MESSAGE_LOG=1"

@@ -1,13 +1,24 @@
-;;;; process.lisp -- helpers shared by the benchmark harness (run.lisp) and
-;;;; the soak test (soak.lisp), which each load this file first: reading
+;;;; process.lisp -- helpers shared by the benchmark harness (run.lisp), the
+;;;; soak test (soak.lisp) and the memory benchmarks (uploads.lisp,
+;;;; heads.lisp), which each load this file first: reading
 ;;;; settings from the environment, and child processes.  Both start servers
 ;;;; and load generators as child processes and talk to them over pipes, with
 ;;;; every wait bounded.
 
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
-  (:export #:env #:env-int #:alive-p #:wait-exit #:read-line-timeout))
+  (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
+           #:*repo* #:lisp-sh))
 (in-package #:gallop-bench-process)
+
+(defparameter *repo*
+  (uiop:pathname-parent-directory-pathname
+   (uiop:pathname-directory-pathname (or *load-truename* *default-pathname-defaults*)))
+  "The checkout this file belongs to.")
+
+(defun lisp-sh ()
+  "The checkout's scripts/lisp.sh, which child Lisp processes run."
+  (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
 (defun env (name)
   "The environment variable NAME, trimmed, or NIL when unset or blank."
@@ -35,6 +46,15 @@ separators: 2_000_000), or DEFAULT when unset."
              (return-from wait-exit nil))
            (sleep 0.05))
   t)
+
+(defun kill-and-reap (process)
+  "SIGTERM PROCESS, SIGKILL it after 3 s, and release it."
+  (when (alive-p process)
+    (ignore-errors (sb-ext:process-kill process 15))
+    (unless (wait-exit process 3)
+      (ignore-errors (sb-ext:process-kill process 9))
+      (wait-exit process 5)))
+  (ignore-errors (sb-ext:process-close process)))
 
 (defun read-line-timeout (stream seconds)
   "The next line of STREAM, or NIL at end of file or after SECONDS."

@@ -53,7 +53,6 @@
 
 (defparameter *bench-dir*
   (make-pathname :name nil :type nil :version nil :defaults (or *load-truename* *default-pathname-defaults*)))
-(defparameter *repo* (uiop:pathname-parent-directory-pathname *bench-dir*))
 
 (load (merge-pathnames "chart.lisp" *bench-dir*))
 (load (merge-pathnames "report.lisp" *bench-dir*))
@@ -249,7 +248,6 @@ GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
 
 (defun nginx-program () (find-program "nginx" "/usr/sbin" "/sbin"))
 
-(defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
 ;;; HTTP check
 

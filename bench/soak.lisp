@@ -74,7 +74,6 @@
 (defparameter *bench-dir*
   (make-pathname :name nil :type nil :version nil
                  :defaults (or *load-truename* *default-pathname-defaults*)))
-(defparameter *repo* (uiop:pathname-parent-directory-pathname *bench-dir*))
 
 ;;; Configuration
 
@@ -146,16 +145,7 @@
 
 ;;; Child processes
 
-(defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
-(defun kill-and-reap (process)
-  "SIGTERM PROCESS, SIGKILL it after 3 s, and release it."
-  (when (alive-p process)
-    (ignore-errors (sb-ext:process-kill process 15))
-    (unless (wait-exit process 3)
-      (ignore-errors (sb-ext:process-kill process 9))
-      (wait-exit process 5)))
-  (ignore-errors (sb-ext:process-close process)))
 
 (defun file-size (path)
   (or (ignore-errors

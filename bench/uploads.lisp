@@ -67,7 +67,6 @@
 (defparameter *bench-dir*
   (make-pathname :name nil :type nil :version nil
                  :defaults (or *load-truename* *default-pathname-defaults*)))
-(defparameter *repo* (uiop:pathname-parent-directory-pathname *bench-dir*))
 
 (deftype octets () '(simple-array (unsigned-byte 8) (*)))
 
@@ -293,16 +292,7 @@ early once an answer arrives, and read and check the answer.  An OUTCOME."
 
 ;;; Child processes
 
-(defun lisp-sh () (namestring (merge-pathnames "scripts/lisp.sh" *repo*)))
 
-(defun kill-and-reap (process)
-  "SIGTERM PROCESS, SIGKILL it after 3 s, and release it."
-  (when (alive-p process)
-    (ignore-errors (sb-ext:process-kill process 15))
-    (unless (wait-exit process 3)
-      (ignore-errors (sb-ext:process-kill process 9))
-      (wait-exit process 5)))
-  (ignore-errors (sb-ext:process-close process)))
 
 (defstruct (server (:conc-name server-))
   kind port process pid)

@@ -73,20 +73,19 @@ worth of them was dropped, collect every generation."
   "Give BUFFER back.  Buffers of another size (grown for a large head) are
 left to the GC (see NOTE-DROPPED)."
   (declare (type octets buffer))
-  (unless (= (length buffer) +buffer-size+)
-    (note-dropped (length buffer)))
-  (when (= (length buffer) +buffer-size+)
-    (let ((pool *buffer-pool*)
-          (cache *thread-buffers*))
-      (when (and cache (< (the fixnum (cdr cache)) +thread-cached-buffers+))
-        (push buffer (car cache))
-        (incf (the fixnum (cdr cache)))
-        (return-from release-buffer nil))
-      (sb-thread:with-mutex ((buffer-pool-lock pool))
-        (let ((n (buffer-pool-count pool)))
-          (when (< n +max-free-buffers+)
-            (setf (svref (buffer-pool-free pool) n) buffer
-                  (buffer-pool-count pool) (1+ n)))))))
+  (if (/= (length buffer) +buffer-size+)
+      (note-dropped (length buffer))
+      (let ((pool *buffer-pool*)
+            (cache *thread-buffers*))
+        (when (and cache (< (the fixnum (cdr cache)) +thread-cached-buffers+))
+          (push buffer (car cache))
+          (incf (the fixnum (cdr cache)))
+          (return-from release-buffer nil))
+        (sb-thread:with-mutex ((buffer-pool-lock pool))
+          (let ((n (buffer-pool-count pool)))
+            (when (< n +max-free-buffers+)
+              (setf (svref (buffer-pool-free pool) n) buffer
+                    (buffer-pool-count pool) (1+ n)))))))
   nil)
 
 ;;; The octets HTTP framing is made of, by name.
