@@ -36,7 +36,8 @@ clean:
 
 # Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
 #   make bench        the full matrix, 3 repetitions, ~17 min; writes bench/results/RUN.tsv,
-#                     BENCHMARKS.md and BENCHMARKS.svg
+#                     BENCHMARKS.md and BENCHMARKS.svg; then bench-uploads and bench-heads
+#                     (memory under large uploads and partial heads, ~2 min, below)
 #   make bench-quick  one repetition of 1 s runs, under 2 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.
@@ -47,6 +48,7 @@ BENCH = $(LISP) --load bench/run.lisp --eval
 bench:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :full)'
+	@$(MAKE) --no-print-directory bench-uploads bench-heads
 
 bench-quick:
 	@scripts/deps.sh wrk nginx-light

@@ -235,12 +235,13 @@ body) in the input that is here.  True when the next request starts at
 IN-START; NIL when the rest has not all arrived, or the framing is broken:
 then the connection must close after the answer."
   (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw) c
+    (incf in-start head-left)
+    (setf head-left 0)
     (cond
-      (raw t)                           ; TLS: its own layer reads the requests
+      ((or raw (null body-mode))        ; TLS reads its requests itself; or no body left
+       (not framing-broken))
       (framing-broken nil)
       (t
-       (incf in-start head-left)
-       (setf head-left 0)
        (let ((reads 0))
          (declare (type fixnum reads))
          (handler-case
