@@ -71,6 +71,7 @@
                (:file "core/deadline")
                (:file "core/aborts")
                (:file "core/chunks")
+               (:file "core/chunk-decoder")
                (:file "core/budget")
                (:file "core/shutdown")
                (:file "core/cpus")
