@@ -60,6 +60,22 @@ serves: record its framing."
   (with-connection-slots (in-start scan head-left) c
     (setf in-start scan head-left 0)))
 
+(defun connection-detach (c)
+  "The layer above keeps C's stream for a protocol of its own (Hunchentoot's
+DETACH-SOCKET: a WebSocket, a tunnel): from now on its reads and writes pass
+through as they are, past the end of the request just served (what is left
+of its head is dropped; a body not read yet is read as it is).  C's input
+buffer no longer counts against the head budget."
+  (with-connection-slots (in-start head-left body-mode boundary raw) c
+    (incf in-start head-left)
+    (setf head-left 0
+          body-mode nil
+          boundary nil
+          raw t
+          (conn-slot c detaching) t)
+    (uncharge-head c)
+    c))
+
 (defun connection-head-pending-p (c)
   "True if the layer above has not read the checked request head yet."
   (plusp (the fixnum (conn-slot c head-left))))

@@ -129,6 +129,9 @@ stream holds decrypted octets not read yet.")
 the header timeout of a head read through TLS (tls.lisp).")
    (budgeted :initform 0 :type fixnum
              :documentation "Octets of the engine's head budget this connection holds.")
+   (detaching :initform nil
+              :documentation "True once the layer above detached the stream (see
+CONNECTION-DETACH): its reads pass through and know no request boundary.")
    (close-after :initform nil
                 :documentation "True when the connection must close after this answer.")
    (head-left :initform 0 :type fixnum
@@ -421,8 +424,12 @@ when the connection should instead go back to the engine, which parks it,
 serves the next buffered request, or (when stopping, or when this request
 must be the last) closes it.  The plaintext side of TLS reads its next
 request itself (PLAIN-LEAVE-BOUNDARY)."
-  (with-connection-slots (park-requested engine) c
-    (cond ((conn-slot c source) (plain-leave-boundary c))
+  (with-connection-slots (park-requested engine boundary) c
+    (cond ((conn-slot c detaching)
+           ;; Detached: the stream is the handler's, requests are over.
+           (setf boundary nil)
+           t)
+          ((conn-slot c source) (plain-leave-boundary c))
           ((or (not (engine-running-p engine))
                (conn-slot c interrupted)
                (conn-slot c close-after)

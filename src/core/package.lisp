@@ -21,7 +21,7 @@
    #:connection-owner-stream #:make-plain-connection
    #:connection-head #:connection-consume-head #:connection-body-length
    #:connection-chunked-p #:connection-request-method #:connection-close-after-p
-   #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:make-body-stream #:body-stream
+   #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:make-body-stream #:body-stream
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
    #:put-latin1 #:put-decimal

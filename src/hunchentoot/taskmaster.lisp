@@ -307,6 +307,13 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
       (gallop.core:note-client-abort (gallop.core:connection-engine *connection*))
       (call-next-method)))
 
+(defmethod hunchentoot:detach-socket :after ((acceptor hunchentoot:acceptor))
+  ;; The handler keeps the stream (a WebSocket, a tunnel): Gallop stops
+  ;; framing requests on it, so the handler reads what the client sends next.
+  (let ((c (request-connection)))
+    (when c
+      (gallop.core:connection-detach c))))
+
 (defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
   ;; See compat.lisp: a request that arrived before a soft stop is served.
   (and (not (let ((c (request-connection)))

@@ -175,6 +175,29 @@ INTERVAL seconds for SECONDS, never finishing it.  Returns the sockets."
       (is (= 200 (response-status response)))
       (is (string= "30000" (body-string response))))))
 
+(test a-detached-stream-reads-what-the-client-sends-next
+  ;; After DETACH-SOCKET the stream is the handler's: it reads the client's
+  ;; next bytes (not an end of file at the end of the request), on a Gallop
+  ;; acceptor and on a stock one with gallop:taskmaster.
+  (dolist (initargs (list '() (list :taskmaster (make-instance 'gallop:taskmaster))))
+    (let ((server (apply #'make-server (if initargs 'hunchentoot:easy-acceptor 'gallop:easy-acceptor)
+                         initargs)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (let ((socket (connect (port-of server))))
+             (unwind-protect
+                  (let ((stream (usocket:socket-stream socket)))
+                    ;; HTTP/1.0, so that the head announces no chunked body
+                    (send socket (crlf "GET /detach-echo HTTP/1.0" "Host: x"))
+                    ;; the head Hunchentoot wrote, up to its empty line
+                    (loop for line = (read-line-crlf stream)
+                          until (or (null line) (zerop (length line))))
+                    (send socket (format nil "hello~C" #\Linefeed))
+                    (is (equal "echo: hello"
+                               (map 'string #'code-char (read-to-eof stream)))))
+               (usocket:socket-close socket)))
+        (hunchentoot:stop server)))))
+
 (test detach-socket-hands-the-stream-to-the-handler
   (with-server (server 'gallop:easy-acceptor)
     (let ((response (get-request (port-of server) "/detach")))

@@ -93,6 +93,25 @@
      :name "detached writer"))
   nil)
 
+(hunchentoot:define-easy-handler (handle-detach-echo :uri "/detach-echo") ()
+  ;; As a WebSocket-style handler: answer, keep the socket, then read what
+  ;; the client sends next (a line) and write it back.
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((stream (hunchentoot:send-headers)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (sb-thread:make-thread
+     (lambda ()
+       (ignore-errors
+        (let ((line (loop for b = (read-byte stream nil nil)
+                          until (or (null b) (= b 10))
+                          collect b)))
+          (write-sequence (coerce (list* 101 99 104 111 58 32 line) '(vector (unsigned-byte 8)))
+                          stream)
+          (finish-output stream)
+          (close stream))))
+     :name "detached echo"))
+  nil)
+
 (defun bottomless (n)
   "Recurses until the control stack is exhausted."
   (1+ (bottomless (1+ n))))
