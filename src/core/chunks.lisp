@@ -42,7 +42,9 @@
 ;;;;
 ;;;; Invariants: LEFT > 0 exactly in :DATA; TOTAL is the sum of the sizes
 ;;;; announced so far and never exceeds MAX; LINE counts the octets of the
-;;;; current size or trailer line, at most +MAX-CHUNK-LINE+.
+;;;; current size or trailer line, at most +MAX-CHUNK-LINE+; EXTRAS the
+;;;; octets of extensions and trailer fields so far, at most
+;;;; +MAX-CHUNK-EXTRAS+.
 
 (in-package #:gallop.core)
 
@@ -62,11 +64,17 @@ was already sent) and closes the connection."))
 (defconstant +max-chunk-line+ 1024
   "The longest chunk size line (with its extensions) or trailer line.")
 
+(defconstant +max-chunk-extras+ 65536
+  "The most octets of chunk extensions and trailer fields one body may carry
+in all: MAX-BODY-BYTES counts data only, and without this a client could
+send extensions on every one-octet chunk, or trailer lines, for ever.")
+
 (defstruct (chunk-decoder (:constructor make-chunk-decoder ()) (:copier nil))
   (state :size :type symbol)
   (left 0 :type fixnum)
   (total 0 :type fixnum)
   (line 0 :type fixnum)
+  (extras 0 :type fixnum)
   (max 0 :type fixnum))
 
 (defun reset-chunk-decoder (d max)
@@ -75,6 +83,7 @@ was already sent) and closes the connection."))
         (chunk-decoder-left d) 0
         (chunk-decoder-total d) 0
         (chunk-decoder-line d) 0
+        (chunk-decoder-extras d) 0
         (chunk-decoder-max d) max)
   d)
 
@@ -104,6 +113,11 @@ consumed.  Signals REQUEST-BODY-ERROR."
                    (declare (type (unsigned-byte 8) b))
                    (incf start)
                    (when (> (incf line) +max-chunk-line+)
+                     (bad))
+                   (when (and (member state '(:bws-semi :bws-name :ext-name :bws-equals
+                                              :bws-value :ext-token :quoted :quoted-pair
+                                              :after-quoted :field-name :field-value))
+                              (> (incf (chunk-decoder-extras d)) +max-chunk-extras+))
                      (bad))
                    (setf state
                          (case state

@@ -129,6 +129,9 @@ stream holds decrypted octets not read yet.")
 the header timeout of a head read through TLS (tls.lisp).")
    (budgeted :initform 0 :type fixnum
              :documentation "Octets of the engine's head budget this connection holds.")
+   (timed-out :initform nil
+              :documentation "True once a read or write on C timed out (reset by the
+plaintext side of TLS, which reads it).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
 CONNECTION-DETACH): its reads pass through and know no request boundary.")
@@ -281,19 +284,16 @@ engine's head budget in place of what C already holds there.  NIL when that
 would exceed the budget.  A buffer is charged while a worker reads into it,
 not only once it is parked: otherwise every worker reading a long head could
 grow one up to MAX-HEAD-BYTES beside the budget, and with a raised head limit
-those together exhausted the heap.  The plaintext side of TLS (read within
-one worker run, never parked, never closed through CLOSE-CONNECTION) only
-checks the budget."
+those together exhausted the heap.  (The plaintext side of TLS is charged
+the same way; it gives its share back between requests and when it closes.)"
   (declare (type fixnum size))
-  (with-connection-slots (engine budgeted source) c
-    (if source
-        (<= (+ (engine-head-bytes engine) size) (engine-head-budget engine))
-        (let ((delta (- size budgeted)))
-          ;; ATOMIC-INCF returns the old value.
-          (if (> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
-                 (engine-head-budget engine))
-              (progn (sb-ext:atomic-decf (engine-head-bytes engine) delta) nil)
-              (progn (setf budgeted size) t))))))
+  (with-connection-slots (engine budgeted) c
+    (let ((delta (- size budgeted)))
+      ;; ATOMIC-INCF returns the old value.
+      (if (> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
+             (engine-head-budget engine))
+          (progn (sb-ext:atomic-decf (engine-head-bytes engine) delta) nil)
+          (progn (setf budgeted size) t)))))
 
 (defun make-room (c max)
   "Make space after IN-END in the input buffer: move unread bytes to the
@@ -378,6 +378,7 @@ engine is stopping); signals CONNECTION-TIMEOUT-ERROR after TIMEOUT-MS."
   (let ((result (poll-fds (connection-fd c) events wake-fd timeout-ms)))
     (when (eq result :timeout)
       (sb-ext:atomic-incf (engine-timeouts (connection-engine c)))
+      (setf (conn-slot c timed-out) t)     ; for a TLS layer that hides the error (tls.lisp)
       (error 'connection-timeout-error :stream c :operation operation))
     result))
 
@@ -577,6 +578,7 @@ at once."
          ;; The plaintext side of TLS: closing the TLS stream ends the
          ;; session and closes the cipher connection under it.
          (release-buffers c)
+         (uncharge-head c)              ; a buffer still holding input
          (ignore-errors (close (conn-slot c source) :abort abort)))))
     (:detached
      (unless abort (ignore-errors (flush-output c)))

@@ -59,8 +59,9 @@ chunk's data; else 1 (a head, or chunk framing, may end at any octet)."
 the cipher connection's read timeout or deadline): at most SOURCE-WANT
 octets, since the TLS stream only returns when it has all it was asked for
 \(and LISTEN on it may block inside cl+ssl's Lisp BIO).  NIL at end of
-file, or when the TLS stream failed (the client went away or timed out:
-nobody to answer)."
+file, or when the TLS stream failed otherwise (the client went away:
+nobody to answer).  Signals HANDLER-TIMEOUT or CONNECTION-TIMEOUT-ERROR when
+that is what happened under the TLS library."
   (with-connection-slots (inbuf in-start in-end scan source) c
     (let ((buffer (ensure-inbuf c)))
       (declare (type octets buffer))
@@ -73,7 +74,20 @@ nobody to answer)."
                    (when (> end in-end)
                      (setf in-end end)
                      t))
-               (error () nil)))))))
+               (error ()
+                 ;; The TLS library turned our own condition, raised while it
+                 ;; read through the cipher connection, into an error of its
+                 ;; own: give the handler-deadline interrupt and the read
+                 ;; timeout back their meaning (503 / a quiet close), as on a
+                 ;; plain connection.  Anything else: the client is gone.
+                 (let ((cipher (conn-slot c cipher)))
+                   (cond ((conn-slot cipher interrupted)
+                          (let ((ms (engine-handler-timeout-ms (connection-engine c))))
+                            (error 'handler-timeout :seconds (and (plusp ms) (/ ms 1000.0)))))
+                         ((conn-slot cipher timed-out)
+                          (setf (conn-slot cipher timed-out) nil)
+                          (error 'connection-timeout-error :stream c :operation "TLS read"))
+                         (t nil))))))))))
 
 (defun send-to-source (c buffer start end)
   "Write BUFFER[START,END) through C's TLS stream."
@@ -118,8 +132,15 @@ complete and checked, then begin its message: true.  NIL when there is none
                (:too-large (return (answer-through-source c +response-431+)))
                (:incomplete
                 (unless (make-room c (engine-max-head-bytes engine))
-                  (return (answer-through-source c +response-431+)))
-                (unless (fill-from-source c)
+                  ;; Full: at the head limit (431), or short of it because
+                  ;; the head budget is spent (503), as on a plain socket.
+                  (return (answer-through-source
+                           c (if (< (length (the octets (conn-slot c inbuf)))
+                                    (engine-max-head-bytes engine))
+                                 (response-503 engine)
+                                 +response-431+))))
+                (unless (handler-case (fill-from-source c)
+                          (connection-timeout-error () nil)) ; the 408 below
                   (when (and (< (conn-slot c in-start) (conn-slot c in-end))
                              (>= (now-ms) (conn-slot cipher read-deadline)))
                     ;; Part of a head, and its time ran out.
@@ -127,6 +148,15 @@ complete and checked, then begin its message: true.  NIL when there is none
                     (answer-through-source c +response-408+))
                   (return nil))))))
       (setf (conn-slot cipher read-deadline) 0))))
+
+(defun call-with-handshake-deadline (cipher function)
+  "Call FUNCTION (which makes the TLS handshake over the connection CIPHER)
+with CIPHER's reads bounded by the header timeout in all, as a head's are: a
+client that dribbles its handshake cannot hold the worker past it."
+  (setf (conn-slot cipher read-deadline)
+        (+ (now-ms) (engine-header-timeout-ms (connection-engine cipher))))
+  (unwind-protect (funcall function)
+    (setf (conn-slot cipher read-deadline) 0)))
 
 (defun plain-leave-boundary (c)
   "LEAVE-BOUNDARY for the plain connection C: skip what the handler left of
@@ -136,6 +166,7 @@ given up when the engine stops).  True when a request may be read now."
          (engine (connection-engine c)))
     (setf (conn-slot c message) nil
           (conn-slot c boundary) nil)
+    (release-buffers c)                 ; an empty (grown) input buffer, and its budget
     (when (or (not (finish-message c))
               (conn-slot c close-after)
               (conn-slot cipher interrupted) ; the handler ran past its deadline

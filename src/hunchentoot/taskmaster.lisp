@@ -324,7 +324,10 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.
 
 (defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
-  (let ((result (call-next-method)))
+  (let ((result (if (and *connection* (eq stream *connection*) (hunchentoot:acceptor-ssl-p acceptor))
+                    ;; the TLS handshake: within the header timeout, as a head
+                    (gallop.core:call-with-handshake-deadline *connection* #'call-next-method)
+                    (call-next-method))))
     (if (and *connection* (eq stream *connection*) (not (eq result stream)))
         ;; Wrapped (TLS): Hunchentoot reads the plaintext through one more
         ;; Gallop connection, with the same checks and limits as a plain

@@ -110,6 +110,15 @@ body took, or :ERROR and the REQUEST-BODY-ERROR's status."
   (is (stringp (map 'string #'code-char
                     (decode-chunked (wire (format nil "5;~A|hello|0||" (make-string 900 :initial-element #\a))))))))
 
+(test chunk-decoder-bounds-extensions-and-trailers-in-all
+  ;; Each line is short, but together they pass 64 KiB: refused.
+  (flet ((many (n line) (with-output-to-string (s) (dotimes (i n) (write-string line s)))))
+    (is (eq :error (decode-chunked (wire (concatenate 'string (many 7000 "1;ext=123456789|x|") "0||")))))
+    (is (eq :error (decode-chunked (wire (concatenate 'string "1|x|0|" (many 7000 "X-T: 123456789|") "|")))))
+    ;; and a body with a few of them is fine
+    (is (equalp (octets "xxx")
+                (decode-chunked (wire (concatenate 'string (many 3 "1;ext=123456789|x|") "0|X-T: 1||")))))))
+
 (test chunk-decoder-leaves-what-follows-the-body
   ;; A pipelined request after the body is not the decoder's.
   (let ((octets (wire "5|hello|0||GET / HTTP/1.1|Host: x||")))

@@ -252,3 +252,81 @@ status however the plaintext is cut into TLS records."
                 (is (zerop (length rest)) "bytes after the last answer: ~S" rest)
                 (is (null end) "the connection ended with ~S, not the server's close" end)))
          (tls-close client))))))
+
+;;; Deadlines inside TLS: the TLS library turns a condition raised under it
+;;; into an error of its own; Gallop gives it back its meaning.
+
+(test tls-handler-deadline-while-reading-a-body-gets-503
+  ;; A handler blocked reading a body that never comes, cut by its deadline:
+  ;; 503, as on a plain socket (not a silent close counted as an abort).
+  (call-with-tls-front-end
+   '(:handler-timeout 1)
+   (lambda (port server)
+     (let ((client (tls-connect port)))
+       (unwind-protect
+            (progn
+              (tls-send client (octets (concatenate 'string
+                                                    (crlf "POST /body HTTP/1.1" "Host: x"
+                                                          "Content-Length: 10")
+                                                    "abc")))
+              (let ((response (tls-read-wire client :close t :timeout 8)))
+                (is (and (wire-response-p response) (= 503 (wire-status response)))
+                    "~A" response))
+              (is (zerop (stat server :aborted))))
+         (tls-close client))))))
+
+(test a-dribbled-tls-handshake-ends-at-the-header-timeout
+  ;; The handshake is bounded like a head: a client sending its ClientHello
+  ;; an octet a second loses its connection at the header timeout (2 s),
+  ;; though each octet comes well within the read timeout (20 s).
+  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor
+                                 :taskmaster (make-instance 'gallop:taskmaster :header-timeout 2))))
+    (hunchentoot:start server)
+    (unwind-protect
+         (let ((socket (connect (port-of server)))
+               (hello (tls-client-hello-start))
+               (start (get-internal-real-time)))
+           (unwind-protect
+                (let ((stream (usocket:socket-stream socket)))
+                  (loop for octet across hello
+                        do (handler-case (progn (write-byte octet stream) (force-output stream))
+                             (error () (return)))
+                           (sleep 1)
+                           (when (> (- (get-internal-real-time) start)
+                                    (* 8 internal-time-units-per-second))
+                             (return)))
+                  (is (wait-until (lambda () (zerop (stat server :open))) :timeout 10)
+                      "the dribbling client still holds a connection: ~S" (gallop:stats server))
+                  (is (plusp (stat server :timeouts))))
+             (ignore-errors (usocket:socket-close socket)))) ; its last octet may be unsent
+      (hunchentoot:stop server))))
+
+(test tls-head-buffers-count-against-the-head-budget
+  ;; As on a plain socket (core/budget.lisp): a buffer grown for a long head
+  ;; over TLS is charged; past the budget the next one gets 503.
+  (call-with-tls-front-end
+   '(:head-budget 65536)
+   (lambda (port server)
+     (let ((first (tls-connect port))
+           (second nil)
+           ;; a head with a long field, not yet ended by its empty line
+           (open-head (format nil "GET /wire-ok HTTP/1.1~C~CHost: x~C~CX-Long: ~A"
+                              #\Return #\Linefeed #\Return #\Linefeed
+                              (make-string 40000 :initial-element #\a))))
+       (unwind-protect
+            (progn
+              (tls-send first (octets open-head))
+              (is (wait-until (lambda () (= 65536 (stat server :head-bytes))) :timeout 10)
+                  "head bytes ~S" (stat server :head-bytes))
+              (setf second (tls-connect port))
+              (tls-send second (octets open-head))
+              (let ((response (tls-read-wire second :close t :timeout 8)))
+                (is (and (wire-response-p response) (= 503 (wire-status response))) "~A" response))
+              ;; the first ends its head and is served; the budget comes back
+              (tls-send first (octets (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)))
+              (let ((response (tls-read-wire first :timeout 8)))
+                (is (and (wire-response-p response) (= 200 (wire-status response))) "~A" response))
+              (tls-close first)
+              (is (wait-until (lambda () (zerop (stat server :head-bytes))) :timeout 10)))
+         (tls-close first)
+         (when second (tls-close second)))))))
