@@ -46,6 +46,7 @@ serves: record its framing."
   (with-connection-slots (in-start scan head-left body-mode body-left body-length chunked
                           synth synth-pos synth-data-left synth-done framing-broken engine) c
     (setf head-left (- scan in-start)
+          (conn-slot c blank-lines) 0
           framing-broken nil
           synth nil synth-pos 0 synth-data-left 0 synth-done nil)
     (cond (chunked

@@ -132,6 +132,8 @@ the header timeout of a head read through TLS (tls.lisp).")
    (timed-out :initform nil
               :documentation "True once a read or write on C timed out (reset by the
 plaintext side of TLS, which reads it).")
+   (blank-lines :initform 0 :type fixnum
+                :documentation "Empty lines skipped since the last request (SCAN-HEAD).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
 CONNECTION-DETACH): its reads pass through and know no request boundary.")
@@ -180,8 +182,8 @@ read requests from and write responses to."))
     '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
-      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (read-deadline . fixnum) (synth-pos . fixnum)
-      (synth-data-left . fixnum)
+      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (read-deadline . fixnum)
+      (synth-pos . fixnum) (synth-data-left . fixnum) (blank-lines . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
 
@@ -323,6 +325,9 @@ MAX, or when growing it would exceed the head budget (see CHARGE-GROWTH)."
 
 ;;; Finding the end of a request head
 
+(defconstant +max-blank-lines+ 8
+  "Empty lines skipped before a request line, at most, between two requests.")
+
 (defun scan-head (c)
   "Look for the end of the request head in the unread input (an empty line:
 LF LF, or LF CR LF, so that a head with bare LFs ends too and is refused by
@@ -340,10 +345,15 @@ octets were split into reads."
           (head-end nil))
       (declare (type octets buffer) (type fixnum start end)
                (optimize (speed 3) (safety 0)))
-      ;; Skip empty lines (CRLF) before the request line (RFC 9112, 2.2).
+      ;; Skip empty lines (CRLF) before the request line (RFC 9112, 2.2), a
+      ;; few: a client sending nothing but CRLFs, each just before the idle
+      ;; timeout, would otherwise hold its connection for ever.  Past them
+      ;; they are the start of a head (400, or the header timeout's 408).
       (loop while (and (< (1+ start) end)
-                       (= (aref buffer start) +cr+) (= (aref buffer (1+ start)) +lf+))
-            do (incf start 2))
+                       (= (aref buffer start) +cr+) (= (aref buffer (1+ start)) +lf+)
+                       (< (conn-slot c blank-lines) +max-blank-lines+))
+            do (incf start 2)
+               (incf (conn-slot c blank-lines)))
       (setf in-start start)
       (let ((i (max start (the fixnum scan))))
         (declare (type fixnum i))

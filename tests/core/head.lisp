@@ -56,6 +56,11 @@
     ("bare CR ending a header line" 400 ,(format nil "GET / HTTP/1.1~C~CHost: x~CX-A: b~C~C~C~C"
                                                  #\Return #\Linefeed #\Return #\Return #\Linefeed #\Return #\Linefeed))
     ("bare CR in the request line" 400 ,(raw-lines (format nil "GET /~C HTTP/1.1" #\Return) "Host: x"))
+    ;; A few empty lines before a request are skipped (good-heads-pass); past
+    ;; eight they are a malformed head, so CRLFs alone can't hold a connection.
+    ("nine empty lines before the request line" 400
+     ,(format nil "~{~A~}~A" (loop repeat 9 collect (format nil "~C~C" #\Return #\Linefeed))
+              (raw-lines "GET / HTTP/1.1" "Host: x")))
     ("lone LF before the request line" 400 ,(format nil "~C~A" #\Linefeed (raw-lines "GET / HTTP/1.1" "Host: x")))
     ("Transfer-Encoding list" 501 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: gzip, chunked"))
     ("Transfer-Encoding chunked twice in a list" 501 ,(raw-lines "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked, chunked")))
