@@ -441,34 +441,16 @@ T when the answer is exactly 200 \"Hey!\"; else NIL and why."
                      (sb-ext:posix-environ))))
 
 (defun start-server (kind port max-head-bytes log)
-  (let* ((process (sb-ext:run-program (lisp-sh)
-                                      (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                                            kind (princ-to-string port) "0")
-                                      :directory (namestring *repo*) :wait nil
-                                      :environment (server-environment max-head-bytes)
-                                      :input :stream :output :stream
-                                      :error (namestring log) :if-error-exists :supersede))
-         (line (read-line-timeout (sb-ext:process-output process) 120)))
-    (unless (and line (uiop:string-prefix-p "READY " line))
-      (kill-and-reap process)
-      (error "The ~A server did not start (~:[no READY within 120 s~;~:*it said ~S~]); see ~A"
-             kind line (enough-namestring log *repo*)))
-    (make-server :kind kind :port port :process process :log log
-                 :pid (parse-integer line :start 6 :junk-allowed t))))
+  (multiple-value-bind (process pid)
+      (start-bench-server kind port :environment (server-environment max-head-bytes)
+                                    :log log :if-log-exists :supersede :timeout 120)
+    (make-server :kind kind :port port :process process :log log :pid pid)))
 
 (defun ask (server command prefix &optional (timeout 10))
   "COMMAND to SERVER's control loop; its answer line after PREFIX, or NIL.
 Serialized: the monitor thread and the main thread share the pipe."
   (sb-thread:with-mutex ((server-lock server))
-    (let ((process (server-process server)))
-      (when (and (alive-p process)
-                 (ignore-errors
-                  (let ((in (sb-ext:process-input process)))
-                    (write-line command in)
-                    (finish-output in)
-                    t)))
-        (let ((line (read-line-timeout (sb-ext:process-output process) timeout)))
-          (and line (uiop:string-prefix-p prefix line) (subseq line (length prefix))))))))
+    (ask-process (server-process server) command prefix timeout)))
 
 (defun server-stats (server)
   (let ((text (ask server "stats" "STATS ")))

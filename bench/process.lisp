@@ -8,7 +8,7 @@
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
   (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:*repo* #:lisp-sh))
+           #:*repo* #:lisp-sh #:start-bench-server #:ask-process))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -65,3 +65,38 @@ separators: 2_000_000), or DEFAULT when unset."
               (c (unread-char c stream) (return (read-line stream nil)))
               ((> (get-internal-real-time) deadline) (return nil))
               (t (sb-sys:wait-until-fd-usable (sb-sys:fd-stream-fd stream) :input 0.1)))))))
+
+;;; bench/server.lisp children (see its header for the protocol)
+
+(defun start-bench-server (kind port &key environment log (if-log-exists :append) (timeout 180))
+  "Start bench/server.lisp as KIND on PORT (no handler sleep) in a child
+process with ENVIRONMENT (default: this one's), its standard error appended
+to LOG (or superseding it, IF-LOG-EXISTS), and wait up to TIMEOUT seconds for
+its READY line.  Returns the process and the server's pid; if it does not
+start, kills it and signals an error."
+  (let* ((process (sb-ext:run-program (lisp-sh)
+                                      (list "--load" "bench/server.lisp" "--end-toplevel-options"
+                                            kind (princ-to-string port) "0")
+                                      :directory (namestring *repo*) :wait nil
+                                      :environment (or environment (sb-ext:posix-environ))
+                                      :input :stream :output :stream
+                                      :error (namestring log) :if-error-exists if-log-exists))
+         (line (read-line-timeout (sb-ext:process-output process) timeout)))
+    (unless (and line (uiop:string-prefix-p "READY " line))
+      (kill-and-reap process)
+      (error "The ~A server did not start (~:[no READY within ~D s~;~:*it said ~S~*~]); see ~A"
+             kind line timeout (enough-namestring log *repo*)))
+    (values process (parse-integer line :start 6 :junk-allowed t))))
+
+(defun ask-process (process command prefix &optional (timeout 10))
+  "Send COMMAND to the bench/server.lisp child PROCESS; the rest of its answer
+line after PREFIX, or NIL (no answer within TIMEOUT seconds, or the child is
+gone)."
+  (when (and (alive-p process)
+             (ignore-errors
+              (let ((in (sb-ext:process-input process)))
+                (write-line command in)
+                (finish-output in)
+                t)))
+    (let ((line (read-line-timeout (sb-ext:process-output process) timeout)))
+      (and line (uiop:string-prefix-p prefix line) (subseq line (length prefix))))))

@@ -171,35 +171,16 @@
 
 (defun start-server (plan kind log)
   "Start bench/server.lisp as KIND and wait for READY.  The server, or an error."
-  (let* ((port (kind-port plan kind))
-         (process (sb-ext:run-program (lisp-sh)
-                                      (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                                            kind (princ-to-string port) "0")
-                                      :directory (namestring *repo*) :wait nil
-                                      :environment (server-environment plan)
-                                      :input :stream :output :stream
-                                      :error (namestring log) :if-error-exists :append))
-         (line (read-line-timeout (sb-ext:process-output process) 180)))
-    (unless (and line (uiop:string-prefix-p "READY " line))
-      (kill-and-reap process)
-      (error "The ~A server did not start (~:[no READY within 180 s~;~:*it said ~S~]); see ~A"
-             kind line (enough-namestring log *repo*)))
-    (make-server :kind kind :port port :process process
-                 :pid (parse-integer line :start 6 :junk-allowed t)
-                 :log log :log-start (file-size log))))
+  (let ((port (kind-port plan kind)))
+    (multiple-value-bind (process pid)
+        (start-bench-server kind port :environment (server-environment plan) :log log)
+      (make-server :kind kind :port port :process process :pid pid
+                   :log log :log-start (file-size log)))))
 
 (defun ask (server command prefix &optional (timeout 30))
   "Send COMMAND to SERVER's control loop; the rest of its answer line after
 PREFIX, or NIL."
-  (let ((process (server-process server)))
-    (when (and (alive-p process)
-               (ignore-errors
-                (let ((in (sb-ext:process-input process)))
-                  (write-line command in)
-                  (finish-output in)
-                  t)))
-      (let ((line (read-line-timeout (sb-ext:process-output process) timeout)))
-        (and line (uiop:string-prefix-p prefix line) (subseq line (length prefix)))))))
+  (ask-process (server-process server) command prefix timeout))
 
 (defun server-stats (server)
   "GALLOP:STATS of SERVER as a property list, or NIL."

@@ -304,22 +304,13 @@ early once an answer arrives, and read and check the answer.  An OUTCOME."
   "Start bench/server.lisp as KIND on PORT and wait for READY."
   (let ((log (log-path kind)))
     (ensure-directories-exist log)
-    (let* ((process (sb-ext:run-program
-                     (lisp-sh) (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                                     kind (princ-to-string port) "0")
-                     :directory (namestring *repo*) :wait nil
-                     :environment (cons "BENCH_MESSAGE_LOG=1"
-                                        (remove-if (lambda (v) (uiop:string-prefix-p "BENCH_" v))
-                                                   (sb-ext:posix-environ)))
-                     :input :stream :output :stream
-                     :error (namestring log) :if-error-exists :append))
-           (line (read-line-timeout (sb-ext:process-output process) 180)))
-      (unless (and line (uiop:string-prefix-p "READY " line))
-        (kill-and-reap process)
-        (error "The ~A server did not start (~:[no READY within 180 s~;~:*it said ~S~]); see ~A"
-               kind line (namestring log)))
-      (make-server :kind kind :port port :process process
-                   :pid (parse-integer line :start 6 :junk-allowed t)))))
+    (multiple-value-bind (process pid)
+        (start-bench-server kind port
+                            :environment (cons "BENCH_MESSAGE_LOG=1"
+                                               (remove-if (lambda (v) (uiop:string-prefix-p "BENCH_" v))
+                                                          (sb-ext:posix-environ)))
+                            :log log)
+      (make-server :kind kind :port port :process process :pid pid))))
 
 (defun server-command (server command)
   "Send COMMAND to SERVER; its answer line, or NIL."
