@@ -130,7 +130,6 @@ GB for 8,827 with 128, before the byte cap; the server held).")
 (defconstant +eintr+ 4)
 (defconstant +eagain+ 11)
 (defconstant +einprogress+ 115)
-(defconstant +rlimit-nofile+ 7)
 
 (sb-alien:define-alien-routine ("socket" %socket) sb-alien:int
   (domain sb-alien:int) (type sb-alien:int) (protocol sb-alien:int))
@@ -151,25 +150,8 @@ GB for 8,827 with 128, before the byte cap; the server held).")
 (sb-alien:define-alien-routine ("setsockopt" %setsockopt) sb-alien:int
   (fd sb-alien:int) (level sb-alien:int) (name sb-alien:int)
   (value sb-sys:system-area-pointer) (length sb-alien:unsigned-int))
-(sb-alien:define-alien-routine ("getrlimit" %getrlimit) sb-alien:int
-  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
-(sb-alien:define-alien-routine ("setrlimit" %setrlimit) sb-alien:int
-  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
 
 (deftype octets () '(simple-array (unsigned-byte 8) (*)))
-
-(defun raise-fd-limit ()
-  "Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit."
-  (sb-alien:with-alien ((lim (array (sb-alien:unsigned 64) 2)))
-    (let ((sap (sb-alien:alien-sap lim)))
-      (%getrlimit +rlimit-nofile+ sap)
-      (let ((soft (sb-sys:sap-ref-64 sap 0))
-            (hard (sb-sys:sap-ref-64 sap 8)))
-        (dolist (target (list hard (min hard 1048576) (min hard 65536)) soft)
-          (when (> target soft)
-            (setf (sb-sys:sap-ref-64 sap 0) target)
-            (when (zerop (%setrlimit +rlimit-nofile+ sap))
-              (return target))))))))
 
 (defun loopback-address (port)
   "A struct sockaddr_in for 127.0.0.1:PORT, as octets."

@@ -18,34 +18,16 @@
 ;;;; connections need more than the usual soft limit of 1024).
 
 (require :sb-bsd-sockets)
+(load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
 
 (defpackage #:gallop-bench-idle
-  (:use #:common-lisp))
+  (:use #:common-lisp #:gallop-bench-process))
 (in-package #:gallop-bench-idle)
 
 (defvar *protocol* sb-sys:*stdout*)
 (setf *standard-output* *error-output*)
 
-(defconstant +rlimit-nofile+ 7)
 
-(sb-alien:define-alien-routine ("getrlimit" %getrlimit) sb-alien:int
-  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
-(sb-alien:define-alien-routine ("setrlimit" %setrlimit) sb-alien:int
-  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
-
-(defun raise-fd-limit ()
-  "Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit."
-  (sb-alien:with-alien ((lim (array (sb-alien:unsigned 64) 2)))
-    (let ((sap (sb-alien:alien-sap lim)))
-      (%getrlimit +rlimit-nofile+ sap)
-      (let ((soft (sb-sys:sap-ref-64 sap 0))
-            (hard (sb-sys:sap-ref-64 sap 8)))
-        ;; An unlimited hard limit cannot be the soft one (nr_open caps it).
-        (dolist (target (list hard (min hard 1048576) (min hard 65536)) soft)
-          (when (> target soft)
-            (setf (sb-sys:sap-ref-64 sap 0) target)
-            (when (zerop (%setrlimit +rlimit-nofile+ sap))
-              (return target))))))))
 
 (defvar *batch* 32
   "Connections opened at once (the fourth argument).  Below Hunchentoot's default listen backlog

@@ -8,7 +8,7 @@
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
   (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:*repo* #:lisp-sh #:start-bench-server #:ask-process))
+           #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -100,3 +100,27 @@ gone)."
                 t)))
     (let ((line (read-line-timeout (sb-ext:process-output process) timeout)))
       (and line (uiop:string-prefix-p prefix line) (subseq line (length prefix))))))
+
+;;; File descriptors: the load generators open thousands of connections.
+
+(defconstant +rlimit-nofile+ 7)
+
+(sb-alien:define-alien-routine ("getrlimit" %getrlimit) sb-alien:int
+  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
+(sb-alien:define-alien-routine ("setrlimit" %setrlimit) sb-alien:int
+  (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
+
+(defun raise-fd-limit ()
+  "Raise this process's soft RLIMIT_NOFILE to the hard limit; return the
+soft limit."
+  (sb-alien:with-alien ((lim (array (sb-alien:unsigned 64) 2)))
+    (let ((sap (sb-alien:alien-sap lim)))
+      (%getrlimit +rlimit-nofile+ sap)
+      (let ((soft (sb-sys:sap-ref-64 sap 0))
+            (hard (sb-sys:sap-ref-64 sap 8)))
+        ;; An unlimited hard limit cannot be the soft one (nr_open caps it).
+        (dolist (target (list hard (min hard 1048576) (min hard 65536)) soft)
+          (when (> target soft)
+            (setf (sb-sys:sap-ref-64 sap 0) target)
+            (when (zerop (%setrlimit +rlimit-nofile+ sap))
+              (return target))))))))

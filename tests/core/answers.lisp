@@ -434,6 +434,21 @@ if the server stopped reading: it answered already."
   '(((4096 16384 16384) (:whole :kib))
     ((1024 2048 2048) (:whole :kib :byte))))
 
+(defun check-limit-answer (what answer status body-length end)
+  "Check ANSWER (a WIRE-RESPONSE, or the WIRE-ERROR read instead) to the limit
+case WHAT, which expects STATUS: a request served gets its body of
+BODY-LENGTH octets; a refused one Gallop's own answer, after which END (a
+function of ANSWER) checks that the connection ended, returning ANSWER or a
+WIRE-ERROR."
+  (cond ((not (wire-response-p answer))
+         (fail "~A: not a valid answer: ~A" what answer))
+        ((/= status (wire-status answer))
+         (fail "~A: answered ~D, expected ~D" what (wire-status answer) status))
+        ((= status 200)
+         (check-ok-answer what answer body-length))
+        (t
+         (check-gallop-answer what (funcall end answer) status))))
+
 (defun check-limits-whatever-the-split (kind)
   (loop for ((line head body) splits) in *limit-sets*
         do (with-front-end (port server kind (list :max-request-line-bytes line
@@ -453,19 +468,11 @@ if the server stopped reading: it answered already."
                                  ;; should have been refused leaves the
                                  ;; connection open, and waiting for its end
                                  ;; would only say so later.
-                                 (let ((answer (read-wire-or-error socket)))
-                                   (cond ((not (wire-response-p answer))
-                                          (fail "~A: not a valid answer: ~A" what answer))
-                                         ((/= status (wire-status answer))
-                                          (fail "~A: answered ~D, expected ~D"
-                                                what (wire-status answer) status))
-                                         ((= status 200)
-                                          (check-ok-answer what answer body-length))
-                                         (t
-                                          (check-gallop-answer
-                                           what (handler-case (read-wire-end socket answer)
-                                                  (wire-error (e) e))
-                                           status)))))
+                                 (check-limit-answer
+                                  what (read-wire-or-error socket) status body-length
+                                  (lambda (answer)
+                                    (handler-case (read-wire-end socket answer)
+                                      (wire-error (e) e)))))
                             (usocket:socket-close socket))))))))
 
 (test limits-do-not-depend-on-segmentation-native (check-limits-whatever-the-split :native))
