@@ -113,17 +113,21 @@ RECORD keep the octets of the head being read."
   (let ((i start) (end (length octets)))
     (%make-wire-source (lambda () (when (< i end) (prog1 (aref octets i) (incf i)))))))
 
-(defun stream-source (stream)
-  "A source reading the binary STREAM (a socket stream with a timeout)."
+(defun stream-source (stream &key (timeout 'sb-sys:io-timeout) (failure 'stream-error))
+  "A source reading the binary STREAM (a socket stream with a timeout): a
+condition of type TIMEOUT while reading is a WIRE-ERROR \"timed out\", one
+of type FAILURE a WIRE-ERROR saying the connection failed."
   (let ((source nil))
     (setf source
           (%make-wire-source
            (lambda ()
              (handler-case (read-byte stream nil nil)
-               (sb-sys:io-timeout ()
-                 (wire-fail source "timed out waiting for more bytes"))
-               (stream-error (e)
-                 (wire-fail source "the connection failed (~A)" e))))))
+               (serious-condition (e)
+                 (cond ((typep e timeout)
+                        (wire-fail source "timed out waiting for more bytes"))
+                       ((typep e failure)
+                        (wire-fail source "the connection failed (~A)" e))
+                       (t (error e))))))))
     source))
 
 (defun wire-fail (source format-control &rest args)

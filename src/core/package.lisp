@@ -18,7 +18,7 @@
    #:connection-remote-address #:connection-remote-port
    #:connection-local-address #:connection-local-port
    #:connection-user-data #:connection-mark-boundary
-   #:connection-owner-stream #:make-plain-connection #:call-with-handshake-deadline
+   #:connection-owner-stream #:make-plain-connection #:call-with-header-deadline
    #:connection-head #:connection-consume-head #:connection-body-length
    #:connection-chunked-p #:connection-request-method #:connection-close-after-p
    #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:make-body-stream #:body-stream

@@ -110,14 +110,25 @@ answers) and make C end after it."
   (setf (conn-slot c close-after) t)
   nil)
 
+(defun call-with-header-deadline (cipher function)
+  "Call FUNCTION with the reads of the connection CIPHER bounded by the
+header timeout in all: for a TLS handshake and for a request head read
+through TLS, so that a client that dribbles either cannot hold the worker
+past it (a plain connection's head waits in epoll instead)."
+  (setf (conn-slot cipher read-deadline)
+        (+ (now-ms) (engine-header-timeout-ms (connection-engine cipher))))
+  (unwind-protect (funcall function)
+    (setf (conn-slot cipher read-deadline) 0)))
+
 (defun read-next-head (c)
   "Read the next request head on the plain connection C until it is
 complete and checked, then begin its message: true.  NIL when there is none
 \(end of file) or it was refused (answered here): C then ends."
   (let* ((cipher (conn-slot c cipher))
          (engine (connection-engine c)))
-    (setf (conn-slot cipher read-deadline) (+ (now-ms) (engine-header-timeout-ms engine)))
-    (unwind-protect
+    (call-with-header-deadline
+     cipher
+     (lambda ()
          (loop
            (let ((status (scan-head c)))
              (case status
@@ -146,17 +157,7 @@ complete and checked, then begin its message: true.  NIL when there is none
                     ;; Part of a head, and its time ran out.
                     (sb-ext:atomic-incf (engine-timeouts engine))
                     (answer-through-source c +response-408+))
-                  (return nil))))))
-      (setf (conn-slot cipher read-deadline) 0))))
-
-(defun call-with-handshake-deadline (cipher function)
-  "Call FUNCTION (which makes the TLS handshake over the connection CIPHER)
-with CIPHER's reads bounded by the header timeout in all, as a head's are: a
-client that dribbles its handshake cannot hold the worker past it."
-  (setf (conn-slot cipher read-deadline)
-        (+ (now-ms) (engine-header-timeout-ms (connection-engine cipher))))
-  (unwind-protect (funcall function)
-    (setf (conn-slot cipher read-deadline) 0)))
+                  (return nil))))))))))
 
 (defun plain-leave-boundary (c)
   "LEAVE-BOUNDARY for the plain connection C: skip what the handler left of

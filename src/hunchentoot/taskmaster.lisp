@@ -326,7 +326,7 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
 (defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
   (let ((result (if (and *connection* (eq stream *connection*) (hunchentoot:acceptor-ssl-p acceptor))
                     ;; the TLS handshake: within the header timeout, as a head
-                    (gallop.core:call-with-handshake-deadline *connection* #'call-next-method)
+                    (gallop.core:call-with-header-deadline *connection* #'call-next-method)
                     (call-next-method))))
     (if (and *connection* (eq stream *connection*) (not (eq result stream)))
         ;; Wrapped (TLS): Hunchentoot reads the plaintext through one more

@@ -81,27 +81,11 @@ except that for a request line containing /hold it first signals the
 semaphore STARTED and waits (up to 10 s) on RELEASE: the connection's buffer
 stays with it meanwhile."
   (lambda (connection)
-    (loop named serve
-          do (let ((first-line nil) (line '()))
-               (loop
-                 (let ((byte (read-byte connection nil nil)))
-                   (cond ((null byte) (close connection) (return-from serve))
-                         ((= byte 10)
-                          (when (null line) (return))
-                          (unless first-line (setf first-line (coerce (nreverse line) 'string)))
-                          (setf line '()))
-                         ((= byte 13))
-                         (t (push (code-char byte) line)))))
-               (when (search "/hold" first-line)
-                 (sb-thread:signal-semaphore started)
-                 (sb-thread:wait-on-semaphore release :timeout 10))
-               (write-sequence (octets (format nil "HTTP/1.1 200 OK~C~CContent-Length: ~D~C~C~C~C~A"
-                                               #\Return #\Linefeed (length first-line)
-                                               #\Return #\Linefeed #\Return #\Linefeed
-                                               first-line))
-                               connection)
-               (finish-output connection)
-               (gallop.core:connection-mark-boundary connection)))))
+    (answer-request-lines connection
+                          (lambda (first-line)
+                            (when (search "/hold" first-line)
+                              (sb-thread:signal-semaphore started)
+                              (sb-thread:wait-on-semaphore release :timeout 10))))))
 
 (test a-grown-head-buffer-counts-while-its-request-is-served
   ;; A 20 KB head grows its connection's buffer to 32 KiB.  That buffer is

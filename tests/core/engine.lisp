@@ -6,19 +6,22 @@
 (def-suite core :in gallop :description "The core engine, without Hunchentoot.")
 (in-suite core)
 
-(defun hello-handler (connection)
-  "Answer every request on CONNECTION with 200 and the request line."
+(defun answer-request-lines (connection &optional before-answer)
+  "Answer every request on CONNECTION with 200 and its request line as the
+body; BEFORE-ANSWER, if given, is called with the request line first."
   (loop
     (let ((first-line nil) (line '()))
       (loop
         (let ((byte (read-byte connection nil nil)))
-          (cond ((null byte) (close connection) (return-from hello-handler))
+          (cond ((null byte) (close connection) (return-from answer-request-lines))
                 ((= byte 10)
                  (when (null line) (return))
                  (unless first-line (setf first-line (coerce (nreverse line) 'string)))
                  (setf line '()))
                 ((= byte 13))
                 (t (push (code-char byte) line)))))
+      (when before-answer
+        (funcall before-answer first-line))
       (let ((body first-line))
         (write-sequence (octets (format nil "HTTP/1.1 200 OK~C~CContent-Length: ~D~C~C~C~C~A"
                                         #\Return #\Linefeed (length body)
@@ -26,6 +29,10 @@
                         connection)
         (finish-output connection)
         (gallop.core:connection-mark-boundary connection)))))
+
+(defun hello-handler (connection)
+  "Answer every request on CONNECTION with 200 and the request line."
+  (answer-request-lines connection))
 
 (defmacro with-engine ((engine port &rest options) &body body)
   (let ((socket (gensym "SOCKET")))

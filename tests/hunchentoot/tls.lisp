@@ -140,17 +140,7 @@ write (after a failed one OpenSSL forbids SSL_shutdown)."
   "A wire source (tests/wire.lisp) reading CLIENT's TLS stream a byte at a
 time; it fails with a WIRE-ERROR on an error of the TLS stream and when
 SB-SYS:*DEADLINE* passes."
-  (let ((stream (tls-stream client))
-        (source nil))
-    (setf source
-          (%make-wire-source
-           (lambda ()
-             (handler-case (read-byte stream nil nil)
-               (sb-sys:deadline-timeout ()
-                 (wire-fail source "timed out waiting for more bytes"))
-               (error (e)
-                 (wire-fail source "the TLS connection failed (~A)" e))))))
-    source))
+  (stream-source (tls-stream client) :timeout 'sb-sys:deadline-timeout :failure 'error))
 
 (defun tls-read-wire (client &key close (timeout 5))
   "Read one response from CLIENT strictly (READ-WIRE over TLS), within
