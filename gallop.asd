@@ -77,6 +77,7 @@
                (:file "core/cpus")
                (:file "core/answers")
                (:file "core/epoll-close")
+               (:file "core/slow-readers")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

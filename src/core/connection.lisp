@@ -168,7 +168,28 @@ connection closes after the answer.")
    (owner-stream :initform nil
                  :documentation "The plaintext connection reading TLS over this one, if any.")
    (close-hook :initarg :close-hook :initform nil
-               :documentation "Called instead of close(2) to release the fd."))
+               :documentation "Called instead of close(2) to release the fd.")
+   ;; The output queue (see "Output" below)
+   (unsent :initform nil
+           :documentation "Output the socket did not take yet: a list of SEGMENTs,
+oldest first.  Only the connection's owner touches it.")
+   (unsent-tail :initform nil :documentation "The last cons of UNSENT.")
+   (unsent-bytes :initform 0 :type fixnum :documentation "Octets in UNSENT.")
+   (out-progress :initform 0 :type fixnum
+                 :documentation "When (NOW-MS) the socket last took output from UNSENT,
+or UNSENT was started: the write timeout counts from there.")
+   (out-registered :initform nil
+                   :documentation "True once C's epoll registration includes EPOLLOUT.")
+   (after-write :initform nil
+                :documentation "What the engine does once UNSENT is sent: :SERVE (the
+next request) or :CLOSE.")
+   (suspended :initform nil
+              :documentation "True while a request on C is answered from another thread
+\(CONNECTION-SUSPEND to CONNECTION-RESUME).")
+   (out-parked :initform nil
+               :documentation "While SUSPENDED: true while the engine, not the answering
+thread, owns C (its worker has not let go yet, or C waits in epoll for its
+unsent output to drain); see CONNECTION-ACQUIRE."))
   (:documentation "A client connection, and the binary stream the layers above
 read requests from and write responses to."))
 
@@ -184,6 +205,7 @@ read requests from and write responses to."))
       (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
       (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (read-deadline . fixnum)
       (synth-pos . fixnum) (synth-data-left . fixnum) (blank-lines . fixnum)
+      (unsent-bytes . fixnum) (out-progress . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
 
@@ -508,50 +530,197 @@ request itself (PLAIN-LEAVE-BOUNDARY)."
                  (incf in-start n)))
       start)))
 
-;;; Output: buffered, flushed with blocking sends bounded by the write timeout.
+;;; Output.  Writes go to the connection's output buffer, and from there to
+;;; the socket without waiting: what the socket does not take now (the client
+;;; reads slowly, or not at all) stays with the connection in its output
+;;; queue, UNSENT, and the writer goes on.  After the handler, a connection
+;;; with unsent output waits in epoll for EPOLLOUT (OUTPUT-PARKED-P), holding
+;;; no worker, and reads no further pipelined request until the queue is sent;
+;;; a worker sends the rest when the socket drains, bounded by the write
+;;; timeout from the last progress (then the housekeeper closes it and counts
+;;; it in :WRITE-TIMEOUTS).
+;;;
+;;; The queue keeps the octets it holds in one of three ways: the output
+;;; buffer itself, handed over (a fresh one is taken for the next write);
+;;; a reference to octets the caller gives up (a native app's response body);
+;;; or a copy.  Copies are what a streaming writer adds without bound, so they
+;;; are bounded: a write that would copy past the engine's MAX-UNSENT-BYTES
+;;; waits (bounded by the write timeout) until the client has read enough.
+;;; That is the one case where a writer waits for its client.  A file is
+;;; queued as a duplicate of its fd and sent with sendfile(2).
+;;;
+;;; TLS and detached connections (RAW) keep blocking sends: a TLS library
+;;; writing through the stream, or a handler that kept it, expects every
+;;; octet gone when the write returns.
+;;;
+;;; Invariants: UNSENT holds no empty segment; UNSENT-BYTES is the sum of
+;;; its segments' remaining octets; while UNSENT is not empty, nothing is
+;;; sent to the socket except from its front (order on the wire is the order
+;;; of the writes).
 
-(defun send-all (c buffer start end)
+(defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
+                    (:copier nil) (:predicate nil))
+  "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
+back once sent), or, when OCTETS is NIL, bytes START to END of the file open
+on FILE-FD, which the segment owns."
+  (octets nil :type (or null octets))
+  (start 0 :type fixnum)
+  (end 0 :type fixnum)
+  (pooled nil)
+  (file-fd -1 :type fixnum))
+
+(defun free-segment (segment)
+  (cond ((segment-octets segment)
+         (when (segment-pooled segment)
+           (release-buffer (segment-octets segment))))
+        ((>= (segment-file-fd segment) 0)
+         (close-fd (segment-file-fd segment))))
+  (setf (segment-octets segment) nil (segment-file-fd segment) -1))
+
+(defun queue-unsent (c segment)
+  "Append SEGMENT (not empty) to C's unsent output."
+  (with-connection-slots (unsent-bytes sent) c
+    (let ((cell (list segment))
+          (size (- (segment-end segment) (segment-start segment))))
+      (if (conn-slot c unsent)
+          (setf (cdr (conn-slot c unsent-tail)) cell)
+          (setf (conn-slot c unsent) cell
+                (conn-slot c out-progress) (now-ms)))
+      (setf (conn-slot c unsent-tail) cell)
+      (incf unsent-bytes size)
+      ;; Counted as sent: it is committed, and goes out before anything else.
+      (incf sent size))))
+
+(defun discard-unsent (c)
+  "Drop C's unsent output (C is closing)."
+  (loop for segment in (conn-slot c unsent) do (free-segment segment))
+  (setf (conn-slot c unsent) nil
+        (conn-slot c unsent-tail) nil
+        (conn-slot c unsent-bytes) 0))
+
+(defun connection-unsent-bytes (c)
+  "Octets of output C holds that the socket has not taken yet."
+  (conn-slot c unsent-bytes))
+
+(defun send-unsent (c)
+  "Send C's unsent output as far as the socket takes it now, without waiting.
+True when nothing is left, NIL when the socket is full.  Signals
+CONNECTION-ERROR when the client went away."
+  (with-connection-slots (fd unsent unsent-bytes) c
+    (loop
+      (let ((segment (car unsent)))
+        (unless segment
+          (setf (conn-slot c unsent-tail) nil)
+          (return t))
+        (let ((start (segment-start segment))
+              (end (segment-end segment)))
+          (multiple-value-bind (n errno)
+              (if (segment-octets segment)
+                  (send-from fd (segment-octets segment) start end)
+                  (send-file-chunk fd (segment-file-fd segment) start
+                                   (min (- end start) (* 1024 1024))))
+            (declare (type fixnum n))
+            (cond ((plusp n)
+                   (setf (segment-start segment) (+ start n)
+                         (conn-slot c out-progress) (now-ms))
+                   (decf unsent-bytes n)
+                   (when (= (+ start n) end)
+                     (pop unsent)
+                     (free-segment segment)))
+                  ((and (minusp n) (= errno +eagain+)) (return nil))
+                  ((zerop n)
+                   (error 'connection-error :stream c :operation "sendfile (file shrank)"))
+                  (t (client-went-away c errno "write")))))))))
+
+(defun finish-unsent (c)
+  "Send all of C's unsent output, waiting for the socket (bounded by the
+write timeout): before a blocking write (TLS, a detached stream)."
+  (let ((timeout (engine-write-timeout-ms (connection-engine c))))
+    (loop until (send-unsent c)
+          do (wait-for-fd c +pollout+ timeout "write"))))
+
+(defun send-all (c buffer start end &optional (keep :copy))
+  "Send BUFFER[START,END) after C's unsent output.  What the socket does not
+take now is queued (see above): KEEP :COPY copies it (waiting past
+MAX-UNSENT-BYTES), :REFERENCE keeps BUFFER itself, :HAND-OVER keeps BUFFER, a
+pooled buffer, and gives it back once sent.  Returns :KEPT when BUFFER itself
+was queued.  On a RAW connection, blocks until all is sent."
   (declare (type octets buffer) (type fixnum start end))
   (when (conn-slot c source)
     (return-from send-all (send-to-source c buffer start end)))
   (when (conn-slot c gone)
-    (return-from send-all))
+    (return-from send-all nil))
   (let ((fd (connection-fd c))
-        (timeout (engine-write-timeout-ms (connection-engine c))))
+        (engine (connection-engine c)))
+    (when (conn-slot c raw)
+      (when (conn-slot c unsent) (finish-unsent c))
+      (let ((timeout (engine-write-timeout-ms engine)))
+        (loop while (< start end)
+              do (multiple-value-bind (n errno) (send-from fd buffer start end)
+                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                         ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
+                         (t (client-went-away c errno "write"))))))
+      (return-from send-all nil))
     (loop while (< start end)
-          do (multiple-value-bind (n errno) (send-from fd buffer start end)
-               (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
-                     ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
-                     (t (client-went-away c errno "write")))))))
+          do (if (or (null (conn-slot c unsent)) (send-unsent c))
+                 ;; Nothing queued: straight to the socket.
+                 (multiple-value-bind (n errno) (send-from fd buffer start end)
+                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                         ((/= errno +eagain+) (client-went-away c errno "write"))
+                         ((or (not (eq keep :copy))
+                              (<= (- end start) (engine-max-unsent-bytes engine)))
+                          (return))
+                         ;; Too much to copy: wait for the client.
+                         (t (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+                 ;; Queued output waits: queue behind it, or wait for room.
+                 (if (or (not (eq keep :copy))
+                         (<= (+ (conn-slot c unsent-bytes) (- end start))
+                             (engine-max-unsent-bytes engine)))
+                     (return)
+                     (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+    (when (< start end)
+      (ecase keep
+        (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
+        (:reference (queue-unsent c (make-segment buffer start end)) :kept)
+        (:hand-over (queue-unsent c (make-segment buffer start end t)) :kept)))))
+
+(declaim (inline output-buffer))
+(defun output-buffer (c)
+  "C's output buffer, taken from the pool if C has none."
+  (or (conn-slot c outbuf) (setf (conn-slot c outbuf) (acquire-buffer))))
 
 (defun flush-output (c)
+  "Send what C's output buffer holds (see SEND-ALL): afterwards the buffer is
+empty, or, when the socket did not take all of it, handed to the queue (the
+next write takes a fresh one)."
   (with-connection-slots (outbuf out-fill) c
     (when (plusp out-fill)
       (let ((n out-fill))
         (setf out-fill 0)
-        (send-all c outbuf 0 n)))))
+        (when (eq (send-all c outbuf 0 n :hand-over) :kept)
+          (setf outbuf nil))))))
 
 (defmethod sb-gray:stream-write-byte ((c connection) byte)
   (with-connection-slots (outbuf out-fill) c
-    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+    (when (and outbuf (= out-fill (length (the octets outbuf))))
+      (flush-output c))
+    (let ((buffer (output-buffer c)))
       (declare (type octets buffer))
-      (when (= out-fill (length buffer))
-        (flush-output c))
       (setf (aref buffer out-fill) byte)
       (incf out-fill)
       byte)))
 
 (defmethod sb-gray:stream-write-sequence ((c connection) sequence &optional (start 0) end)
-  (with-connection-slots (outbuf out-fill) c
+  (with-connection-slots (out-fill) c
     (let* ((end (or end (length sequence)))
-           (buffer (or outbuf (setf outbuf (acquire-buffer)))))
+           (buffer (output-buffer c)))
       (declare (type octets buffer) (type fixnum start end))
       (cond ((and (typep sequence 'octets) (> (- end start) (- (length buffer) out-fill)))
              ;; Too big for the buffer: send what is buffered, then the data itself.
              (flush-output c)
              (if (> (- end start) (length buffer))
-                 (send-all c sequence start end)
-                 (progn (replace buffer sequence :start2 start :end2 end)
+                 (send-all c sequence start end) ; the caller's octets: copied if queued
+                 (progn (replace (the octets (output-buffer c)) sequence :start2 start :end2 end)
                         (setf out-fill (- end start)))))
             ((typep sequence 'octets)
              (replace buffer sequence :start1 out-fill :start2 start :end2 end)
@@ -613,22 +782,25 @@ at once."
   "The method of the request head just checked, as a keyword (:GET, :POST ...)."
   (conn-slot c request-method))
 
-(defun connection-write-octets (c octets &optional (start 0) (end (length octets)))
-  "Buffer OCTETS[START,END) for sending; large ones are sent directly."
+;;; The same contract as SEND-ALL's KEEP: a native app's response body is
+;;; given up by the app (:REFERENCE), a streaming writer's data is copied.
+(defun connection-write-octets (c octets &optional (start 0) (end (length octets)) (keep :copy))
+  "Buffer OCTETS[START,END) for sending; large ones are sent directly (what
+the socket does not take then is queued as KEEP says, see SEND-ALL)."
   (declare (type octets octets) (type fixnum start end))
-  (with-connection-slots (outbuf out-fill) c
-    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+  (with-connection-slots (out-fill) c
+    (let ((buffer (output-buffer c)))
       (declare (type octets buffer))
       (cond ((<= (- end start) (- (length buffer) out-fill))
              (replace buffer octets :start1 out-fill :start2 start :end2 end)
              (incf out-fill (- end start)))
             ((<= (- end start) (length buffer))
              (flush-output c)
-             (replace buffer octets :start2 start :end2 end)
+             (replace (the octets (output-buffer c)) octets :start2 start :end2 end)
              (setf out-fill (- end start)))
             (t
              (flush-output c)
-             (send-all c octets start end)))))
+             (send-all c octets start end keep)))))
   nil)
 
 (defun connection-reserve-output (c n)
@@ -637,11 +809,14 @@ needed: returns the buffer and the index to write at, or NIL if N octets do
 not fit even an empty buffer.  The caller fills the buffer from that index
 and then calls CONNECTION-COMMIT-OUTPUT with the index after its last octet."
   (declare (type fixnum n))
-  (with-connection-slots (outbuf out-fill) c
-    (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+  (with-connection-slots (out-fill) c
+    (let ((buffer (output-buffer c)))
       (declare (type octets buffer))
       (cond ((<= n (- (length buffer) out-fill)) (values buffer out-fill))
-            ((<= n (length buffer)) (flush-output c) (values buffer 0))
+            ((<= n (length buffer))
+             (flush-output c)
+             ;; A fresh buffer when the socket did not take all of the old one.
+             (values (output-buffer c) 0))
             (t nil)))))
 
 (declaim (inline connection-commit-output))
@@ -650,23 +825,33 @@ and then calls CONNECTION-COMMIT-OUTPUT with the index after its last octet."
   (setf (conn-slot c out-fill) fill))
 
 (defun connection-flush (c)
-  "Send everything buffered."
+  "Send everything buffered (what the socket does not take now is queued)."
   (flush-output c))
 
 (defun connection-send-file (c file-fd offset count)
   "Send COUNT bytes of the open file FILE-FD from OFFSET with sendfile(2),
-after what is buffered."
+after what is buffered.  What the socket does not take now is queued with a
+duplicate of FILE-FD, so the caller may close FILE-FD when this returns."
   (flush-output c)
   (when (conn-slot c gone)
     (return-from connection-send-file))
   (let ((fd (connection-fd c))
         (timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (plusp count)
-          do (multiple-value-bind (n errno) (send-file-chunk fd file-fd offset (min count (* 1024 1024)))
+          do (multiple-value-bind (n errno)
+                 (if (and (conn-slot c unsent) (not (send-unsent c)))
+                     (values -1 +eagain+) ; queued output waits: as if the socket were full
+                     (send-file-chunk fd file-fd offset (min count (* 1024 1024))))
                (cond ((plusp n) (incf offset n) (decf count n)
                       (incf (the fixnum (conn-slot c sent)) n))
                      ((and (minusp n) (= errno +eagain+))
-                      (wait-for-fd c +pollout+ timeout "sendfile"))
+                      (let ((copy (if (conn-slot c raw) -1 (dup-fd file-fd))))
+                        (when (>= copy 0)
+                          (queue-unsent c (make-segment nil offset (+ offset count) nil copy))
+                          (return))
+                        ;; A blocking connection (TLS, detached), or no fd to spare.
+                        (finish-unsent c)
+                        (wait-for-fd c +pollout+ timeout "sendfile")))
                      ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))
                      (t (client-went-away c errno "sendfile")))))))
 
@@ -720,10 +905,10 @@ BUFFER must have room."
       (declare (type fixnum n))
       (loop with start of-type fixnum = 0
             while (< start n)
-            do (let ((buffer (or outbuf (setf outbuf (acquire-buffer)))))
+            do (when (and outbuf (= out-fill (length (the octets outbuf))))
+                 (flush-output c))
+               (let ((buffer (output-buffer c)))
                  (declare (type octets buffer))
-                 (when (= out-fill (length buffer))
-                   (flush-output c))
                  (let* ((fill out-fill)
                         (count (min (- n start) (- (length buffer) fill))))
                    (declare (type fixnum fill count))

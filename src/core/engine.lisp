@@ -31,6 +31,9 @@
 96,000-octet header (Clack's handler tests send one) is served.")
 (defconstant +default-max-request-line-bytes+ (* 64 1024)
   "Request lines over this get 414.")
+(defconstant +default-max-unsent-bytes+ (* 64 1024)
+  "Octets a streaming writer may leave unsent, copied, on one connection
+before it waits for the client to read (connection.lisp, Output).")
 (defconstant +default-max-body-bytes+ (* 64 1024 1024)
   "Bodies over this get 413.  Bodies are streamed, so this bounds a
 client's upload, not the server's memory.")
@@ -58,6 +61,7 @@ client's upload, not the server's memory.")
   (max-head-bytes +default-max-head-bytes+ :type fixnum)
   (max-body-bytes +default-max-body-bytes+ :type fixnum)
   (max-request-line-bytes +default-max-request-line-bytes+ :type fixnum)
+  (max-unsent-bytes +default-max-unsent-bytes+ :type fixnum)
   (max-queue 1024 :type fixnum)
   (head-budget 0 :type fixnum) ; see server.lisp
   (retry-after 1 :type fixnum)
@@ -68,6 +72,7 @@ client's upload, not the server's memory.")
   (requests 0 :type sb-ext:word)
   (shed 0 :type sb-ext:word)
   (timeouts 0 :type sb-ext:word)
+  (write-timeouts 0 :type sb-ext:word)
   (aborted 0 :type sb-ext:word)
   (rejected 0 :type sb-ext:word)
   (pending 0 :type sb-ext:word)
@@ -170,18 +175,22 @@ epoll), :ACTIVE (owned by a worker or by a handler that detached them),
 :CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
 :HEAD-BYTES (input buffers counted against the head budget: those of
 connections parked with a partial head, and those grown for a long head),
-:REJECTED (400/408/414/431),
-:TIMEOUTS, :ABORTED (requests the client gave up on: it closed or reset the
+:REJECTED (400/408/414/431), :WRITING (connections parked in epoll until
+the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
+(their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
+the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
 connection while a handler read or answered), and the pool's :THREADS and
 :IDLE-THREADS."
-  (declare (notinline connection-state)) ; defined (inline) in connection.lisp, later
-  (let ((open 0) (idle 0) (active 0)
+  (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
+  (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
         (table (engine-table engine)))
     (loop for c across table
           when c
             do (incf open)
                (case (connection-state c)
-                 (:parked (incf idle))
+                 (:parked (incf idle)
+                  (let ((n (connection-unsent-bytes c)))
+                    (when (plusp n) (incf writing) (incf unsent n))))
                  ((:active :dirty :detached) (incf active))))
     (let ((pool (engine-pool engine)))
       (list :open open :idle idle :active active
@@ -193,7 +202,10 @@ connection while a handler read or answered), and the pool's :THREADS and
             :requests (engine-requests engine)
             :shed (engine-shed engine)
             :rejected (engine-rejected engine)
+            :writing writing
+            :unsent-bytes unsent
             :timeouts (engine-timeouts engine)
+            :write-timeouts (engine-write-timeouts engine)
             :aborted (engine-aborted engine)
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle pool) 0)))))

@@ -28,7 +28,7 @@ kept).")
                       (write-timeout 20) handler-timeout (max-head-bytes +default-max-head-bytes+)
                       (max-body-bytes +default-max-body-bytes+)
                       (max-request-line-bytes +default-max-request-line-bytes+)
-                      (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
+                      (max-unsent-bytes +default-max-unsent-bytes+) (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
@@ -41,7 +41,10 @@ request: past it the worker is interrupted with HANDLER-TIMEOUT (the
 condition), the client gets 503 if nothing of a response was sent yet, and
 the connection is closed.
 MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
-MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.  MAX-QUEUE bounds the
+MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.
+Output the client does not read yet waits with its connection in epoll, not
+in a worker; MAX-UNSENT-BYTES bounds what a streaming writer may leave there
+copied before it waits for the client (see connection.lisp).  MAX-QUEUE bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
 RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
@@ -57,6 +60,7 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :max-head-bytes max-head-bytes
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
+                                :max-unsent-bytes max-unsent-bytes
                                 :max-queue max-queue :retry-after retry-after
                                 :head-budget (or head-budget
                                                  (floor (sb-ext:dynamic-space-size) 4))
@@ -177,6 +181,7 @@ close it after the client has read the answer."
       (setf (conn-slot c out-fill) 0
             (conn-slot c in-start) 0
             (conn-slot c in-end) 0)
+      (discard-unsent c)
       (release-buffers c)
       (let ((table (engine-table engine)))
         (when (and (< fd (length table)) (eq (svref table fd) c))
@@ -189,16 +194,20 @@ close it after the client has read the answer."
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
 
-(defun park (c)
-  "Give the connection back to epoll until its next request arrives.  The
-caller is the worker that owns C.  Returns true, or NIL when input arrived
-while C was busy (an event marked it :DIRTY): the caller still owns C and
-must read again."
+(defun park (c &optional output)
+  "Give the connection back to epoll until its next request arrives (OUTPUT:
+until the socket takes more of its unsent output, see OUTPUT-PARKED-P).  The
+caller owns C.  Returns true, or NIL when an event came while C was busy
+(input arrived, or with OUTPUT the socket drained) and marked it :DIRTY: the
+caller still owns C and must read (or send) again."
   (let ((engine (connection-engine c)))
     (with-connection-slots (in-start in-end head-started boundary park-requested close-requested) c
       (setf boundary nil park-requested nil close-requested nil)
       (let ((now (now-ms)))
-        (cond ((= in-start in-end)
+        (cond (output
+               ;; The write timeout, from the last time the client read.
+               (schedule c (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+              ((= in-start in-end)
                (setf head-started nil)
                (schedule c (+ now (engine-idle-timeout-ms engine))))
               (t
@@ -207,10 +216,19 @@ must read again."
       (release-buffers c)
       (unless (charge-head c)
         ;; Partial heads already hold the engine's whole head budget: this
-        ;; one is not kept (the answer is 503, not a crash of the heap).
+        ;; one is not kept (the answer is 503, not a crash of the heap; or,
+        ;; in the middle of an answer, the end of the connection).
         (sb-ext:atomic-incf (engine-shed engine))
-        (reject-connection c (response-503 engine))
+        (if output
+            (close-connection c)
+            (reject-connection c (response-503 engine)))
         (return-from park t))
+      (when (and output (not (conn-slot c out-registered)))
+        ;; Once and for good: edge-triggered, EPOLLOUT raises an event only
+        ;; when the socket drains after a send found it full.
+        (setf (conn-slot c out-registered) t)
+        (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-mod+ (connection-fd c)
+                   (logior +connection-events+ +epollout+) (connection-token c)))
       ;; From here on, an event (or the housekeeper, once the deadline
       ;; passes) may take C.  Input that came while C was busy left it
       ;; :DIRTY: keep it and read again, or that input would wait for an
@@ -260,6 +278,7 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
          (fd (connection-fd c)))
     (unfresh c)
     (uncharge-head c)
+    (discard-unsent c)
     (when registered
       (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
     (when response
@@ -314,6 +333,17 @@ FLAGS."
 repeat while complete heads are buffered (pipelining); then park, close or
 leave C as the handler decided.  The caller owns C."
   (unfresh c)
+  (when (or (conn-slot c unsent) (conn-slot c suspended))
+    ;; Back from waiting for the client to read the last answer.
+    (when (output-parked-p c)
+      (return-from serve-connection))
+    (when (conn-slot c suspended)
+      ;; Sent for a request answered from another thread: C is that
+      ;; thread's again (CONNECTION-ACQUIRE).
+      (setf (conn-slot c out-parked) nil)
+      (return-from serve-connection))
+    (when (eq (shiftf (conn-slot c after-write) nil) :close)
+      (return-from serve-connection (close-after-answer c))))
   ;; C keeps its share of the head budget while this worker reads into its
   ;; buffer: buffers being read count as much as parked ones.
   (with-connection-slots (fd in-end raw) c
@@ -356,6 +386,12 @@ leave C as the handler decided.  The caller owns C."
                (unless (and (engine-running-p engine) (not (conn-slot c close-after))
                             (finish-message c))
                  (return (close-after-answer c)))
+               (when (conn-slot c unsent)
+                 ;; The client has not read this answer yet: no further
+                 ;; request is read until it has (pipelining backpressure).
+                 (setf (conn-slot c after-write) :serve)
+                 (when (output-parked-p c)
+                   (return)))
                ;; Nothing buffered: park without trying another read.
                ;; Most clients send their next request only after this
                ;; answer, so that read would nearly always fail with
@@ -369,15 +405,38 @@ leave C as the handler decided.  The caller owns C."
                           (park c))
                  (return)))
               (:close (return (close-after-answer c)))
-              ((:detached :suspended) (return)))))))))
+              (:detached (return))
+              (:suspended
+               ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
+               (return (connection-release c))))))))))
+
+(defun output-parked-p (c)
+  "C has unsent output (connection.lisp, Output): send what the socket takes
+now, and park C in epoll until it takes more if some is left; a worker then
+comes back to SERVE-CONNECTION.  True when C was parked or closed (the caller
+lets go of C), NIL when all of it is sent and the caller still owns C."
+  (handler-case
+      (loop (when (send-unsent c)
+              (return nil))
+            (when (park c t)
+              (return t)))
+    (connection-error ()
+      (note-client-abort (connection-engine c))
+      (close-connection c)
+      t)))
 
 (defun close-after-answer (c)
-  "Close C after its last answer: at once when the client sent nothing more,
+  "Close C after its last answer, once the client read it (until then C waits
+in epoll, see OUTPUT-PARKED-P): at once when the client sent nothing more,
 else after reading and discarding what it still sends for a while (LINGER-MS:
 a close(2) with unread input sends a reset, which can destroy the answer
 before the client read it).  A raw (TLS) connection always lingers: what
 the client sent is not known here, and a TLS client sends its close_notify
 alert, data, as soon as it is done, often before the answer came."
+  (when (conn-slot c unsent)
+    (setf (conn-slot c after-write) :close)
+    (when (output-parked-p c)
+      (return-from close-after-answer)))
   (if (and (not (conn-slot c raw))
            (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end)))
       (close-connection c)
@@ -386,22 +445,68 @@ alert, data, as soon as it is done, often before the answer came."
 (defun connection-suspend (c)
   "Called by a handler, in its worker, that will answer later from another
 thread; the handler then returns :SUSPENDED and the worker leaves C to that
-thread, which ends with CONNECTION-RESUME.  The request counts as in flight
-until then.  The handler deadline ends here: no interrupt may reach the
-worker once it is handing C over."
+thread, which writes between CONNECTION-ACQUIRE and CONNECTION-RELEASE and
+ends with CONNECTION-RESUME.  The request counts as in flight until then.
+The handler deadline ends here: no interrupt may reach the worker once it is
+handing C over."
   (sb-sys:without-interrupts
     (disarm-handler-deadline c)
+    (setf (conn-slot c suspended) t
+          (conn-slot c out-parked) t)   ; the worker's until it lets go
     (sb-ext:atomic-incf (engine-in-flight (connection-engine c)))))
 
 (defun connection-unsuspend (c)
   "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
+  (setf (conn-slot c suspended) nil
+        (conn-slot c out-parked) nil)
   (end-in-flight (connection-engine c)))
 
+;;; A suspended request's connection changes hands between its answering
+;;; thread, which writes, and the engine, which sends what the client did not
+;;; read yet while the connection waits in epoll.  OUT-PARKED says which:
+;;; while it is true the engine owns C (:PARKED, or :ACTIVE in the worker
+;;; sending for it); the answering thread takes C back with a CAS from
+;;; :PARKED, or once the worker has cleared OUT-PARKED, its last act on C.
+
+(defun connection-acquire (c)
+  "Called by the thread answering a suspended request on C before it writes:
+wait until the engine is not sending C's unsent output (it never waits for
+the client: only for a worker's non-blocking send), and take C.  NIL when C
+was closed meanwhile (the client went away, or read nothing for the write
+timeout): there is nobody to answer."
+  (loop
+    (case (connection-state c)
+      ((:active :dirty)
+       (unless (conn-slot c out-parked)
+         (return t)))
+      (:parked
+       (when (eq :parked (sb-ext:compare-and-swap (%conn-slot c state) :parked :active))
+         (setf (conn-slot c out-parked) nil)
+         (return t)))
+      (t (return nil)))
+    (sb-thread:thread-yield)))
+
+(defun connection-release (c)
+  "Called by the thread owning C while its request is suspended, after it
+wrote: what the client did not read yet is left to the engine, which sends
+it from epoll (OUTPUT-PARKED-P); C goes back to the answering thread at the
+next CONNECTION-ACQUIRE."
+  (setf (conn-slot c out-parked) t)
+  (unless (output-parked-p c)
+    (setf (conn-slot c out-parked) nil))
+  nil)
+
 (defun connection-resume (c keep-alive)
-  "Finish a suspended request from any thread: serve the next request if one
-is buffered and KEEP-ALIVE, else park C in epoll, or close it."
+  "Finish a suspended request from the thread that answered it, which owns C
+\(CONNECTION-ACQUIRE): serve the next request if one is buffered and
+KEEP-ALIVE, else park C in epoll, or close it (after the client read the
+answer)."
   (let ((engine (connection-engine c)))
     (end-in-flight engine)
+    (when (member (connection-state c) '(:closed :draining :detached))
+      (return-from connection-resume))
+    (setf (conn-slot c suspended) nil
+          (conn-slot c out-parked) nil)
     (if (and keep-alive (engine-running-p engine) (not (conn-slot c close-after))
              (finish-message c))
         (handler-case (serve-connection engine c)
@@ -462,7 +567,8 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
   (when (and (zerop (the fixnum (conn-slot c sent))) (not (engine-raw-p engine)))
     (setf (conn-slot c out-fill) 0)
     (let ((response (response-503 engine)))
-      (send-from (connection-fd c) response 0 (length response)))))
+      ;; After what is queued (an interim 100 Continue), never before it.
+      (ignore-errors (send-all c response 0 (length response) :reference)))))
 
 (defun run-handler (engine c)
   "Run the engine's handler on C.  Any serious condition the handler lets
@@ -517,6 +623,11 @@ CONNECTION-SUSPEND: another thread will finish the request)."
            (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ (connection-fd c) 0 0)
            (setf boundary nil park-requested nil
                  (connection-state c) :detached)
+           ;; Its owner writes with blocking sends from now on: what is
+           ;; queued (the answer that switched protocols) goes first.
+           (when (conn-slot c unsent)
+             (handler-case (finish-unsent c)
+               (connection-error () (discard-unsent c))))
            :detached)
           (park-requested :park)
           (t :close))))
@@ -567,7 +678,13 @@ when part of a request head had arrived), else schedule it again."
        (cond ((not (due-p))
               (wheel-schedule (engine-wheel engine) c (connection-deadline c)))
              ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
-              (cond ((conn-slot c head-started)
+              (cond ((conn-slot c unsent)
+                     ;; The client read nothing of its answer for the write
+                     ;; timeout (a slow-read attack, or a dead peer).
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (sb-ext:atomic-incf (engine-write-timeouts engine))
+                     (close-connection c))
+                    ((conn-slot c head-started)
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (reject c +response-408+))
                     ((conn-slot c fresh)
@@ -606,7 +723,8 @@ housekeeper has exited."
             do (case (connection-state c)
                  (:parked
                   (if (and keep-readable
-                           (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
+                           (or (conn-slot c unsent) ; an answer the client is still reading
+                               (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)
                       (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
                                 :parked)

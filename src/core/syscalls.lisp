@@ -41,6 +41,7 @@
 (defconstant +efd-cloexec+ #o2000000)
 (defconstant +f-getfl+ 3)
 (defconstant +f-setfl+ 4)
+(defconstant +f-dupfd-cloexec+ 1030)
 (defconstant +msg-nosignal+ #x4000)
 (defconstant +shut-rd+ 0)
 (defconstant +shut-wr+ 1)
@@ -184,6 +185,10 @@ handed back by epoll_wait.  Returns T on success, NIL and the errno on failure."
 number whatever close returns, and another thread may already have it."
   (%close fd)
   (values))
+
+(defun dup-fd (fd)
+  "A new fd (close-on-exec) for the file open on FD, or -1 (out of fds)."
+  (%fcntl fd +f-dupfd-cloexec+ 0))
 
 (defun shutdown-fd (fd how)
   (%shutdown fd how))

@@ -77,6 +77,11 @@ the client gets 503 and the connection is closed.")
    (max-body-bytes :initarg :max-body-bytes
                    :documentation "Requests declaring a larger Content-Length get 413
 before their body is read.")
+   (max-unsent-bytes :initarg :max-unsent-bytes
+                     :documentation "Octets a handler writing through the stream may
+leave unsent, copied, on a connection whose client does not read yet, before
+its write waits for the client.  What the client has not read when the
+handler returns waits with the connection in epoll, not in a worker.")
    (head-budget :initarg :head-budget :initform nil
                 :documentation "Octets of input buffers that connections parked with a
 partial request head may hold in all (default: a quarter of the heap); past
@@ -93,7 +98,8 @@ when the acceptor is not a GALLOP:ACCEPTOR.")
    :thread-idle-timeout 10
    :max-head-bytes gallop.core:+default-max-head-bytes+
    :max-request-line-bytes gallop.core:+default-max-request-line-bytes+
-   :max-body-bytes gallop.core:+default-max-body-bytes+)
+   :max-body-bytes gallop.core:+default-max-body-bytes+
+   :max-unsent-bytes gallop.core:+default-max-unsent-bytes+)
   (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
@@ -149,7 +155,7 @@ new connections get 503.")
         (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
     (with-slots (max-thread-count standby-thread-count thread-idle-timeout
                  header-timeout idle-timeout handler-timeout max-head-bytes max-request-line-bytes
-                 max-body-bytes head-budget) tm
+                 max-body-bytes max-unsent-bytes head-budget) tm
       (gallop.core:make-engine
        :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
        :handler (lambda (connection) (serve-connection acceptor connection))
@@ -165,6 +171,7 @@ new connections get 503.")
        :max-head-bytes max-head-bytes
        :max-request-line-bytes max-request-line-bytes
        :max-body-bytes max-body-bytes
+       :max-unsent-bytes max-unsent-bytes
        :head-budget head-budget
        :max-queue (taskmaster-max-queue-length tm)
        :thread-starter (lambda (thunk name)

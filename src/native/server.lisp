@@ -58,8 +58,10 @@
                      :content-length (unless (no-body-status-p status) length)
                      :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
          (unless (or (exchange-head-p ex) (no-body-status-p status))
+           ;; The body is the app's to give up (README): what the client does
+           ;; not read at once waits as it is, not copied.
            (dolist (chunk chunks)
-             (gallop.core:connection-write-octets c chunk))))))
+             (gallop.core:connection-write-octets c chunk 0 (length chunk) :reference))))))
     (gallop.core:connection-flush c)))
 
 (defun start-streaming (ex status headers)
@@ -70,35 +72,48 @@
                        (not (exchange-head-p ex)) (not (no-body-status-p status))))
          (keep-alive (and (exchange-keep-alive ex) (or length chunked)
                           (accepting-p (exchange-server ex))
-                          (not (connection-token-p (header-value headers :connection) "close")))))
+                          (not (connection-token-p (header-value headers :connection) "close"))))
+         (closed nil))
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t
           (exchange-streaming ex) t)
-    (write-head c status headers :chunked chunked :keep-alive keep-alive
-                                 :http-1.0 (exchange-http-1.0 ex))
-    (gallop.core:connection-flush c)
-    (let ((closed nil))
+    (flet ((send (write last)
+             ;; Call WRITE (it writes on C), then COMPLETE when LAST or when
+             ;; it failed.  From another thread once the worker let go, take
+             ;; C from the engine first, which may be sending what the client
+             ;; did not read yet, and leave that to it afterwards
+             ;; (GALLOP.CORE:CONNECTION-ACQUIRE, -RELEASE).
+             (let ((suspended (eq (exchange-state ex) :suspended)))
+               (if (and suspended (not (gallop.core:connection-acquire c)))
+                   (setf closed t       ; the client went away meanwhile
+                         (exchange-keep-alive ex) nil)
+                   (handler-case (funcall write)
+                     (error (e)
+                       (setf closed t
+                             (exchange-keep-alive ex) nil)
+                       (unless (client-gone-p (exchange-server ex) e)
+                         (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))))
+               (cond ((or closed last)
+                      (setf closed t)
+                      (complete ex))
+                     (suspended (gallop.core:connection-release c))))))
+      (send (lambda ()
+              (write-head c status headers :chunked chunked :keep-alive keep-alive
+                                           :http-1.0 (exchange-http-1.0 ex))
+              (gallop.core:connection-flush c))
+            nil)
       (lambda (data &key close)
         (unless closed
-          (handler-case
-              (progn
-                (when (and data (not (exchange-head-p ex)))
-                  (let ((octets (body-octets data)))
-                    (if chunked
-                        (write-chunk c octets)
-                        (gallop.core:connection-write-octets c octets))))
-                (when close
-                  (setf closed t)
-                  (when chunked
-                    (gallop.core:connection-write-octets c +last-chunk+)))
-                (gallop.core:connection-flush c))
-            (error (e)
-              (setf closed t
-                    (exchange-keep-alive ex) nil)
-              (unless (client-gone-p (exchange-server ex) e)
-                (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e))))
-          (when closed
-            (complete ex)))
+          (send (lambda ()
+                  (when (and data (not (exchange-head-p ex)))
+                    (let ((octets (body-octets data)))
+                      (if chunked
+                          (write-chunk c octets)
+                          (gallop.core:connection-write-octets c octets))))
+                  (when (and close chunked)
+                    (gallop.core:connection-write-octets c +last-chunk+))
+                  (gallop.core:connection-flush c))
+                close))
         nil))))
 
 (defun complete (ex)
@@ -121,11 +136,15 @@ answered from another thread), finish the connection from this thread."
       (cond ((exchange-responded ex)
              (error "This request was already answered."))
             (body-p
-             (handler-case (respond ex status headers body)
-               (error (e)
-                 (setf (exchange-keep-alive ex) nil)
-                 (unless (client-gone-p (exchange-server ex) e)
-                   (log-error (exchange-server ex) "Responding failed: ~A" e))))
+             (if (and (eq (exchange-state ex) :suspended)
+                      (not (gallop.core:connection-acquire (exchange-connection ex))))
+                 (setf (exchange-responded ex) t ; the client went away meanwhile
+                       (exchange-keep-alive ex) nil)
+                 (handler-case (respond ex status headers body)
+                   (error (e)
+                     (setf (exchange-keep-alive ex) nil)
+                     (unless (client-gone-p (exchange-server ex) e)
+                       (log-error (exchange-server ex) "Responding failed: ~A" e)))))
              (complete ex)
              nil)
             (t (start-streaming ex status headers))))))
@@ -245,6 +264,7 @@ write its response, and tell the engine what to do with C next."
                     (max-body-bytes gallop.core:+default-max-body-bytes+)
                     (max-head-bytes gallop.core:+default-max-head-bytes+)
                     (max-request-line-bytes gallop.core:+default-max-request-line-bytes+)
+                    (max-unsent-bytes gallop.core:+default-max-unsent-bytes+)
                     head-budget
                     (max-queue-length 1024) debug (log *error-output*))
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
@@ -274,6 +294,7 @@ is bounded only while that function runs in the worker."
                      :handler-timeout handler-timeout
                      :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
                      :max-request-line-bytes max-request-line-bytes
+                     :max-unsent-bytes max-unsent-bytes
                      :head-budget head-budget
                      :max-queue max-queue-length
                      :log-error (lambda (format-control &rest args)

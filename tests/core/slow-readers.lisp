@@ -1,0 +1,326 @@
+;;;; slow-readers.lisp -- clients that read slowly or never: their answers
+;;;; wait with their connections in epoll, not in workers (issue 18).
+;;;;
+;;;; The clients are raw sockets whose receive buffer is made small before
+;;;; they connect, so the server's socket fills after a few KiB.  Each test
+;;;; checks what a client sees, byte by byte with the strict reader
+;;;; (tests/wire.lisp), and what the server holds meanwhile (GALLOP:STATS:
+;;;; :WRITING connections parked until their client reads, pool threads).
+;;;; Timing is never asserted: the waits are bounded only so that a broken
+;;;; server fails instead of hanging.
+
+(in-package #:gallop-tests)
+
+(def-suite slow-readers :in gallop
+  :description "Slow readers: unsent answers wait in epoll, pipelining waits for them.")
+(in-suite slow-readers)
+
+;;; Clients
+
+(defun slow-reader (port &key (receive-buffer 4096))
+  "A socket connected to 127.0.0.1:PORT whose receive buffer is
+RECEIVE-BUFFER octets (set before connecting, so its TCP window stays that
+small).  The test reads it only when it chooses to (SLOW-READER-STREAM)."
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
+      (setf (sb-bsd-sockets:sockopt-receive-buffer socket) receive-buffer)
+      (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port))
+    socket))
+
+(defun slow-reader-send (socket string)
+  (let ((octets (octets string)))
+    (sb-bsd-sockets:socket-send socket (coerce octets '(simple-array (unsigned-byte 8) (*))) nil)))
+
+(defun slow-reader-stream (socket)
+  "A binary input stream over SOCKET (reads time out after 20 s)."
+  (sb-bsd-sockets:socket-make-stream socket :input t :output nil
+                                            :element-type '(unsigned-byte 8)
+                                            :buffering :full :timeout 20))
+
+(defun close-slow-readers (sockets)
+  (dolist (s sockets) (ignore-errors (sb-bsd-sockets:socket-close s))))
+
+(defmacro with-slow-readers ((var) &body body)
+  "Bind VAR to a list the body pushes slow readers onto; close them all after."
+  `(let ((,var '()))
+     (unwind-protect (progn ,@body)
+       (close-slow-readers ,var))))
+
+(defun get-line (path &key close)
+  (crlf (format nil "GET ~A HTTP/1.1" path) "Host: t" (if close "Connection: close" "X-Pipelined: yes")))
+
+(defun pattern-octets (size seed)
+  "SIZE octets of a pattern that SEED shifts: a misplaced or lost range shows."
+  (let ((v (make-array size :element-type '(unsigned-byte 8))))
+    (dotimes (i size v)
+      (setf (aref v i) (mod (+ (* i 7) seed (floor i 251)) 256)))))
+
+(defun pool-threads (server) (stat server :threads))
+
+;;; The native app the tests serve: every body shape the write queue keeps in
+;;; its own way (the output buffer handed over, a body kept by reference, a
+;;; file through a duplicate fd, a streaming writer's copies, an answer from
+;;; another thread).
+
+(defparameter *slow-big* (pattern-octets (* 4 1024 1024) 1)
+  "The 4 MiB body of /big: one vector every answer shares, so a thousand
+answers waiting for their clients cost no memory of their own.")
+
+(defvar *slow-file* nil)
+
+(defun slow-file ()
+  "A 1 MiB file for the sendfile answers."
+  (or *slow-file*
+      (let ((path (merge-pathnames (format nil "gallop-slow-~D.bin" (sb-posix:getpid))
+                                   (uiop:temporary-directory))))
+        (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)
+                                  :if-exists :supersede)
+          (write-sequence (pattern-octets (* 1024 1024) 3) out))
+        (setf *slow-file* path))))
+
+(defparameter *slow-text* (coerce (loop for i below (* 300 1024)
+                                        collect (code-char (+ 32 (mod (* i 13) 95))))
+                                  'simple-base-string)
+  "A 300 KiB ASCII body, written through the output buffer.")
+
+(defun slow-app (env)
+  (let ((path (getf env :path-info)))
+    (cond ((string= path "/yo") '(200 (:content-type "text/plain") ("Yo!")))
+          ((string= path "/big") `(200 (:content-type "application/octet-stream") ,*slow-big*))
+          ((string= path "/mid") `(200 (:content-type "application/octet-stream")
+                                       ,(pattern-octets (* 200 1024) 2)))
+          ((string= path "/text") `(200 (:content-type "text/plain") (,*slow-text*)))
+          ((string= path "/file") `(200 (:content-type "application/octet-stream") ,(slow-file)))
+          ((string= path "/stream")
+           ;; A streaming writer in the worker: 20 chunks of 20 KiB.
+           (lambda (respond)
+             (let ((write (funcall respond '(200 (:content-type "application/octet-stream")))))
+               (dotimes (i 20)
+                 (funcall write (pattern-octets (* 20 1024) (+ 10 i))))
+               (funcall write nil :close t))))
+          ((string= path "/later")
+           ;; Answered from another thread.
+           (lambda (respond)
+             (sb-thread:make-thread
+              (lambda ()
+                (funcall respond `(200 (:content-type "application/octet-stream")
+                                       ,(pattern-octets (* 200 1024) 4))))
+              :name "slow-readers answer")))
+          (t '(404 (:content-type "text/plain") ("none"))))))
+
+(defun stream-expected ()
+  (apply #'concatenate '(vector (unsigned-byte 8))
+         (loop for i below 20 collect (pattern-octets (* 20 1024) (+ 10 i)))))
+
+(defun expect-answer (source body &key (status 200) (framing :content-length))
+  "Read one answer from SOURCE strictly and check its status, framing and body."
+  (let ((response (read-wire-message source :persistent t)))
+    (is (= status (wire-status response)))
+    (is (eq framing (wire-framing response)))
+    (is (equalp (coerce body '(vector (unsigned-byte 8))) (wire-body response))
+        "the body differs (~D octets, ~D expected)" (length (wire-body response)) (length body))
+    response))
+
+;;; Every shape, in order, to a client that reads only later
+
+(test native-queued-answers-exact
+  "A client pipelines every body shape, then reads nothing for a while: the
+answers wait in the write queue, then arrive whole and in order."
+  (with-app (server #'slow-app)
+    (with-slow-readers (readers)
+      (let ((socket (slow-reader (native-port server))))
+        (push socket readers)
+        (slow-reader-send socket (concatenate 'string
+                                              (get-line "/yo") (get-line "/big") (get-line "/text")
+                                              (get-line "/file") (get-line "/stream")
+                                              (get-line "/later") (get-line "/yo")))
+        ;; The server now holds an answer its client does not read, parked.
+        (is-true (wait-until (lambda () (plusp (stat server :writing))) :timeout 20))
+        (is (plusp (stat server :unsent-bytes)))
+        (let ((source (stream-source (slow-reader-stream socket))))
+          (expect-answer source (octets "Yo!"))
+          (expect-answer source *slow-big*)
+          (expect-answer source (octets *slow-text*))
+          (expect-answer source (pattern-octets (* 1024 1024) 3))
+          (let ((r (expect-answer source (stream-expected) :framing :chunked)))
+            (is (not (wire-flag-p r :chunk-extensions))))
+          (expect-answer source (pattern-octets (* 200 1024) 4))
+          (expect-answer source (octets "Yo!")))
+        ;; Nothing left behind once the client read it all.
+        (is-true (wait-until (lambda () (and (zerop (stat server :writing))
+                                             (zerop (stat server :unsent-bytes))
+                                             (zerop (stat server :in-flight))))))))))
+
+;;; No worker waits on a client
+
+(test native-slow-readers-hold-no-worker
+  "200 clients each pipeline three requests for a 4 MiB answer and never
+read: every connection parks with its first answer unsent, the pool does not
+grow, the second request of each is not read (backpressure), and a fresh
+client is answered."
+  (let ((standby 4) (clients 200))
+    (with-app (server #'slow-app :standby-thread-count standby :max-thread-count 100)
+      (with-slow-readers (readers)
+        (dotimes (i clients)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (concatenate 'string (get-line "/big") (get-line "/big")
+                                                  (get-line "/big")))))
+        (is-true (wait-until (lambda () (= clients (stat server :writing))) :timeout 60)
+                 "~D of ~D connections parked with their answers unsent"
+                 (stat server :writing) clients)
+        (is (<= (pool-threads server) (+ standby 4))
+            "the pool grew to ~D threads" (pool-threads server))
+        ;; One answer each: the pipelined requests wait until it is read.
+        (is (= clients (stat server :requests)))
+        (let ((fresh (connect (native-port server))))
+          (unwind-protect
+               (progn
+                 (send fresh (get-line "/yo" :close t))
+                 (let ((r (read-wire fresh :close t)))
+                   (is (= 200 (wire-status r)))
+                   (is (string= "Yo!" (wire-body-string r)))
+                   (is (string= "3" (wire-header r "Content-Length")))))
+            (usocket:socket-close fresh)))
+        (is (<= (pool-threads server) (+ standby 4)))
+        (close-slow-readers readers)
+        (setf readers '())
+        ;; Their connections are closed, their queues freed.
+        (is-true (wait-until (lambda () (and (zerop (stat server :open))
+                                             (zerop (stat server :unsent-bytes))))
+                             :timeout 30)
+                 "~D connections still open" (stat server :open))))))
+
+(test native-write-timeout
+  "A client that reads nothing of its answer for the write timeout is closed
+and counted; the server goes on serving."
+  (with-app (server #'slow-app :write-timeout 1)
+    (with-slow-readers (readers)
+      (let ((socket (slow-reader (native-port server))))
+        (push socket readers)
+        (slow-reader-send socket (get-line "/big"))
+        (is-true (wait-until (lambda () (plusp (stat server :write-timeouts))) :timeout 20))
+        (is-true (wait-until (lambda () (zerop (stat server :open))) :timeout 10))
+        (is (= 1 (stat server :write-timeouts)))
+        (let ((fresh (connect (native-port server))))
+          (unwind-protect
+               (progn (send fresh (get-line "/yo" :close t))
+                      (is (string= "Yo!" (wire-body-string (read-wire fresh :close t)))))
+            (usocket:socket-close fresh)))))))
+
+;;; A streaming answer from another thread to a client that does not read
+
+(test native-suspended-writer-does-not-wait
+  "A thread streams 40 chunks of 50 KiB to a client that reads nothing: the
+writer returns at once (the octets wait with the connection, within
+:MAX-UNSENT-BYTES), the connection waits in epoll, and when the client reads
+it gets the whole body, then a second answer on the same connection."
+  (let ((written (sb-thread:make-semaphore :name "chunks written"))
+        (chunks (loop for i below 40 collect (pattern-octets (* 50 1024) (+ 40 i)))))
+    (flet ((app (env)
+             (if (string= (getf env :path-info) "/yo")
+                 '(200 (:content-type "text/plain") ("Yo!"))
+                 (lambda (respond)
+                   (sb-thread:make-thread
+                    (lambda ()
+                      (let ((write (funcall respond '(200 (:content-type "application/octet-stream")))))
+                        (dolist (chunk chunks) (funcall write chunk))
+                        (sb-thread:signal-semaphore written)
+                        (funcall write nil :close t)))
+                    :name "slow-readers streamer")))))
+      ;; The kernel takes about a MiB itself (on loopback a socket's send
+      ;; buffer grows to 2 x 10 segments of 64 KiB); the queue holds the rest.
+      (with-app (server #'app :max-unsent-bytes (* 4 1024 1024))
+        (with-slow-readers (readers)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (concatenate 'string (get-line "/events") (get-line "/yo")))
+            (is-true (sb-thread:wait-on-semaphore written :timeout 20)
+                     "the writer waited for the client")
+            (is-true (wait-until (lambda () (plusp (stat server :writing))) :timeout 20))
+            (let* ((source (stream-source (slow-reader-stream socket)))
+                   (r (expect-answer source (apply #'concatenate '(vector (unsigned-byte 8)) chunks)
+                                     :framing :chunked)))
+              (is (equal (make-list 40 :initial-element (* 50 1024)) (wire-chunk-sizes r)))
+              (expect-answer source (octets "Yo!")))
+            (is-true (wait-until (lambda () (zerop (stat server :in-flight)))))))))))
+
+;;; The drop-in acceptor
+
+(defparameter *slow-mid-string*
+  (coerce (loop for i below (* 32 1024) collect (code-char (+ 32 (mod (* i 11) 95))))
+          'simple-base-string)
+  "A 32 KiB answer: within the default :MAX-UNSENT-BYTES.")
+
+(hunchentoot:define-easy-handler (handle-slow-mid :uri "/slow/mid") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  *slow-mid-string*)
+
+(hunchentoot:define-easy-handler (handle-slow-stream :uri "/slow/stream") ()
+  ;; Streams 1 MiB through SEND-HEADERS in 8 KiB writes: past
+  ;; :MAX-UNSENT-BYTES the handler waits for the client (by design).
+  (setf (hunchentoot:content-type*) "application/octet-stream"
+        (hunchentoot:content-length*) (* 1024 1024))
+  (let ((out (hunchentoot:send-headers))
+        (data (pattern-octets (* 1024 1024) 5)))
+    (loop for start from 0 below (length data) by 8192
+          do (write-sequence data out :start start :end (+ start 8192)))
+    (finish-output out))
+  nil)
+
+(test easy-acceptor-queued-answers-exact
+  "Through Hunchentoot: answers a client does not read yet wait in the queue
+(string bodies, a handler streaming past the bound, a static file) and
+arrive whole and in order."
+  (with-server (server 'gallop:easy-acceptor)
+    (with-slow-readers (readers)
+      (let ((socket (slow-reader (port-of server))))
+        (push socket readers)
+        ;; 48 x 32 KiB: more than the kernel buffers itself (about a MiB).
+        (slow-reader-send socket (apply #'concatenate 'string
+                                        (append (loop repeat 48 collect (get-line "/slow/mid"))
+                                                (list (get-line "/slow/stream")
+                                                      (get-line "/slow/mid")))))
+        (is-true (wait-until (lambda () (plusp (stat server :writing))) :timeout 20))
+        (let ((source (stream-source (slow-reader-stream socket))))
+          (loop repeat 48 do (expect-answer source (octets *slow-mid-string*)))
+          (expect-answer source (pattern-octets (* 1024 1024) 5))
+          (expect-answer source (octets *slow-mid-string*)))
+        (is-true (wait-until (lambda () (and (zerop (stat server :writing))
+                                             (zerop (stat server :unsent-bytes))))))))))
+
+(test easy-acceptor-slow-readers-hold-no-worker
+  "200 clients each pipeline 64 requests for a 32 KiB answer and never read:
+each connection parks once the socket is full, the pool does not grow, and a
+fresh client is answered."
+  (let ((standby 4) (clients 200))
+    (with-server (server 'gallop:easy-acceptor
+                         :taskmaster (make-instance 'gallop:taskmaster
+                                                    :standby-thread-count standby
+                                                    :max-thread-count 100))
+      (with-slow-readers (readers)
+        (let ((requests (apply #'concatenate 'string
+                               (loop repeat 64 collect (get-line "/slow/mid")))))
+          (dotimes (i clients)
+            (let ((socket (slow-reader (port-of server))))
+              (push socket readers)
+              (slow-reader-send socket requests))))
+        (is-true (wait-until (lambda () (= clients (stat server :writing))) :timeout 60)
+                 "~D of ~D connections parked with their answers unsent"
+                 (stat server :writing) clients)
+        (is (<= (pool-threads server) (+ standby 4))
+            "the pool grew to ~D threads" (pool-threads server))
+        (let ((fresh (connect (port-of server))))
+          (unwind-protect
+               (progn
+                 (send fresh (get-line "/slow/mid" :close t))
+                 (let ((r (read-wire fresh :close t)))
+                   (is (= 200 (wire-status r)))
+                   (is (equalp (octets *slow-mid-string*) (wire-body r)))))
+            (usocket:socket-close fresh)))
+        (close-slow-readers readers)
+        (setf readers '())
+        (is-true (wait-until (lambda () (and (zerop (stat server :open))
+                                             (zerop (stat server :unsent-bytes))))
+                             :timeout 30)
+                 "~D connections still open" (stat server :open))))))
