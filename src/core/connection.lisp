@@ -180,6 +180,9 @@ oldest first.  Only the connection's owner touches it.")
 or UNSENT was started: the write timeout counts from there.")
    (out-registered :initform nil
                    :documentation "True once C's epoll registration includes EPOLLOUT.")
+   (body-given :initform nil
+               :documentation "True when the layer above gave up the octets of this
+answer's body (see CONNECTION-GIVE-BODY).")
    (after-write :initform nil
                 :documentation "What the engine does once UNSENT is sent: :SERVE (the
 next request) or :CLOSE.")
@@ -598,6 +601,14 @@ on FILE-FD, which the segment owns."
         (conn-slot c unsent-tail) nil
         (conn-slot c unsent-bytes) 0))
 
+(defun connection-give-body (c)
+  "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
+this answer's body, given up by its owner: queued, if the client does not
+read it at once, by reference instead of copied (and so with no
+MAX-UNSENT-BYTES to wait for).  Hunchentoot's layer says so for a body a
+handler returned.  Holds until the next request."
+  (setf (conn-slot c body-given) t))
+
 (defun connection-unsent-bytes (c)
   "Octets of output C holds that the socket has not taken yet."
   (conn-slot c unsent-bytes))
@@ -719,7 +730,12 @@ next write takes a fresh one)."
              ;; Too big for the buffer: send what is buffered, then the data itself.
              (flush-output c)
              (if (> (- end start) (length buffer))
-                 (send-all c sequence start end) ; the caller's octets: copied if queued
+                 ;; The caller's octets: copied if queued, unless they are
+                 ;; the whole body the layer above gave up.
+                 (send-all c sequence start end
+                           (if (and (conn-slot c body-given) (zerop start) (= end (length sequence)))
+                               (progn (setf (conn-slot c body-given) nil) :reference)
+                               :copy))
                  (progn (replace (the octets (output-buffer c)) sequence :start2 start :end2 end)
                         (setf out-fill (- end start)))))
             ((typep sequence 'octets)

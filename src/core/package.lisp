@@ -34,7 +34,7 @@
    #:chunk-decoder-take #:chunk-decoder-state #:chunk-decoder-left
    #:+default-max-head-bytes+ #:+default-max-request-line-bytes+ #:+default-max-body-bytes+
    #:+default-max-unsent-bytes+ #:connection-acquire #:connection-release
-   #:connection-unsent-bytes
+   #:connection-unsent-bytes #:connection-give-body
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p

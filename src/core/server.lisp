@@ -582,7 +582,7 @@ the stream) or :SUSPENDED (the handler returned :SUSPENDED after
 CONNECTION-SUSPEND: another thread will finish the request)."
   (with-connection-slots (boundary park-requested close-requested head-started sent interrupted) c
     (setf boundary nil park-requested nil close-requested nil head-started nil
-          sent 0 interrupted nil)
+          sent 0 interrupted nil (conn-slot c body-given) nil)
     (sb-ext:atomic-incf (engine-requests engine))
     (sb-ext:atomic-incf (engine-in-flight engine))
     (arm-handler-deadline c)

@@ -251,6 +251,11 @@ new connections get 503.")
   ;;  - a client's malformed or oversized chunked body
   ;;    (GALLOP.CORE:REQUEST-BODY-ERROR, signalled while the handler reads
   ;;    it) is answered 400 or 413, like any bad request, not a logged 500;
+  ;;  - a body the handler returns is written once and never touched again
+  ;;    (a string is encoded afresh; an octet vector is the handler's to give
+  ;;    up, see the README): if the client does not read it at once, it
+  ;;    waits with the connection by reference, not copied, and so holds no
+  ;;    worker whatever its size (GALLOP.CORE:CONNECTION-GIVE-BODY).
   ;; (A body the handler did not read is left to Gallop: see
   ;; ACCEPTOR-LOG-ACCESS below.)
   (declare (ignore request))
@@ -263,7 +268,11 @@ new connections get 503.")
                            (hunchentoot::acceptor-shutdown-p acceptor)
                            (gallop.core:connection-close-after-p c))
                    (setf (hunchentoot:header-out :connection) "Close"))))
-          (handler-case (multiple-value-prog1 (call-next-method) (closing))
+          (handler-case (let ((results (multiple-value-list (call-next-method))))
+                          (closing)
+                          (when (typep (first results) '(or string (vector (unsigned-byte 8))))
+                            (gallop.core:connection-give-body c))
+                          (values-list results))
             (gallop.core:request-body-error (condition)
               (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
               (closing)
