@@ -38,6 +38,7 @@ clean:
 #   make bench        the full matrix, 3 repetitions, ~17 min; writes bench/results/RUN.tsv,
 #                     BENCHMARKS.md and BENCHMARKS.svg; then bench-uploads and bench-heads
 #                     (memory under large uploads and partial heads, ~2 min, below)
+#                     and bench-slow-readers
 #   make bench-quick  one repetition of 1 s runs, under 2 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.
@@ -48,7 +49,7 @@ BENCH = $(LISP) --load bench/run.lisp --eval
 bench:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :full)'
-	@$(MAKE) --no-print-directory bench-uploads bench-heads
+	@$(MAKE) --no-print-directory bench-uploads bench-heads bench-slow-readers
 
 bench-quick:
 	@scripts/deps.sh wrk nginx-light
@@ -101,4 +102,21 @@ bench-uploads:
 bench-heads:
 	@set -o pipefail; \
 	 $(LISP) --load bench/heads.lisp --eval '(gallop-bench-heads:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+
+# Slow readers (bench/slow-readers.lisp; results in BENCHMARKS.md, "Slow
+# readers"): 1,000 clients with 4 KiB receive buffers pipeline GET /yo and
+# never read, beside `slowhttptest -X` (500 slow-read connections on the
+# 1 MiB /big), while a fresh client asks every 200 ms; gallop:start,
+# gallop:easy-acceptor and stock Hunchentoot, each in its own process.
+# Non-zero when a Gallop server failed a fresh client, grew past 8 pool
+# threads or rose more than 64 MB in RSS.
+#   make bench-slow-readers   about 1 min
+
+.PHONY: bench-slow-readers
+
+bench-slow-readers:
+	@scripts/deps.sh slowhttptest
+	@set -o pipefail; \
+	 $(LISP) --load bench/slow-readers.lisp --eval '(gallop-bench-slow-readers:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'

@@ -19,8 +19,11 @@
 ;;;;              closes, so the client reads the response instead of a reset.
 ;;;;   :CLOSED    the fd is closed and TABLE no longer holds the connection.
 ;;;;
-;;;; While :ACTIVE, reads and writes block the worker with poll(2) bounded by
-;;;; the engine's read and write timeouts (fd-streams have no write timeout).
+;;;; While :ACTIVE, reads block the worker with poll(2) bounded by the
+;;;; engine's read timeout; writes do not wait for the client: what the socket
+;;;; does not take stays in the connection's output queue, and after the
+;;;; answer the connection parks (:PARKED, for EPOLLOUT) until it is sent (see
+;;;; Output below).
 ;;;; Between requests the layer above calls CONNECTION-MARK-BOUNDARY; the next
 ;;;; read then answers end-of-file unless a complete request head is already
 ;;;; buffered, and records that the connection should be parked, so the

@@ -9,7 +9,10 @@
 ;;;;  - a worker that takes a connection's event reads until the request head
 ;;;;    is complete, parking the connection again if it is not, then calls the
 ;;;;    engine's handler, and afterwards parks, closes or leaves the connection
-;;;;    (detached) as the handler's use of the stream decided.
+;;;;    (detached) as the handler's use of the stream decided; an answer the
+;;;;    socket did not take whole parks the connection for EPOLLOUT first,
+;;;;    and the worker that takes that event sends the rest, then goes on
+;;;;    (AFTER-WRITE: the next request, or the close).
 ;;;;
 ;;;; Every deadline goes into the engine's timing wheel (wheel.lisp); the
 ;;;; housekeeper advances it every +TICK-MS+ and expires what came due.
@@ -714,7 +717,8 @@ when part of a request head had arrived), else schedule it again."
 
 (defun close-idle-connections (engine &key keep-readable)
   "Close every parked and draining connection; with KEEP-READABLE, leave the
-parked ones whose client already sent more, for a worker to serve.  Returns
+parked ones whose client already sent more, for a worker to serve, and those
+whose client is still reading an answer.  Returns
 how many parked connections were left.  Used by ENGINE-STOP, once the
 housekeeper has exited."
   (let ((left 0))

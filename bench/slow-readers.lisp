@@ -1,0 +1,192 @@
+;;;; slow-readers.lisp -- `make bench-slow-readers`: clients that never read
+;;;; their answers, against each server in its own process (issue 18).
+;;;;
+;;;; For each server kind (native = GALLOP:START, gallop = GALLOP:EASY-ACCEPTOR,
+;;;; stock = Hunchentoot's own, for comparison), with the default pool:
+;;;;  - 1,000 clients from this process, each with a 4 KiB receive buffer,
+;;;;    pipeline "GET /yo" for PIPELINE-SECONDS as fast as their sockets take
+;;;;    it and never read an answer;
+;;;;  - at the same time `slowhttptest -X` (slow read: 500 connections asking
+;;;;    /big, 1 MiB, three times each, reading 32 octets a second through a
+;;;;    window of 512 to 1024 octets);
+;;;;  - a fresh client every 200 ms sends one GET /yo with Connection: close
+;;;;    and must get exactly "Hey!" (status 200, Content-Length 4), within
+;;;;    10 s, all along and for HOLD-SECONDS after the pipelining stops while
+;;;;    the 1,000 stay connected;
+;;;;  - the server's pool threads (GALLOP:STATS) and process threads and RSS
+;;;;    (/proc) are sampled every 250 ms.
+;;;; Prints one table row per server and exits non-zero when a Gallop server
+;;;; failed a fresh client, grew past its standby threads + 4 pool threads,
+;;;; or rose more than 64 MB in RSS.  Traffic goes to 127.0.0.1 only.
+
+(load (merge-pathnames "process.lisp" (directory-namestring *load-truename*)))
+
+(defpackage #:gallop-bench-slow-readers
+  (:use #:common-lisp #:gallop-bench-process)
+  (:export #:main))
+(in-package #:gallop-bench-slow-readers)
+
+(require :sb-bsd-sockets)
+
+(defparameter *clients* (env-int "BENCH_SLOW_CLIENTS" 1000))
+(defparameter *pipeline-seconds* (env-int "BENCH_SLOW_SECONDS" 6))
+(defparameter *hold-seconds* 4)
+(defparameter *standby* 4 "The default pool's standby threads.")
+
+(defun ascii (string) (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
+
+(defparameter *requests*
+  (ascii (apply #'concatenate 'string
+                (loop repeat 64 collect (format nil "GET /yo HTTP/1.1~C~CHost: b~C~C~C~C"
+                                                #\Return #\Linefeed #\Return #\Linefeed
+                                                #\Return #\Linefeed))))
+  "64 pipelined requests, sent over and over.")
+
+(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
+
+(defun slow-socket (port)
+  (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (setf (sb-bsd-sockets:sockopt-receive-buffer s) 4096)
+    (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
+    (setf (sb-bsd-sockets:non-blocking-mode s) t)
+    s))
+
+(defun pipeline (sockets seconds)
+  "Send *REQUESTS* on every socket, round after round, as far as each takes
+it, for SECONDS.  Returns the octets sent."
+  (let ((positions (make-array (length sockets) :initial-element 0))
+        (end (+ (now-ms) (* 1000 seconds)))
+        (total 0)
+        (n (length *requests*)))
+    (loop while (< (now-ms) end)
+          do (loop for s across sockets
+                   for i from 0
+                   do (loop
+                        (let* ((pos (aref positions i))
+                               (sent (ignore-errors
+                                      (sb-bsd-sockets:socket-send
+                                       s (subseq *requests* pos) nil))))
+                          (if (and sent (plusp sent))
+                              (progn (incf total sent)
+                                     (setf (aref positions i) (mod (+ pos sent) n)))
+                              (return)))))
+             (sleep 0.05))
+    total))
+
+(defun probe (port)
+  "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
+exact answer, or NIL."
+  (let ((start (now-ms))
+        (s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (unwind-protect
+         (ignore-errors
+          (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
+          (let ((stream (sb-bsd-sockets:socket-make-stream s :input t :output t :timeout 10
+                                                             :element-type '(unsigned-byte 8))))
+            (write-sequence (ascii (format nil "GET /yo HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
+                                           #\Return #\Linefeed #\Return #\Linefeed
+                                           #\Return #\Linefeed #\Return #\Linefeed))
+                            stream)
+            (finish-output stream)
+            (let* ((octets (coerce (loop for b = (read-byte stream nil) while b collect b)
+                                   '(simple-array (unsigned-byte 8) (*))))
+                   (text (map 'string #'code-char octets))
+                   (head-end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
+                                     text))
+                   (length-at (search (format nil "~C~CContent-Length: " #\Return #\Linefeed) text
+                                      :test #'char-equal)))
+              (and head-end length-at
+                   (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
+                   (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
+                   (string= "Hey!" (subseq text (+ head-end 4)))
+                   (- (now-ms) start)))))
+      (ignore-errors (sb-bsd-sockets:socket-close s)))))
+
+(defun proc-field (pid field)
+  "The number after FIELD: in /proc/PID/status, or NIL."
+  (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
+    (and in (loop for line = (read-line in nil) while line
+                  when (uiop:string-prefix-p (format nil "~A:" field) line)
+                    return (parse-integer line :start (1+ (length field)) :junk-allowed t)))))
+
+(defun pool-threads (process)
+  (let ((text (ask-process process "stats" "STATS ")))
+    (and text (getf (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
+                                     (read-from-string text)))
+                    :threads))))
+
+(defun median (list)
+  (if list (nth (floor (length list) 2) (sort (copy-list list) #'<)) 0))
+
+(defun run-kind (kind port)
+  (multiple-value-bind (process pid)
+      (start-bench-server kind port :log (merge-pathnames (format nil "bench/results/tmp/slow-readers-~A.log" kind)
+                                                          *repo*)
+                                    :if-log-exists :supersede)
+    (unwind-protect
+         (let* ((rss-before (proc-field pid "VmRSS"))
+                (lock (sb-thread:make-mutex))
+                (done nil) (latencies '()) (failures 0)
+                (peak-pool 0) (peak-threads 0) (peak-rss 0)
+                (slowhttptest (sb-ext:run-program
+                               "slowhttptest"
+                               (list "-X" "-c" "500" "-r" "500" "-l" (princ-to-string (+ *pipeline-seconds* *hold-seconds*))
+                                     "-k" "3" "-n" "1" "-w" "512" "-y" "1024" "-z" "32" "-p" "3"
+                                     "-u" (format nil "http://127.0.0.1:~D/big" port))
+                               :search t :wait nil :output nil :error nil))
+                (prober (sb-thread:make-thread
+                         (lambda ()
+                           (loop until done
+                                 do (let ((ms (probe port)))
+                                      (sb-thread:with-mutex (lock)
+                                        (if ms (push ms latencies) (incf failures))))
+                                    (sleep 0.2)))))
+                (monitor (sb-thread:make-thread
+                          (lambda ()
+                            (loop until done
+                                  do (let ((pool (and (not (string= kind "stock")) (pool-threads process)))
+                                           (threads (proc-field pid "Threads"))
+                                           (rss (proc-field pid "VmRSS")))
+                                       (setf peak-pool (max peak-pool (or pool 0))
+                                             peak-threads (max peak-threads (or threads 0))
+                                             peak-rss (max peak-rss (or rss 0))))
+                                     (sleep 0.25)))))
+                (sockets (coerce (loop repeat *clients* collect (slow-socket port)) 'vector))
+                (sent (pipeline sockets *pipeline-seconds*)))
+           (sleep *hold-seconds*)
+           (setf done t)
+           (sb-thread:join-thread prober)
+           (sb-thread:join-thread monitor)
+           (loop for s across sockets do (ignore-errors (sb-bsd-sockets:socket-close s)))
+           (kill-and-reap slowhttptest)
+           (let ((row (list :kind kind :probes (+ failures (length latencies)) :failed failures
+                            :median-ms (median latencies) :max-ms (reduce #'max latencies :initial-value 0)
+                            :peak-pool-threads peak-pool :peak-threads peak-threads
+                            :rss-before-mb (round (or rss-before 0) 1024) :rss-rise-mb (round (- peak-rss (or rss-before 0)) 1024)
+                            :pipelined-mb (round sent (* 1024 1024)))))
+             (format t "~&| ~A | ~D | ~D | ~D | ~D | ~D | ~D | ~D | +~D | ~D |~%"
+                     kind (getf row :probes) failures (getf row :median-ms) (getf row :max-ms)
+                     peak-pool peak-threads (getf row :rss-before-mb) (getf row :rss-rise-mb)
+                     (getf row :pipelined-mb))
+             (finish-output)
+             row))
+      (kill-and-reap process))))
+
+(defun main ()
+  (raise-fd-limit)
+  (ensure-directories-exist (merge-pathnames "bench/results/tmp/" *repo*))
+  (format t "~&~D clients pipelining GET /yo for ~D s and never reading, plus slowhttptest -X (500 connections, /big); ~
+             a fresh GET /yo every 200 ms until ~D s after.~%~%"
+          *clients* *pipeline-seconds* *hold-seconds*)
+  (format t "| server | fresh clients | failed | median ms | max ms | peak pool threads | peak process threads | RSS before MB | RSS rise MB | pipelined MB |~%")
+  (format t "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+  (let ((bad nil))
+    (loop for kind in '("native" "gallop" "stock")
+          for port from 18431
+          do (let ((row (run-kind kind port)))
+               (when (and (not (string= kind "stock"))
+                          (or (plusp (getf row :failed))
+                              (> (getf row :peak-pool-threads) (+ *standby* 4))
+                              (> (getf row :rss-rise-mb) 64)))
+                 (setf bad t))))
+    (uiop:quit (if bad 1 0))))
