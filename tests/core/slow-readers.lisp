@@ -171,6 +171,43 @@ answers wait in the write queue, then arrive whole and in order."
 
 ;;; No worker waits on a client
 
+(defun check-slow-readers-hold-no-worker (server port big-path fresh-path fresh-body)
+  "200 slow readers pipeline three requests for BIG-PATH (an answer larger
+than the kernel buffers) to SERVER on PORT and never read: check that every
+connection parks with its first answer unsent, that no worker holds any,
+that only the first request of each was read, that a fresh client gets
+exactly FRESH-BODY for FRESH-PATH, and that closing the readers frees all."
+  (let ((clients 200))
+    (with-slow-readers (readers)
+      (multiple-value-bind (sockets parked)
+          (open-slow-readers server port clients
+                             (concatenate 'string (get-line big-path) (get-line big-path)
+                                          (get-line big-path)))
+        (setf readers sockets)
+        (is-true parked "~D of ~D connections parked with their answers unsent"
+                 (stat server :writing) clients))
+      ;; No worker holds a connection: every one waits in epoll.
+      (is-true (wait-until (lambda () (zerop (stat server :active))))
+               "~D connections held by workers" (stat server :active))
+      ;; One answer each: the pipelined requests wait until it is read.
+      (is (= clients (stat server :requests)))
+      (let ((fresh (connect port)))
+        (unwind-protect
+             (progn
+               (send fresh (get-line fresh-path :close t))
+               (let ((r (read-wire fresh :close t)))
+                 (is (= 200 (wire-status r)))
+                 (is (string= (format nil "~D" (length fresh-body)) (wire-header r "Content-Length")))
+                 (is (equalp (octets fresh-body) (wire-body r)))))
+          (usocket:socket-close fresh)))
+      (close-slow-readers readers)
+      (setf readers '())
+      ;; Their connections are closed, their queues freed.
+      (is-true (wait-until (lambda () (and (zerop (stat server :open))
+                                           (zerop (stat server :unsent-bytes))))
+                           :timeout 30)
+               "~D connections still open" (stat server :open)))))
+
 (test native-slow-readers-hold-no-worker
   "200 clients each pipeline three requests for a 4 MiB answer and never
 read, against a pool of at most 8 workers: every connection parks with its
@@ -178,37 +215,8 @@ first answer unsent and no worker holds any of them, the second request of
 each is not read (backpressure), and a fresh client is answered.  (With
 workers waiting on their clients, 8 of them would hold 8 slow readers and
 the fresh client would wait for the write timeout.)"
-  (let ((workers 8) (clients 200))
-    (with-app (server #'slow-app :standby-thread-count 4 :max-thread-count workers)
-      (with-slow-readers (readers)
-        (multiple-value-bind (sockets parked)
-            (open-slow-readers server (native-port server) clients
-                               (concatenate 'string (get-line "/big") (get-line "/big")
-                                            (get-line "/big")))
-          (setf readers sockets)
-          (is-true parked "~D of ~D connections parked with their answers unsent"
-                   (stat server :writing) clients))
-        ;; No worker holds a connection: every one waits in epoll.
-        (is-true (wait-until (lambda () (zerop (stat server :active))))
-                 "~D connections held by workers" (stat server :active))
-        ;; One answer each: the pipelined requests wait until it is read.
-        (is (= clients (stat server :requests)))
-        (let ((fresh (connect (native-port server))))
-          (unwind-protect
-               (progn
-                 (send fresh (get-line "/yo" :close t))
-                 (let ((r (read-wire fresh :close t)))
-                   (is (= 200 (wire-status r)))
-                   (is (string= "Yo!" (wire-body-string r)))
-                   (is (string= "3" (wire-header r "Content-Length")))))
-            (usocket:socket-close fresh)))
-        (close-slow-readers readers)
-        (setf readers '())
-        ;; Their connections are closed, their queues freed.
-        (is-true (wait-until (lambda () (and (zerop (stat server :open))
-                                             (zerop (stat server :unsent-bytes))))
-                             :timeout 30)
-                 "~D connections still open" (stat server :open))))))
+  (with-app (server #'slow-app :standby-thread-count 4 :max-thread-count 8)
+    (check-slow-readers-hold-no-worker server (native-port server) "/big" "/yo" "Yo!")))
 
 (test native-write-timeout
   "A client that reads nothing of its answer for the write timeout is closed
@@ -322,34 +330,8 @@ static file) and arrive whole and in order."
 returns and never read, against a pool of at most 8 workers: each
 connection parks with its first answer unsent and no worker holds any of
 them, and a fresh client is answered."
-  (let ((workers 8) (clients 200))
-    (with-server (server 'gallop:easy-acceptor
-                         :taskmaster (make-instance 'gallop:taskmaster
-                                                    :standby-thread-count 4
-                                                    :max-thread-count workers))
-      (with-slow-readers (readers)
-        (multiple-value-bind (sockets parked)
-            (open-slow-readers server (port-of server) clients
-                               (concatenate 'string (get-line "/slow/big") (get-line "/slow/big")
-                                            (get-line "/slow/big")))
-          (setf readers sockets)
-          (is-true parked "~D of ~D connections parked with their answers unsent"
-                   (stat server :writing) clients))
-        ;; No worker holds a connection: every one waits in epoll.
-        (is-true (wait-until (lambda () (zerop (stat server :active))))
-                 "~D connections held by workers" (stat server :active))
-        (is (= clients (stat server :requests)))
-        (let ((fresh (connect (port-of server))))
-          (unwind-protect
-               (progn
-                 (send fresh (get-line "/slow/mid" :close t))
-                 (let ((r (read-wire fresh :close t)))
-                   (is (= 200 (wire-status r)))
-                   (is (equalp (octets *slow-mid-string*) (wire-body r)))))
-            (usocket:socket-close fresh)))
-        (close-slow-readers readers)
-        (setf readers '())
-        (is-true (wait-until (lambda () (and (zerop (stat server :open))
-                                             (zerop (stat server :unsent-bytes))))
-                             :timeout 30)
-                 "~D connections still open" (stat server :open))))))
+  (with-server (server 'gallop:easy-acceptor
+                       :taskmaster (make-instance 'gallop:taskmaster :standby-thread-count 4
+                                                                     :max-thread-count 8))
+    (check-slow-readers-hold-no-worker server (port-of server) "/slow/big" "/slow/mid"
+                                       *slow-mid-string*)))
