@@ -95,6 +95,9 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
             :documentation "True when the last read from the socket returned less
 than it asked for: the socket had nothing more then, so any later input
 raises an event.")
+   (waiting-turn :initform nil
+                 :documentation "True while C is queued for a worker with its next
+pipelined request buffered (YIELD-TURN), until a worker serves it.")
    (raw :initarg :raw :initform nil
         :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
    (body-length :initform 0 :type fixnum

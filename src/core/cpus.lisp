@@ -111,3 +111,42 @@ cgroup's CPU quota.  A positive rational (1/2 under --cpus=0.5)."
   (let ((affinity (allowed-cpu-count))
         (quota (cgroup-cpu-quota)))
     (if quota (min affinity quota) affinity)))
+
+;;; Which threads want a CPU.  Busy workers and a process below its CPUs can
+;;; mean blocked handlers (sleeping, waiting on a database: more threads
+;;; help) or a machine whose CPUs other processes use too (more threads only
+;;; wait longer for them).  The kernel's state of each thread tells them
+;;; apart: R (running, or runnable and waiting for a CPU) or not.
+
+(defconstant +proc-stat-state-offset+ 2
+  "In /proc/self/task/TID/stat the state letter follows the command name's
+closing parenthesis and a space.")
+
+(defun thread-runnable-p (tid buffer)
+  "True when the thread whose kernel id is TID is running or waiting for a
+CPU (state R).  BUFFER is an octet vector of at least 64 octets to read
+into.  NIL if its stat file can't be read (the thread has just exited)."
+  (declare (type octets buffer))
+  (multiple-value-bind (fd) (sb-unix:unix-open (format nil "/proc/self/task/~D/stat" tid)
+                                               sb-unix:o_rdonly 0)
+    (when fd
+      (let ((n (unwind-protect
+                    (sb-sys:with-pinned-objects (buffer)
+                      (sb-unix:unix-read fd (sb-sys:vector-sap buffer) (length buffer)))
+                 (sb-unix:unix-close fd))))
+        (when (and n (plusp n))
+          ;; The command name may hold any character but is at most 16
+          ;; octets, so its closing parenthesis is within the first 64.
+          (let ((paren (position 41 buffer :end n :from-end t))) ; #\)
+            (and paren (< (+ paren +proc-stat-state-offset+) n)
+                 (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))))) ; #\R
+
+(defun runnable-threads (threads limit buffer)
+  "How many of THREADS (Lisp threads) are running or waiting for a CPU,
+counting no further than LIMIT."
+  (let ((count 0))
+    (dolist (thread threads count)
+      (let ((tid (ignore-errors (sb-thread:thread-os-tid thread))))
+        (when (and tid (thread-runnable-p tid buffer))
+          (when (>= (incf count) limit)
+            (return count)))))))

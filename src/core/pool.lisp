@@ -10,9 +10,14 @@
 ;;;; costs a fraction of that system call (nginx does the same).  The worker
 ;;;; serves the first and puts the others on the READY queue, which every
 ;;;; worker empties before it waits in epoll again: if the first handler
-;;;; blocks, the others are not stuck behind it.  When it queued events
-;;;; while other workers sat in epoll_wait, it nudges one of them through the
-;;;; NUDGE eventfd (registered edge-triggered, so each nudge wakes one waiter).
+;;;; blocks, the others are not stuck behind it.  A connection that has
+;;;; served its turn of pipelined requests queues itself there again
+;;;; (POOL-REQUEUE), so the queue may never empty while clients pipeline: a
+;;;; worker that takes such a connection from the queue first looks at
+;;;; epoll, without waiting, and queues what it finds before serving it.
+;;;; When it queued events while other workers sat in epoll_wait, it nudges
+;;;; one of them through the NUDGE eventfd (registered edge-triggered, so
+;;;; each nudge wakes one waiter).
 ;;;;
 ;;;; Elasticity has two levels, both decided by the maker thread, which
 ;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
@@ -22,9 +27,15 @@
 ;;;; for work that computes, more runnable workers than CPUs only add
 ;;;; preemption in mid-request (tail latency) and no throughput.  Every 5 ms
 ;;;; the maker thread samples the process's CPU use: when no permit holder is
-;;;; free (all busy) and the CPUs are under +GROWTH-CPU-LIMIT+, the busy
-;;;; workers must be blocked (sleeping, waiting on a database), so it adds a
-;;;; permit, and a thread when none is waiting for one (up to MAX-THREADS).
+;;;; free (all busy), the CPUs are under +GROWTH-CPU-LIMIT+, and most permit
+;;;; holders are blocked (sleeping, waiting on a database) rather than
+;;;; running or waiting for a CPU (the kernel's thread state, cpus.lisp), in
+;;;; two samples in a row, it adds a permit, and a thread when none is
+;;;; waiting for one (up to MAX-THREADS).  The thread states matter on a
+;;;; machine shared with other processes: there the process stays under its
+;;;; CPUs while its workers compute and wait for CPUs others hold, and more
+;;;; threads would only add to the wait.  Samples during which a garbage
+;;;; collection ran are skipped: it stops every thread but one.
 ;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
 ;;;; permit back (down to the CPU count); the holder that notices gives it up.
 ;;;; "CPUs" means the ones the process may use: its affinity mask, lowered by
@@ -177,6 +188,9 @@ gives its up."
          (last-cpu (process-cpu-us))
          (last-wall (get-internal-real-time))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
+         (last-gc sb-ext:*gc-run-time*)
+         (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         (blocked-samples 0)
          (idle-samples 0))
     (loop
       ;; The CPUs may change (taskset, a new cgroup quota): look again once a second.
@@ -201,16 +215,31 @@ gives its up."
             (setf last-cpu cpu
                   last-wall wall)
             (setf idle-samples (if (> (pool-idle pool) 1) (1+ idle-samples) 0))
-            (cond ((and (zerop (pool-idle pool))
-                        (< load +growth-cpu-limit+)
-                        (< (pool-allowed pool) (pool-max-threads pool)))
-                   (add-permit pool)
-                   (when (< (pool-thread-count pool) (pool-allowed pool))
-                     (spawn-worker pool)))
-                  ((and (> (pool-allowed pool) floor)
-                        (or (> load +shrink-cpu-limit+) (> idle-samples 200)))
-                   (setf idle-samples 0)
-                   (remove-permit pool)))))))))
+            (unless (/= last-gc (shiftf last-gc sb-ext:*gc-run-time*))
+              ;; (A sample in which a garbage collection stopped every thread
+              ;; but one says nothing about blocked handlers: skipped.)
+              (setf blocked-samples
+                    (if (and (zerop (pool-idle pool))
+                             (< load +growth-cpu-limit+)
+                             (< (pool-allowed pool) (pool-max-threads pool))
+                             ;; Most permit holders are blocked: fewer than
+                             ;; half of them run or wait for a CPU.
+                             (let ((holders (pool-holders pool)))
+                               (< (* 2 (runnable-threads (sb-thread:with-mutex ((pool-lock pool))
+                                                           (copy-list (pool-threads pool)))
+                                                         (ceiling holders 2) stat-buffer))
+                                  holders)))
+                        (1+ blocked-samples)
+                        0))
+              ;; Twice in a row before a change: a thread's state is a snapshot.
+              (cond ((>= blocked-samples 2)
+                     (add-permit pool)
+                     (when (< (pool-thread-count pool) (pool-allowed pool))
+                       (spawn-worker pool)))
+                    ((and (> (pool-allowed pool) floor)
+                          (or (> load +shrink-cpu-limit+) (> idle-samples 200)))
+                     (setf idle-samples 0)
+                     (remove-permit pool))))))))))
 
 (defun leave-pool (pool already-counted-out)
   (let ((self sb-thread:*current-thread*))
@@ -272,7 +301,32 @@ than ALLOWED."
              (handler-case (funcall dispatch data flags)
                (serious-condition (e)
                  (let ((log (pool-log-error pool)))
-                   (when log (ignore-errors (funcall log e))))))))
+                   (when log (ignore-errors (funcall log e)))))))
+           (take-events (n keep-first)
+             ;; Queue the N events epoll_wait left in EVENTS, but the first
+             ;; connection's when KEEP-FIRST: that one is returned (with its
+             ;; flags), for this worker to serve at once.  :WAKE when the
+             ;; pool is stopping.
+             (declare (type fixnum n))
+             (let ((first nil) (first-flags 0) (queued 0))
+               (declare (type fixnum queued))
+               (dotimes (i n)
+                 (let ((data (event-data events i)))
+                   (cond ((= data +wake-data+) (return-from take-events :wake))
+                         ((= data +nudge-data+))
+                         ((and keep-first (null first))
+                          (setf first data
+                                first-flags (event-flags events i)))
+                         (t (sb-concurrency:enqueue
+                             ;; Queued as a fixnum: the event's data, negated
+                             ;; (minus one) when its flags said more than
+                             ;; "readable".
+                             (if (= (event-flags events i) +epollin+) data (- -1 data))
+                             ready)
+                            (incf queued)))))
+               (when (and (plusp queued) (plusp (pool-idle pool)))
+                 (signal-eventfd (pool-nudge-fd pool)))
+               (values first first-flags))))
       (unwind-protect
            (with-thread-buffers
             (loop
@@ -294,48 +348,49 @@ than ALLOWED."
                  (sb-ext:atomic-incf (pool-idle pool))
                  (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
                  (sb-ext:atomic-decf (pool-idle pool)))
-               (if found
-                   ;; Queued as a fixnum: the event's data, negated (minus
-                   ;; one) when its flags said more than "readable".
-                   (if (minusp queued)
-                       (serve (- -1 queued) (logior +epollin+ +epollrdhup+))
-                       (serve queued +epollin+))
-                   (let ((started (now-ms)))
-                     (sb-ext:atomic-incf (pool-idle pool))
-                     (let ((n (epoll-wait epfd events +batch+ timeout))
-                           (first nil)
-                           (first-flags 0)
-                           (queued 0))
-                       (declare (type fixnum n queued))
-                       (sb-ext:atomic-decf (pool-idle pool))
-                       (when (pool-stopping pool)
-                         (return))
-                       (when (and (zerop n)
-                                  (>= (- (now-ms) started) timeout)
-                                  (try-retire pool))
-                         (setf counted-out t)
-                         (return))
-                       (dotimes (i n)
-                         (let ((data (event-data events i)))
-                           (cond ((= data +wake-data+) (return-from worker-loop))
-                                 ((= data +nudge-data+))
-                                 ((null first)
-                                  (setf first data
-                                        first-flags (event-flags events i)))
-                                 (t (sb-concurrency:enqueue
-                                     (if (= (event-flags events i) +epollin+) data (- -1 data))
-                                     ready)
-                                    (incf queued)))))
-                       (when (and (plusp queued) (plusp (pool-idle pool)))
-                         (signal-eventfd (pool-nudge-fd pool)))
-                       (when first
-                         (serve first first-flags))))))
+               (cond ((consp queued)
+                      ;; A connection that served its turn (POOL-REQUEUE).
+                      ;; The queue may never empty while clients pipeline:
+                      ;; look at epoll first, without waiting, so that new
+                      ;; events queue up now, before its next turn.
+                      (when (eq :wake (take-events (epoll-wait epfd events +batch+ 0) nil))
+                        (return))
+                      (serve (car queued) +epollin+))
+                     (found
+                      (if (minusp queued)
+                          (serve (- -1 queued) (logior +epollin+ +epollrdhup+))
+                          (serve queued +epollin+)))
+                     (t
+                      (let ((started (now-ms)))
+                        (sb-ext:atomic-incf (pool-idle pool))
+                        (let ((n (epoll-wait epfd events +batch+ timeout)))
+                          (sb-ext:atomic-decf (pool-idle pool))
+                          (when (pool-stopping pool)
+                            (return))
+                          (when (and (zerop n)
+                                     (>= (- (now-ms) started) timeout)
+                                     (try-retire pool))
+                            (setf counted-out t)
+                            (return))
+                          (multiple-value-bind (first first-flags) (take-events n t)
+                            (case first
+                              ((nil))
+                              (:wake (return))
+                              (t (serve first first-flags)))))))))
              (when (surplus-holder-p pool)
                (setf holding nil))))
         (when holding
           (release-permit pool))
         (free-event-buffer events)
         (leave-pool pool counted-out)))))
+
+(defun pool-requeue (pool data)
+  "Queue DATA for a worker as if epoll had just reported it readable, behind
+the events already queued (a connection that has served its turn, see
+SERVE-CONNECTION).  The caller has given the connection up."
+  (sb-concurrency:enqueue (list data) (pool-ready pool)) ; a list: see WORKER-LOOP
+  (when (plusp (pool-idle pool))
+    (signal-eventfd (pool-nudge-fd pool))))
 
 (defun pool-stop (pool)
   "Stop the pool: every worker exits once its current event is served, and

@@ -108,7 +108,10 @@ gets 503 at once instead."
 first request head is complete.  CLOSE-HOOK, if given, is called to release
 the fd instead of close(2).  Returns the connection, or NIL if it was refused
 (engine not running, fd beyond the table)."
-  (unless nonblocking (set-nonblocking fd))
+  (unless nonblocking
+    ;; Accepted by the layer above, not from the engine's listen socket.
+    (set-nonblocking fd)
+    (set-notsent-lowat fd +kernel-unsent-bytes+))
   (let ((table (engine-table engine)))
     (when (or (not (engine-running-p engine)) (>= fd (length table)))
       (if close-hook (funcall close-hook) (close-fd fd))
@@ -332,10 +335,12 @@ FLAGS."
     (431 +response-431+) (501 +response-501+) (505 +response-505+)))
 
 (defun serve-connection (engine c)
-  "Read until a request head is complete, check it, run the handler, and
-repeat while complete heads are buffered (pipelining); then park, close or
-leave C as the handler decided.  The caller owns C."
+  "Read until a request head is complete, check it, run the handler; then
+park, close or leave C as the handler decided.  A further request already
+buffered (pipelining) waits its turn behind other ready connections
+(YIELD-TURN), and none is read while an answer is unsent.  The caller owns C."
   (unfresh c)
+  (setf (conn-slot c waiting-turn) nil)
   (when (or (conn-slot c unsent) (conn-slot c suspended))
     ;; Back from waiting for the client to read the last answer.
     (when (output-parked-p c)
@@ -395,6 +400,10 @@ leave C as the handler decided.  The caller owns C."
                  (setf (conn-slot c after-write) :serve)
                  (when (output-parked-p c)
                    (return)))
+               (when (and (not raw) (< (conn-slot c in-start) in-end)
+                          (yield-turn c))
+                 ;; The next pipelined request waits its turn.
+                 (return))
                ;; Nothing buffered: park without trying another read.
                ;; Most clients send their next request only after this
                ;; answer, so that read would nearly always fail with
@@ -412,6 +421,18 @@ leave C as the handler decided.  The caller owns C."
               (:suspended
                ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
                (return (connection-release c))))))))))
+
+(defun yield-turn (c)
+  "C has served a request and has the next one buffered (pipelining): let it
+wait its turn behind the other ready connections, as nginx does, instead of
+serving a client's pipelined requests for as long as it sends them while
+new clients wait.  C is parked with its input and queued for a worker (see
+POOL-REQUEUE).  True when C was given up, NIL when an event marked it :DIRTY
+meanwhile: the caller still owns C and goes on serving it."
+  (setf (conn-slot c waiting-turn) t)
+  (when (park c)
+    (pool-requeue (engine-pool (connection-engine c)) (connection-token c))
+    t))
 
 (defun output-parked-p (c)
   "C has unsent output (connection.lisp, Output): send what the socket takes
@@ -717,8 +738,9 @@ when part of a request head had arrived), else schedule it again."
 
 (defun close-idle-connections (engine &key keep-readable)
   "Close every parked and draining connection; with KEEP-READABLE, leave the
-parked ones whose client already sent more, for a worker to serve, and those
-whose client is still reading an answer.  Returns
+parked ones whose client already sent more (in the socket, or buffered
+and waiting its turn), for a worker to serve, and those whose client is
+still reading an answer.  Returns
 how many parked connections were left.  Used by ENGINE-STOP, once the
 housekeeper has exited."
   (let ((left 0))
@@ -728,6 +750,7 @@ housekeeper has exited."
                  (:parked
                   (if (and keep-readable
                            (or (conn-slot c unsent) ; an answer the client is still reading
+                               (conn-slot c waiting-turn) ; a request it sent, not served yet
                                (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)
                       (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
@@ -788,6 +811,8 @@ calls ENGINE-ADOPT-FD."
              +epollin+ +stop-data+)
   (when listen-fd
     (set-nonblocking listen-fd)
+    ;; Inherited by every socket accepted from it: no system call per accept.
+    (set-notsent-lowat listen-fd +kernel-unsent-bytes+)
     (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ listen-fd
                +epollin+ +listen-data+))
   (pool-start (engine-pool engine))

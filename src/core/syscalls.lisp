@@ -124,6 +124,9 @@
   (fd sb-alien:int) (cmd sb-alien:int) (arg sb-alien:long))
 (sb-alien:define-alien-routine ("getsockname" %getsockname) sb-alien:int
   (fd sb-alien:int) (addr sb-sys:system-area-pointer) (addrlen sb-sys:system-area-pointer))
+(sb-alien:define-alien-routine ("setsockopt" %setsockopt) sb-alien:int
+  (fd sb-alien:int) (level sb-alien:int) (name sb-alien:int)
+  (value sb-sys:system-area-pointer) (length sb-alien:unsigned-int))
 (sb-alien:define-alien-routine ("getrlimit" %getrlimit) sb-alien:int
   (resource sb-alien:int) (rlim sb-sys:system-area-pointer))
 (sb-alien:define-alien-routine ("setrlimit" %setrlimit) sb-alien:int
@@ -189,6 +192,18 @@ number whatever close returns, and another thread may already have it."
 (defun dup-fd (fd)
   "A new fd (close-on-exec) for the file open on FD, or -1 (out of fds)."
   (%fcntl fd +f-dupfd-cloexec+ 0))
+
+(defconstant +ipproto-tcp+ 6)
+(defconstant +tcp-notsent-lowat+ 25)
+
+(defun set-notsent-lowat (fd octets)
+  "Let the kernel keep at most about OCTETS of FD's output not yet sent to the
+peer (TCP_NOTSENT_LOWAT): past that, send(2) takes nothing more and epoll
+reports the socket writable only once the peer has taken enough.  Sockets
+accepted from a listening socket inherit it.  True if it was set."
+  (sb-alien:with-alien ((value sb-alien:int octets))
+    (zerop (%setsockopt fd +ipproto-tcp+ +tcp-notsent-lowat+
+                        (sb-alien:alien-sap (sb-alien:addr value)) 4))))
 
 (defun shutdown-fd (fd how)
   (%shutdown fd how))

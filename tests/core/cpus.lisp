@@ -105,3 +105,34 @@ controller, or v2); its directory, or NIL if this machine does not let us."
                        "the pool grew from ~D to ~D threads under a CPU quota" before peak)))
             (stop-limited-server server)
             (remove-cgroup cgroup))))))
+
+(test runnable-threads-are-told-from-blocked-ones
+  "The pool's growth looks at whether its busy workers want a CPU (state R in
+/proc/self/task/TID/stat) or are blocked: a spinning thread is runnable, a
+thread waiting on a semaphore is not, and the count stops at its limit."
+  (let* ((stop nil)
+         (gate (sb-thread:make-semaphore))
+         (buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         (spinner (sb-thread:make-thread (lambda () (loop until stop)) :name "spinning (test)"))
+         (waiters (loop repeat 3 collect (sb-thread:make-thread
+                                          (lambda () (sb-thread:wait-on-semaphore gate))
+                                          :name "waiting (test)"))))
+    (unwind-protect
+         (progn
+           ;; Until each is where the test put it (a thread just started
+           ;; may still be running on its way to the semaphore).
+           (is-true (wait-until (lambda ()
+                                  (notany (lambda (w) (gallop.core::thread-runnable-p
+                                                       (sb-thread:thread-os-tid w) buffer))
+                                          waiters))))
+           (is-true (wait-until (lambda ()
+                                  (gallop.core::thread-runnable-p
+                                   (sb-thread:thread-os-tid spinner) buffer))))
+           (is (= 0 (gallop.core::runnable-threads waiters 10 buffer)))
+           (is (= 1 (gallop.core::runnable-threads (cons spinner waiters) 10 buffer)))
+           (is (= 1 (gallop.core::runnable-threads (list spinner spinner spinner) 1 buffer)))
+           (is (null (gallop.core::thread-runnable-p 999999999 buffer))
+               "a thread that does not exist"))
+      (setf stop t)
+      (sb-thread:signal-semaphore gate 3)
+      (mapc #'sb-thread:join-thread (cons spinner waiters)))))

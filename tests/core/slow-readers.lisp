@@ -272,6 +272,93 @@ it gets the whole body, then a second answer on the same connection."
               (expect-answer source (octets "Yo!")))
             (is-true (wait-until (lambda () (zerop (stat server :in-flight)))))))))))
 
+;;; Pipelining: how far answers run ahead of the reader, and turns
+
+(defun answers-match-p (source count body)
+  "Read COUNT answers from SOURCE strictly: true when each is 200 with a
+Content-Length and exactly BODY."
+  (let ((body (coerce body '(vector (unsigned-byte 8)))))
+    (loop repeat count
+          always (let ((r (read-wire-message source :persistent t)))
+                   (and (= 200 (wire-status r)) (eq :content-length (wire-framing r))
+                        (equalp body (wire-body r)))))))
+
+(defun check-few-answers-ahead (server port path body)
+  "A client with a 4 KiB receive buffer pipelines 1,000 requests for PATH (a
+short answer, BODY) in one go and reads nothing.  The server must stop
+reading them soon: once the kernel holds +KERNEL-UNSENT-BYTES+ of answers not
+yet sent, the rest wait with the connection, and no further request is read.
+\(Without that bound Linux grows the socket's send buffer to megabytes and all
+1,000 are answered at once; with a thousand such clients that is millions of
+answers nobody reads.)  Then the client reads all 1,000, exactly."
+  (let ((count 1000))
+    (with-slow-readers (readers)
+      (let ((socket (slow-reader port)))
+        (push socket readers)
+        (slow-reader-send socket (apply #'concatenate 'string
+                                        (loop repeat count collect (get-line path))))
+        ;; Parked until the client reads: no request is read from here on.
+        (is-true (wait-until (lambda () (and (= 1 (stat server :writing))
+                                             (zerop (stat server :active))))
+                             :timeout 20))
+        (let ((answered (stat server :requests)))
+          (is (< answered 500)
+              "~D of ~D pipelined requests answered before the server stopped reading"
+              answered count))
+        (is-true (answers-match-p (stream-source (slow-reader-stream socket)) count (octets body))
+                 "the ~D answers did not arrive exactly" count)
+        (is-true (wait-until (lambda () (and (zerop (stat server :writing))
+                                             (= count (stat server :requests))))))))))
+
+(test native-few-answers-ahead-of-the-reader
+  "GALLOP:START: a client that pipelines 1,000 requests and reads nothing gets
+only a few hundred answered before the server waits for it to read."
+  (with-app (server #'slow-app)
+    (check-few-answers-ahead server (native-port server) "/yo" "Yo!")))
+
+(defun turns-app (log lock)
+  "An app that notes each request's path in LOG (a list in a cons) and
+answers with it; /a/... sleeps 20 ms first."
+  (lambda (env)
+    (let ((path (getf env :path-info)))
+      (sb-thread:with-mutex (lock) (push path (car log)))
+      (when (uiop:string-prefix-p "/a/" path) (sleep 0.02))
+      `(200 (:content-type "text/plain") (,path)))))
+
+(test native-pipelined-requests-take-turns
+  "With one worker, client A pipelines 20 slow requests in one packet; client
+B sends one while A's first runs.  B is served after a few of A's, not after
+all 20: each connection serves one buffered request per turn, then queues
+behind the others (as nginx does).  A still gets all 20 answers, in order."
+  (let* ((log (list '())) (lock (sb-thread:make-mutex)))
+    (with-app (server (turns-app log lock) :standby-thread-count 1 :max-thread-count 1)
+      (with-slow-readers (readers)
+        (let ((a (slow-reader (native-port server) :receive-buffer 65536))
+              (paths (loop for i below 20 collect (format nil "/a/~D" i))))
+          (push a readers)
+          (slow-reader-send a (apply #'concatenate 'string (mapcar #'get-line paths)))
+          (is-true (wait-until (lambda () (sb-thread:with-mutex (lock) (car log)))))
+          (let ((b (connect (native-port server))))
+            (unwind-protect
+                 (progn (send b (get-line "/b" :close t))
+                        (let ((r (read-wire b :close t)))
+                          (is (= 200 (wire-status r)))
+                          (is (string= "2" (wire-header r "Content-Length")))
+                          (is (string= "/b" (wire-body-string r)))))
+              (usocket:socket-close b)))
+          (let ((order (sb-thread:with-mutex (lock) (reverse (car log)))))
+            (is (<= (position "/b" order :test #'string=) 5)
+                "B was served after ~D of A's pipelined requests" (position "/b" order :test #'string=)))
+          (let ((source (stream-source (slow-reader-stream a))))
+            (is-true (loop for path in paths
+                           always (let ((r (read-wire-message source :persistent t)))
+                                    (and (= 200 (wire-status r))
+                                         (equalp (octets path) (wire-body r)))))
+                     "A's answers did not arrive exactly and in order"))
+          ;; Each request was served once, A's in order.
+          (is (equal paths (remove "/b" (sb-thread:with-mutex (lock) (reverse (car log)))
+                                   :test #'string=))))))))
+
 ;;; The drop-in acceptor
 
 (defparameter *slow-mid-string*
@@ -282,6 +369,10 @@ it gets the whole body, then a second answer on the same connection."
 (hunchentoot:define-easy-handler (handle-slow-mid :uri "/slow/mid") ()
   (setf (hunchentoot:content-type*) "text/plain")
   *slow-mid-string*)
+
+(hunchentoot:define-easy-handler (handle-slow-yo :uri "/slow/yo") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  "Yo!")
 
 (hunchentoot:define-easy-handler (handle-slow-big :uri "/slow/big") ()
   ;; A body returned: it waits by reference, whatever its size.
@@ -335,3 +426,15 @@ them, and a fresh client is answered."
                                                                      :max-thread-count 8))
     (check-slow-readers-hold-no-worker server (port-of server) "/slow/big" "/slow/mid"
                                        *slow-mid-string*)))
+
+(test easy-acceptor-few-answers-ahead-of-the-reader
+  "GALLOP:EASY-ACCEPTOR: a client that pipelines 1,000 requests and reads
+nothing gets only a few hundred answered before the server waits for it."
+  (with-server (server 'gallop:easy-acceptor)
+    (check-few-answers-ahead server (port-of server) "/slow/yo" "Yo!")))
+
+(test stock-acceptor-few-answers-ahead-of-the-reader
+  "A stock HUNCHENTOOT:EASY-ACCEPTOR with GALLOP:TASKMASTER (Hunchentoot
+accepts, the engine adopts each socket): the same bound."
+  (with-server (server 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster))
+    (check-few-answers-ahead server (port-of server) "/slow/yo" "Yo!")))
