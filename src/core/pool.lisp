@@ -3,8 +3,9 @@
 ;;;; Workers are leaders/followers: each idle worker waits in epoll_wait on the
 ;;;; pool's epoll set, and the worker that receives an event serves it in place,
 ;;;; so a ready connection costs no thread hand-off.  Connections are
-;;;; registered EPOLLONESHOT, so an event goes to exactly one worker and the
-;;;; connection stays disarmed until it is re-armed.
+;;;; registered once, edge-triggered: an event goes to one worker, and one
+;;;; that finds its connection busy marks it so that its owner reads again
+;;;; (DISPATCH-EVENT and PARK in server.lisp).
 ;;;;
 ;;;; One epoll_wait takes up to +BATCH+ events, so that under load a request
 ;;;; costs a fraction of that system call (nginx does the same).  The worker
@@ -27,10 +28,10 @@
 ;;;; for work that computes, more runnable workers than CPUs only add
 ;;;; preemption in mid-request (tail latency) and no throughput.  Every 5 ms
 ;;;; the maker thread samples the process's CPU use: when no permit holder is
-;;;; free (all busy), the CPUs are under +GROWTH-CPU-LIMIT+, and most permit
-;;;; holders are blocked (sleeping, waiting on a database) rather than
-;;;; running or waiting for a CPU (the kernel's thread state, cpus.lisp), in
-;;;; two samples in a row, it adds a permit, and a thread when none is
+;;;; free (all busy), the CPUs are under +GROWTH-CPU-LIMIT+, and permit
+;;;; holders are blocked (sleeping, waiting on a database): fewer of them
+;;;; run or wait for a CPU (the kernel's thread state, cpus.lisp) than there
+;;;; are CPUs or than half of them, in two samples in a row, it adds a permit, and a thread when none is
 ;;;; waiting for one (up to MAX-THREADS).  The thread states matter on a
 ;;;; machine shared with other processes: there the process stays under its
 ;;;; CPUs while its workers compute and wait for CPUs others hold, and more
@@ -56,9 +57,12 @@
 ;;;;    every thread the pool started is joined.
 ;;;;  - Once STOPPING is true the wake eventfd is readable forever, so every
 ;;;;    worker leaves epoll_wait and exits once its current event is served.
-;;;;  - An event is in exactly one place: the kernel's ready list, one
-;;;;    worker's hands, or the READY queue; events still queued at stop belong
-;;;;    to connections that are still parked, which the engine then closes.
+;;;;  - Every event taken from epoll is served once: by the worker that took
+;;;;    it, or from the READY queue.  A connection may have a queued turn and
+;;;;    a new epoll event at once; whichever comes second finds it busy
+;;;;    (:ACTIVE, then marked :DIRTY) or finds nothing to read, and parks it
+;;;;    again.  Events still queued at stop belong to connections that are
+;;;;    still parked, which the engine then closes.
 
 (in-package #:gallop.core)
 
@@ -215,23 +219,28 @@ gives its up."
             (setf last-cpu cpu
                   last-wall wall)
             (setf idle-samples (if (> (pool-idle pool) 1) (1+ idle-samples) 0))
-            (unless (/= last-gc (shiftf last-gc sb-ext:*gc-run-time*))
+            (unless (/= (shiftf last-gc sb-ext:*gc-run-time*) last-gc)
               ;; (A sample in which a garbage collection stopped every thread
               ;; but one says nothing about blocked handlers: skipped.)
               (setf blocked-samples
                     (if (and (zerop (pool-idle pool))
                              (< load +growth-cpu-limit+)
                              (< (pool-allowed pool) (pool-max-threads pool))
-                             ;; Most permit holders are blocked: fewer than
-                             ;; half of them run or wait for a CPU.
-                             (let ((holders (pool-holders pool)))
-                               (< (* 2 (runnable-threads (sb-thread:with-mutex ((pool-lock pool))
-                                                           (copy-list (pool-threads pool)))
-                                                         (ceiling holders 2) stat-buffer))
-                                  holders)))
+                             ;; Permit holders are blocked: fewer of them
+                             ;; run or wait for a CPU than there are CPUs,
+                             ;; or than half of them (with many workers
+                             ;; blocked most of the time, those waking up
+                             ;; at once may outnumber the CPUs).
+                             (let ((enough (max floor (ceiling (pool-holders pool) 2))))
+                               (< (runnable-threads (sb-thread:with-mutex ((pool-lock pool))
+                                                      (copy-list (pool-threads pool)))
+                                                    enough stat-buffer)
+                                  enough)))
                         (1+ blocked-samples)
                         0))
-              ;; Twice in a row before a change: a thread's state is a snapshot.
+              ;; Growth starts after two such samples in a row (a thread's
+              ;; state is a snapshot) and goes on one permit a sample while
+              ;; they last.
               (cond ((>= blocked-samples 2)
                      (add-permit pool)
                      (when (< (pool-thread-count pool) (pool-allowed pool))
@@ -313,7 +322,12 @@ than ALLOWED."
                (dotimes (i n)
                  (let ((data (event-data events i)))
                    (cond ((= data +wake-data+) (return-from take-events :wake))
-                         ((= data +nudge-data+))
+                         ((= data +nudge-data+)
+                          (unless keep-first
+                            ;; A look without waiting took a nudge meant
+                            ;; for a worker in epoll_wait: pass it on.
+                            (when (plusp (pool-idle pool))
+                              (signal-eventfd (pool-nudge-fd pool)))))
                          ((and keep-first (null first))
                           (setf first data
                                 first-flags (event-flags events i)))
@@ -344,10 +358,13 @@ than ALLOWED."
                  (signal-eventfd (pool-nudge-fd pool)))
                (unless found
                  ;; Count this worker idle, then look once more: an event
-                 ;; queued in between saw it idle and nudged, or is found here.
+                 ;; queued in between saw it idle and nudged, or is found
+                 ;; here.  It stays counted until it leaves epoll_wait, so
+                 ;; that whatever is queued from now on nudges.
                  (sb-ext:atomic-incf (pool-idle pool))
                  (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
-                 (sb-ext:atomic-decf (pool-idle pool)))
+                 (when found
+                   (sb-ext:atomic-decf (pool-idle pool))))
                (cond ((consp queued)
                       ;; A connection that served its turn (POOL-REQUEUE).
                       ;; The queue may never empty while clients pipeline:
@@ -361,8 +378,8 @@ than ALLOWED."
                           (serve (- -1 queued) (logior +epollin+ +epollrdhup+))
                           (serve queued +epollin+)))
                      (t
+                      ;; Counted idle above.
                       (let ((started (now-ms)))
-                        (sb-ext:atomic-incf (pool-idle pool))
                         (let ((n (epoll-wait epfd events +batch+ timeout)))
                           (sb-ext:atomic-decf (pool-idle pool))
                           (when (pool-stopping pool)

@@ -108,9 +108,10 @@ gets 503 at once instead."
 first request head is complete.  CLOSE-HOOK, if given, is called to release
 the fd instead of close(2).  Returns the connection, or NIL if it was refused
 (engine not running, fd beyond the table)."
-  (unless nonblocking
-    ;; Accepted by the layer above, not from the engine's listen socket.
-    (set-nonblocking fd)
+  (unless nonblocking (set-nonblocking fd))
+  (when (minusp (engine-listen-fd engine))
+    ;; Accepted by the layer above: sockets accepted from the engine's own
+    ;; listen socket inherit this from it (ENGINE-START).
     (set-notsent-lowat fd +kernel-unsent-bytes+))
   (let ((table (engine-table engine)))
     (when (or (not (engine-running-p engine)) (>= fd (length table)))
@@ -430,9 +431,11 @@ new clients wait.  C is parked with its input and queued for a worker (see
 POOL-REQUEUE).  True when C was given up, NIL when an event marked it :DIRTY
 meanwhile: the caller still owns C and goes on serving it."
   (setf (conn-slot c waiting-turn) t)
-  (when (park c)
-    (pool-requeue (engine-pool (connection-engine c)) (connection-token c))
-    t))
+  (cond ((park c)
+         (pool-requeue (engine-pool (connection-engine c)) (connection-token c))
+         t)
+        (t (setf (conn-slot c waiting-turn) nil)
+           nil)))
 
 (defun output-parked-p (c)
   "C has unsent output (connection.lisp, Output): send what the socket takes
@@ -522,9 +525,9 @@ next CONNECTION-ACQUIRE."
 
 (defun connection-resume (c keep-alive)
   "Finish a suspended request from the thread that answered it, which owns C
-\(CONNECTION-ACQUIRE): serve the next request if one is buffered and
-KEEP-ALIVE, else park C in epoll, or close it (after the client read the
-answer)."
+\(CONNECTION-ACQUIRE): when KEEP-ALIVE, give C back to the engine (a worker
+serves its next request, never this thread, which may be an application's
+timer or broadcaster), else close it (after the client read the answer)."
   (let ((engine (connection-engine c)))
     (end-in-flight engine)
     (when (member (connection-state c) '(:closed :draining :detached))
@@ -533,7 +536,16 @@ answer)."
           (conn-slot c out-parked) nil)
     (if (and keep-alive (engine-running-p engine) (not (conn-slot c close-after))
              (finish-message c))
-        (handler-case (serve-connection engine c)
+        (handler-case (if (conn-slot c unsent)
+                          ;; Parks C until the client read it (or sends it).
+                          (serve-connection engine c)
+                          ;; A worker serves what comes next: C waits in
+                          ;; epoll, or when input may be there already, in
+                          ;; the pool's queue (as in SERVE-CONNECTION).
+                          (unless (and (= (conn-slot c in-start) (conn-slot c in-end))
+                                       (conn-slot c drained) (not (conn-slot c peer-closed))
+                                       (park c))
+                            (loop until (yield-turn c))))
           (serious-condition (e)
             (log-engine-error engine "Error resuming ~A: ~A" c e)
             (unless (member (connection-state c) '(:closed :detached :draining))

@@ -359,6 +359,32 @@ behind the others (as nginx does).  A still gets all 20 answers, in order."
           (is (equal paths (remove "/b" (sb-thread:with-mutex (lock) (reverse (car log)))
                                    :test #'string=))))))))
 
+(test native-next-request-after-a-late-answer-runs-in-a-worker
+  "A request answered from another thread (a timer, a broadcaster) is
+followed by a pipelined one: that one runs in a worker of the pool, not in
+the answering thread, which must not be kept by other requests' handlers."
+  (flet ((app (env)
+           (if (string= "/later" (getf env :path-info))
+               (lambda (respond)
+                 (sb-thread:make-thread
+                  (lambda () (sleep 0.05)
+                    (funcall respond '(200 (:content-type "text/plain") ("later"))))
+                  :name "late answerer (test)"))
+               `(200 (:content-type "text/plain")
+                     (,(sb-thread:thread-name sb-thread:*current-thread*))))))
+    (with-app (server #'app)
+      (let ((s (connect (native-port server))))
+        (unwind-protect
+             (progn
+               (send s (concatenate 'string (get-line "/later") (get-line "/who" :close t)))
+               (let ((source (stream-source (usocket:socket-stream s))))
+                 (expect-answer source (octets "later"))
+                 (let ((r (read-wire-message source)))
+                   (is (= 200 (wire-status r)))
+                   (is (search "-worker" (wire-body-string r))
+                       "the next request ran in ~S" (wire-body-string r)))))
+          (usocket:socket-close s))))))
+
 ;;; The drop-in acceptor
 
 (defparameter *slow-mid-string*
