@@ -2,13 +2,17 @@
 #   make serve   start the example server on http://127.0.0.1:4242/ (Ctrl-C stops it)
 #   make test    run every test (installs what it needs first)
 #
+#   make test-ht13     every test again, against Hunchentoot 1.3.1 (the current release,
+#                      ../shared/vendor/hunchentoot-1.3.1, used where it is, never copied)
+#                      instead of Debian's 1.2.38; its compiled files go to .cache/ht13/
+#
 #   make conformance   the conformance corpus (tests/conformance/) against nginx: a table
 #                      of the cases where Gallop and nginx differ (doc/conformance.md)
 
 SHELL := /bin/bash
 LISP = scripts/lisp.sh
 
-.PHONY: all deps serve test conformance clean
+.PHONY: all deps serve test test-ht13 conformance clean
 
 all: test
 
@@ -22,6 +26,22 @@ serve: deps
 test: deps
 	@set -o pipefail; \
 	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --eval '(gallop-tests:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+
+HUNCHENTOOT_13 ?= ../shared/vendor/hunchentoot-1.3.1
+
+# A cache of compiled files of its own: ASDF would otherwise reuse Gallop's
+# files compiled against the other Hunchentoot.  The run stops before any
+# test unless the Hunchentoot loaded is 1.3.1 from HUNCHENTOOT_13.
+test-ht13: deps
+	@test -f $(HUNCHENTOOT_13)/hunchentoot.asd \
+	   || { echo "test-ht13: no Hunchentoot at $(HUNCHENTOOT_13)" >&2; exit 1; }
+	@set -o pipefail; \
+	 XDG_CACHE_HOME=$(CURDIR)/.cache/ht13 $(LISP) \
+	   --eval '(push (truename "$(HUNCHENTOOT_13)/") asdf:*central-registry*)' \
+	   --eval '(asdf:load-system "gallop/tests")' \
+	   --eval '(gallop-tests:check-hunchentoot-version "1.3.1" (truename "$(HUNCHENTOOT_13)/"))' \
+	   --eval '(gallop-tests:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
 
 conformance: deps

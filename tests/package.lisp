@@ -3,4 +3,4 @@
 (defpackage #:gallop-tests
   (:use #:common-lisp #:fiveam)
   (:shadow #:run-all-tests)
-  (:export #:run-all-tests #:main))
+  (:export #:run-all-tests #:main #:check-hunchentoot-version))

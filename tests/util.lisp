@@ -192,3 +192,15 @@ run in worker threads, which do not see a LET binding of the test's thread."
 
 (defun main ()
   (uiop:quit (if (run-all-tests) 0 1)))
+
+(defun check-hunchentoot-version (version directory)
+  "Print which Hunchentoot is loaded; quit with status 1 unless it is VERSION
+from DIRECTORY (`make test-ht13`: a run against another Hunchentoot than the
+one meant would pass for the wrong reason)."
+  (let* ((system (asdf:find-system "hunchentoot"))
+         (loaded (asdf:component-version system))
+         (from (asdf:system-source-directory system)))
+    (format t "~&Testing against Hunchentoot ~A from ~A~%" loaded from)
+    (unless (and (equal loaded version) (equal (truename from) (truename directory)))
+      (format t "~&Expected Hunchentoot ~A from ~A: not testing.~%" version directory)
+      (uiop:quit 1))))

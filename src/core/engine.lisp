@@ -71,6 +71,7 @@ client's upload, not the server's memory.")
   (max-body-bytes +default-max-body-bytes+ :type fixnum)
   (max-request-line-bytes +default-max-request-line-bytes+ :type fixnum)
   (max-unsent-bytes +default-max-unsent-bytes+ :type fixnum)
+  (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 1024 :type fixnum)
   (head-budget 0 :type fixnum) ; see server.lisp
   (retry-after 1 :type fixnum)

@@ -170,6 +170,12 @@ status that refuses it, or NIL."
         (declare (type (or null fixnum) minor))
         (when status (return-from check-head status))
         (setf request-method method)
+        (let ((methods (engine-methods engine)))
+          ;; A layer above that serves only some methods: refuse the others
+          ;; here, with a well-formed answer, rather than let it answer them
+          ;; its own way (Hunchentoot 1.3.x: an HTTP/1.0 400).
+          (when (and methods (not (member method methods :test #'eq)))
+            (return-from check-head 501)))
         ;; Header fields, each ending in CRLF, up to the empty line.  A bare
         ;; LF anywhere is refused here, and a bare CR fails the byte checks
         ;; of the line it is in: there is one reading of the line ends.

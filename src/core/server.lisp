@@ -31,7 +31,7 @@ kept).")
                       (write-timeout 20) handler-timeout (max-head-bytes +default-max-head-bytes+)
                       (max-body-bytes +default-max-body-bytes+)
                       (max-request-line-bytes +default-max-request-line-bytes+)
-                      (max-unsent-bytes +default-max-unsent-bytes+) (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
+                      (max-unsent-bytes +default-max-unsent-bytes+) methods (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
   "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
@@ -47,7 +47,9 @@ MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
 MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.
 Output the client does not read yet waits with its connection in epoll, not
 in a worker; MAX-UNSENT-BYTES bounds what a streaming writer may leave there
-copied before it waits for the client (see connection.lisp).  MAX-QUEUE bounds the
+copied before it waits for the client (see connection.lisp).  METHODS, when
+given, lists the request methods (keywords, exact case) the handler serves:
+others get 501 before it sees them.  MAX-QUEUE bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
 RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
@@ -64,6 +66,7 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-unsent-bytes max-unsent-bytes
+                                :methods methods
                                 :max-queue max-queue :retry-after retry-after
                                 :head-budget (or head-budget
                                                  (floor (sb-ext:dynamic-space-size) 4))

@@ -17,6 +17,19 @@
     (error "This Hunchentoot has no ACCEPTOR-LISTEN-SOCKET; Gallop needs it ~
             to take over the listen socket.")))
 
+(defun hunchentoot-request-methods ()
+  "The request methods this Hunchentoot serves, as a list of keywords, or
+NIL for any.  Hunchentoot 1.3.x reads only those in its internal constant
++VALID-REQUEST-METHODS+ (GET, POST, HEAD, PUT, DELETE, CONNECT, OPTIONS,
+TRACE, PATCH), compared without case, and answers any other with a
+malformed HTTP/1.0 400 of its own; 1.2.38 has no such constant and reads
+any method.  Gallop's engine refuses what this Hunchentoot would not read,
+with 501 and exact case (methods are case-sensitive, RFC 9110 9.1), so that
+both read every request the same way."
+  (let ((symbol (find-symbol "+VALID-REQUEST-METHODS+" '#:hunchentoot)))
+    (when (and symbol (boundp symbol))
+      (coerce (symbol-value symbol) 'list))))
+
 (defun acceptor-listen-usocket (acceptor)
   "The usocket Hunchentoot's START-LISTENING created for ACCEPTOR, or NIL."
   (funcall (find-symbol "ACCEPTOR-LISTEN-SOCKET" '#:hunchentoot) acceptor))

@@ -172,6 +172,7 @@ new connections get 503.")
        :max-request-line-bytes max-request-line-bytes
        :max-body-bytes max-body-bytes
        :max-unsent-bytes max-unsent-bytes
+       :methods (hunchentoot-request-methods)
        :head-budget head-budget
        :max-queue (taskmaster-max-queue-length tm)
        :thread-starter (lambda (thunk name)

@@ -255,10 +255,29 @@ its front ends report it so."
                             (t (write-char (code-char b) out)))))))
     (if (> (length octets) max) (concatenate 'string s "...") s)))
 
+(defun front-end-verdict (case front-end)
+  "CASE as FRONT-END must answer it.  A Hunchentoot front end over a
+Hunchentoot that reads only some methods (1.3.x: GALLOP::HUNCHENTOOT-REQUEST-
+METHODS) answers the first request with another method (exact case) 501
+and closes, after serving those before it; elsewhere CASE stands."
+  (let* ((methods (and (hunchentoot-front-end-p front-end) (gallop::hunchentoot-request-methods)))
+         (refused (and methods
+                       (position-if-not (lambda (seen)
+                                          (member (first seen) methods
+                                                  :key #'symbol-name :test #'string=))
+                                        (case-seen case)))))
+    (if refused
+        (let ((copy (copy-conformance-case case)))
+          (setf (case-seen copy) (subseq (case-seen case) 0 refused)
+                (case-then copy) 501)
+          copy)
+        case)))
+
 (defun verdict-problems (case outcome front-end)
   "What is wrong with OUTCOME as the answer of FRONT-END to CASE: a list of
-strings, NIL when it is the case's verdict."
-  (let ((problems '())
+strings, NIL when it is the case's verdict (FRONT-END-VERDICT)."
+  (let ((case (front-end-verdict case front-end))
+        (problems '())
         (final (remove-if (lambda (a) (< (wire-status a) 200)) (outcome-answers outcome))))
     (flet ((problem (control &rest args) (push (apply #'format nil control args) problems)))
       (when (eq (outcome-end outcome) :timeout)

@@ -75,6 +75,35 @@ body; BEFORE-ANSWER, if given, is called with the request line first."
       (is (= 414 (response-status response))))
     (is (= 1 (engine-stat engine :rejected)))))
 
+(test methods-the-handler-does-not-serve-get-501
+  "An engine told which methods its handler serves (:METHODS, as the
+Hunchentoot front ends on Hunchentoot 1.3.x) answers any other with the
+engine's own 501, exactly, and closes; exact case: \"get\" is not GET.  A
+request before it on the same connection is served."
+  (with-engine (engine port :methods '(:get :post))
+    (dolist (line '("BREW /pot HTTP/1.1" "get / HTTP/1.1" "PROPFIND /d HTTP/1.1"))
+      (let ((socket (connect port)))
+        (unwind-protect
+             (progn
+               (send socket (concatenate 'string (crlf "GET /first HTTP/1.1" "Host: x")
+                                         (crlf line "Host: x")))
+               (let ((r (read-wire socket :persistent t)))
+                 (is (= 200 (wire-status r)))
+                 (is (string= "GET /first HTTP/1.1" (wire-body-string r))))
+               (let ((r (read-wire socket :close t)))
+                 (is (= 501 (wire-status r)) "~A: ~D" line (wire-status r))
+                 (is (equalp "close" (wire-header r "Connection")))
+                 (is (equalp (gallop.core::make-error-response 501)
+                             (concatenate '(vector (unsigned-byte 8)) (wire-head r) (wire-body r)))
+                     "~A: the 501 is not the engine's own answer" line)))
+          (usocket:socket-close socket))))
+    (is (= 200 (response-status (get-request port "/")))))
+  (with-engine (engine port)
+    ;; Without :METHODS, any method token is served.
+    (let ((response (request port (crlf "BREW /pot HTTP/1.1" "Host: x"))))
+      (is (= 200 (response-status response)))
+      (is (string= "BREW /pot HTTP/1.1" (body-string response))))))
+
 (test request-head-too-large-gets-431
   (with-engine (engine port :max-head-bytes 4000)
     (let ((response (request port (format nil "GET / HTTP/1.1~C~C~{X-Filler: ~A~C~C~}"
