@@ -35,14 +35,16 @@
   :version "0.1.0"
   :license "BSD-2-Clause"
   :depends-on ("gallop/core")
-  :pathname "src/native/"
+  :pathname "src/"
   :serial t
   :components ((:file "package")
-               (:file "types")
-               (:file "octet-stream")
-               (:file "response")
-               (:file "request")
-               (:file "server")))
+               (:module "native"
+                :serial t
+                :components ((:file "types")
+                             (:file "octet-stream")
+                             (:file "response")
+                             (:file "request")
+                             (:file "server")))))
 
 (defsystem "gallop"
   :description "A drop-in, event-driven upgrade for Hunchentoot."
@@ -51,7 +53,8 @@
   :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads")
   :pathname "src/hunchentoot/"
   :serial t
-  :components ((:file "compat")
+  :components ((:file "package")
+               (:file "compat")
                (:file "socket")
                (:file "taskmaster")
                (:file "acceptor"))

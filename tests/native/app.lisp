@@ -349,3 +349,33 @@
                           '(200 nil ("ok")))))
     (is (= 500 (response-status (get-request (native-port server) "/deep"))))
     (is (= 200 (response-status (get-request (native-port server) "/ok"))))))
+
+(test gallop-native-alone-exports-only-what-it-defines
+  "Loaded alone (no Hunchentoot), gallop/native exports the native API and
+no drop-in name without a definition; with the Hunchentoot layer the
+drop-in names are exported too, each with its definition."
+  (flet ((exports (system)
+           (multiple-value-bind (output error-output status)
+               (uiop:run-program
+                (list "scripts/lisp.sh"
+                      ;; The Hunchentoot this run tests (make test-ht13: 1.3.1).
+                      "--eval" (format nil "(push ~S asdf:*central-registry*)"
+                                       (namestring (asdf:system-source-directory "hunchentoot")))
+                      "--eval" (format nil "(asdf:load-system ~S)" system)
+                      "--eval" "(format t \"~&EXPORTS=~S~%\" (let (l) (do-external-symbols (s :gallop) (push (list (symbol-name s) (and (or (fboundp s) (find-class s nil)) t)) l)) (sort l #'string< :key #'first)))")
+                :directory (asdf:system-source-directory "gallop")
+                :output :string :error-output :string :ignore-error-status t)
+             (is (eql 0 status) "loading ~A failed: ~A" system error-output)
+             (let ((at (search "EXPORTS=" output)))
+               (and at (let ((*read-eval* nil))
+                         (read-from-string output t nil :start (+ at (length "EXPORTS=")))))))))
+    (let ((native (exports "gallop/native"))
+          (full (exports "gallop")))
+      (is (equal '("HANDLER-TIMEOUT" "SERVER" "SERVER-ADDRESS" "SERVER-PORT" "START" "STATS" "STOP")
+                 (mapcar #'first native)))
+      (is (every #'second native) "exported without a definition: ~S"
+          (remove-if #'second native))
+      (is (subsetp '("ACCEPTOR" "EASY-ACCEPTOR" "SSL-ACCEPTOR" "EASY-SSL-ACCEPTOR" "TASKMASTER")
+                   (mapcar #'first full) :test #'string=))
+      (is (every #'second full) "exported without a definition: ~S"
+          (remove-if #'second full)))))

@@ -1,6 +1,10 @@
-;;;; package.lisp -- the GALLOP package: the native app API (system
-;;;; gallop/native, no Hunchentoot needed) and the drop-in Hunchentoot classes
-;;;; (system gallop).
+;;;; package.lisp -- the GALLOP package, the one users name.
+;;;;
+;;;; Defined with what system gallop/native serves (the native app API, no
+;;;; Hunchentoot needed) and the names common to both front ends.  The
+;;;; drop-in Hunchentoot names (GALLOP:EASY-ACCEPTOR ...) are exported by the
+;;;; Hunchentoot layer itself (src/hunchentoot/package.lisp), when it loads,
+;;;; so that gallop/native alone exports nothing without a definition.
 
 (defpackage #:gallop
   (:use #:common-lisp)
@@ -19,14 +23,5 @@
    #:server
    #:server-port
    #:server-address
-   ;; drop-in Hunchentoot classes
-   #:acceptor
-   #:easy-acceptor
-   #:ssl-acceptor
-   #:easy-ssl-acceptor
-   #:taskmaster
-   #:taskmaster-standby-thread-count
-   #:taskmaster-max-queue-length
-   #:taskmaster-engine
-   ;; both
+   ;; both front ends: a server's or a taskmaster's statistics
    #:stats))
