@@ -169,6 +169,11 @@ Connection: close."
 (defparameter +response-505+ (make-error-response 505))
 (defparameter +response-431+ (make-error-response 431))
 
+(defun error-response (status)
+  (ecase status
+    (400 +response-400+) (413 +response-413+) (414 +response-414+)
+    (431 +response-431+) (501 +response-501+) (505 +response-505+)))
+
 (defparameter +response-100+ (encode-ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
                                                    #\Return #\Linefeed #\Return #\Linefeed))
   "The interim answer to Expect: 100-continue.")

@@ -79,7 +79,9 @@
     (:native
      (gallop:start #'native-app :address "127.0.0.1" :port 0 :log *log*))
     (:easy-acceptor
-     (let ((acceptor (make-instance 'gallop:easy-acceptor
+     ;; GALLOP::, not GALLOP:, because this file is also read with only
+     ;; gallop/native loaded, which does not export the drop-in names.
+     (let ((acceptor (make-instance 'gallop::easy-acceptor
                                     :address "127.0.0.1" :port 0
                                     :access-log-destination nil
                                     :message-log-destination *log*)))

@@ -1,0 +1,119 @@
+;;;; handler.lisp -- running the engine's handler on a request: its
+;;;; deadline (HANDLER-TIMEOUT, an interrupt in its thread), the 503 when it
+;;;; was cut short before answering, and what its use of the connection
+;;;; stream means (park, close, detached, suspended).  Nothing a handler
+;;;; signals reaches the worker's loop.
+
+(in-package #:gallop.core)
+
+(defvar *handler-connection* nil
+  "In a worker, while it runs the engine's handler: the connection served.
+A deadline interrupt acts only while this is bound to its connection.")
+
+(defun arm-handler-deadline (c)
+  "Note that this thread now runs the handler on C, and start C's handler
+deadline, if the engine has one."
+  (let ((timeout (engine-handler-timeout-ms (connection-engine c))))
+    (setf (conn-slot c sent) 0
+          (conn-slot c handler-serial) (logand (1+ (conn-slot c handler-serial))
+                                                 most-positive-fixnum))
+    ;; The deadline first: an older entry due now must not find this thread
+    ;; marked as running the handler with an old deadline.
+    (when (plusp timeout)
+      (schedule c (+ (now-ms) timeout)))
+    (setf (conn-slot c handler-thread) sb-thread:*current-thread*)))
+
+(defun disarm-handler-deadline (c)
+  "This thread no longer runs the handler on C.  Clears only this thread's
+mark: after a hand-off (CONNECTION-SUSPEND) another thread may own C."
+  (sb-ext:compare-and-swap (%conn-slot c handler-thread) sb-thread:*current-thread* nil))
+
+(defun interrupt-handler (c thread serial seconds)
+  "Make THREAD, if it still runs handler run number SERIAL on C, signal
+HANDLER-TIMEOUT (SECONDS NIL: the server is stopping).  Any thread."
+  (sb-thread:interrupt-thread
+   thread
+   (lambda ()
+     ;; Runs in THREAD, at whatever it was doing: act only inside the
+     ;; handler run meant, never in the worker's own bookkeeping.
+     (when (and (eq *handler-connection* c)
+                (eql (conn-slot c handler-serial) serial)
+                (eq (conn-slot c handler-thread) sb-thread:*current-thread*))
+       (setf (conn-slot c interrupted) t)
+       ;; ERROR, not SIGNAL: unless something in the handler unwinds it,
+       ;; RUN-HANDLER's HANDLER-CASE does.
+       (error 'handler-timeout :seconds seconds)))))
+
+(defun answer-interrupted-handler (engine c condition)
+  "After HANDLER-TIMEOUT cut a handler short: log CONDITION (NIL: the layer
+above caught and logged it), and answer 503 if no byte of a response went
+out yet.  Over TLS the engine can't write for the handler: its layer answers."
+  (when condition
+    (log-engine-error engine "~A (~A)" condition c))
+  (when (and (zerop (the fixnum (conn-slot c sent))) (not (engine-raw-p engine)))
+    (setf (conn-slot c out-fill) 0)
+    (let ((response (response-503 engine)))
+      ;; After what is queued (an interim 100 Continue), never before it.
+      (ignore-errors (send-all c response 0 (length response) :reference)))))
+
+(defun run-handler (engine c)
+  "Run the engine's handler on C.  Any serious condition the handler lets
+escape (an error, or SBCL's control stack exhaustion, which is a
+STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
+the worker's thread, where it would kill the process or park the thread in
+the debugger.  A handler cut short by its deadline closes C too, after a 503
+if it had not answered.  Returns :PARK (the handler is done with this request
+and the connection may serve another), :CLOSE, :DETACHED (the handler kept
+the stream) or :SUSPENDED (the handler returned :SUSPENDED after
+CONNECTION-SUSPEND: another thread will finish the request)."
+  (with-connection-slots (boundary park-requested close-requested head-started sent interrupted) c
+    (setf boundary nil park-requested nil close-requested nil head-started nil
+          sent 0 interrupted nil (conn-slot c body-given) nil)
+    (sb-ext:atomic-incf (engine-requests engine))
+    (sb-ext:atomic-incf (engine-in-flight engine))
+    (arm-handler-deadline c)
+    (let ((result
+            (unwind-protect
+                 (handler-case (let ((*handler-connection* c))
+                                 (funcall (the function (engine-handler engine)) c))
+                   (handler-timeout (e)
+                     (answer-interrupted-handler engine c e)
+                     (setf interrupted :answered)
+                     nil)
+                   (connection-error (e)
+                     ;; The client went away or stalled (timeouts are
+                     ;; counted where they happen): close, quietly.
+                     (unless (typep e 'connection-timeout-error)
+                       (note-client-abort engine))
+                     (setf close-requested t park-requested nil)
+                     nil)
+                   (serious-condition (e)
+                     (log-engine-error engine "Error serving ~A: ~A" c e)
+                     (setf close-requested t park-requested nil)
+                     nil))
+              (disarm-handler-deadline c)
+              (end-in-flight engine))))
+      (when (eq result :suspended)
+        ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
+        (return-from run-handler :suspended)))
+    (when interrupted
+      (unless (eq interrupted :answered)
+        ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
+        ;; PROCESS-CONNECTION makes it an error it logs): still answer.
+        (answer-interrupted-handler engine c nil))
+      (setf close-requested t park-requested nil))
+    (cond ((not close-requested)
+           ;; The handler kept the stream: it is an ordinary stream from now
+           ;; on, with no more events.  Unregister before anyone else may
+           ;; close it (and the fd number be reused by a new connection).
+           (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ (connection-fd c) 0 0)
+           (setf boundary nil park-requested nil
+                 (connection-state c) :detached)
+           ;; Its owner writes with blocking sends from now on: what is
+           ;; queued (the answer that switched protocols) goes first.
+           (when (conn-slot c unsent)
+             (handler-case (finish-unsent c)
+               (connection-error () (discard-unsent c))))
+           :detached)
+          (park-requested :park)
+          (t :close))))

@@ -1,0 +1,118 @@
+;;;; housekeeper.lisp -- the engine's own thread: it accepts (accept.lisp),
+;;;; drains rejected connections before closing them (so a client reads its
+;;;; error answer instead of a reset), and every tick closes parked
+;;;; connections whose deadline passed (408 when part of a head had arrived,
+;;;; a write timeout when the client read nothing of its answer).
+
+(in-package #:gallop.core)
+
+(defun drain (engine token)
+  (let* ((fd (logand token #xffffffff))
+         (table (engine-table engine))
+         (c (and (< fd (length table)) (svref table fd))))
+    (when (and c (= (connection-token c) token) (eq (connection-state c) :draining))
+      (let ((scratch (ensure-inbuf c)))
+        (loop
+          (multiple-value-bind (n errno) (read-into fd scratch 0 (length scratch))
+            (cond ((plusp n))
+                  ((and (minusp n) (= errno +eagain+)) (return))
+                  (t (close-connection c) (return)))))
+        (when (conn-slot c inbuf) (release-buffers c))))))
+
+(defun expire (engine c now)
+  "The wheel brought C up at NOW: close it if its deadline passed (with 408
+when part of a request head had arrived), else schedule it again."
+  (flet ((due-p () (<= (connection-deadline c) now)))
+    (case (connection-state c)
+      (:parked
+       (cond ((not (due-p))
+              (wheel-schedule (engine-wheel engine) c (connection-deadline c)))
+             ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
+              (cond ((conn-slot c unsent)
+                     ;; The client read nothing of its answer for the write
+                     ;; timeout (a slow-read attack, or a dead peer).
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (sb-ext:atomic-incf (engine-write-timeouts engine))
+                     (close-connection c))
+                    ((conn-slot c head-started)
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (reject c +response-408+))
+                    ((conn-slot c fresh)
+                     ;; Connected but never sent a byte in time.
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (close-connection c))
+                    (t (close-connection c))))))
+      (:draining
+       (if (due-p)
+           (close-connection c)
+           (wheel-schedule (engine-wheel engine) c (connection-deadline c))))
+      ((:active :dirty)
+       (let ((thread (conn-slot c handler-thread))
+             (serial (conn-slot c handler-serial)))
+         (if (and thread (plusp (engine-handler-timeout-ms engine)) (due-p))
+             ;; A handler deadline (see ARM-HANDLER-DEADLINE).
+             (handler-case
+                 (interrupt-handler c thread serial
+                                    (/ (engine-handler-timeout-ms engine) 1000.0))
+               (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
+             ;; Keep the entry: the owner may just have set a deadline that
+             ;; this entry stood for (PARK, REJECT-CONNECTION and
+             ;; ARM-HANDLER-DEADLINE only push an entry when it is earlier
+             ;; than the one there), and it must still be looked at then.
+             (wheel-schedule (engine-wheel engine) c
+                             (max (connection-deadline c) (+ now +tick-ms+)))))))))
+
+(defun close-idle-connections (engine &key keep-readable)
+  "Close every parked and draining connection; with KEEP-READABLE, leave the
+parked ones whose client already sent more (in the socket, or buffered
+and waiting its turn), for a worker to serve, and those whose client is
+still reading an answer.  Returns
+how many parked connections were left.  Used by ENGINE-STOP, once the
+housekeeper has exited."
+  (let ((left 0))
+    (loop for c across (engine-table engine)
+          when c
+            do (case (connection-state c)
+                 (:parked
+                  (if (and keep-readable
+                           (or (conn-slot c unsent) ; an answer the client is still reading
+                               (conn-slot c waiting-turn) ; a request it sent, not served yet
+                               (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
+                      (incf left)
+                      (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
+                                :parked)
+                        (close-connection c))))
+                 (:draining (close-connection c))))
+    left))
+
+(defconstant +soft-stop-input-grace-ms+ 1000
+  "How long a soft stop keeps serving requests that clients had already sent
+on idle keep-alive connections when it began.")
+
+(defun housekeeper-loop (engine)
+  (let ((events (make-event-buffer 64))
+        (epfd (engine-housekeeper-epfd engine))
+        (wheel (engine-wheel engine))
+        (next-tick 0)
+        (accept-paused nil))
+    (unwind-protect
+         (loop
+           (let ((n (epoll-wait epfd events 64 +tick-ms+)))
+             (dotimes (i n)
+               (let ((data (event-data events i)))
+                 (cond ((= data +stop-data+)
+                        (return-from housekeeper-loop))
+                       ((= data +listen-data+)
+                        (when (eq (accept-pending engine) :paused)
+                          (setf accept-paused t)))
+                       (t (drain engine data)))))
+             (let ((now (now-ms)))
+               (when (>= now next-tick)
+                 (setf next-tick (+ now +tick-ms+))
+                 (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
+                   (error (e) (log-engine-error engine "Timer error: ~A" e)))
+                 (when accept-paused
+                   (setf accept-paused nil)
+                   (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
+                              +epollin+ +listen-data+))))))
+      (free-event-buffer events))))

@@ -1,0 +1,192 @@
+;;;; lifecycle.lisp -- a connection's states: registered, parked in epoll,
+;;;; rejected, closed; and the engine's head budget.
+;;;;
+;;;; A connection is :PARKED (in epoll, no thread), :ACTIVE (a worker or, once
+;;;; suspended, an answering thread owns it), :DIRTY (active, and an event came
+;;;; meanwhile: its owner reads again before parking), :DRAINING (rejected:
+;;;; the housekeeper reads and discards until it closes), :DETACHED (the
+;;;; handler kept the stream) or :CLOSED.  Every move out of :PARKED is a
+;;;; compare-and-swap, so exactly one thread takes a parked connection.
+;;;; Every deadline goes into the engine's timing wheel (wheel.lisp); the
+;;;; housekeeper advances it every +TICK-MS+ and expires what came due
+;;;; (housekeeper.lisp).
+
+(in-package #:gallop.core)
+
+(defconstant +connection-events+ (logior +epollin+ +epollrdhup+ +epollet+)
+  "A connection is registered once, edge-triggered: every arrival of input
+raises an event, and nothing needs re-arming after a request (see
+DISPATCH-EVENT and PARK for how an event that finds the connection busy is
+kept).")
+
+
+
+(defun next-token (engine fd)
+  ;; 30 bits of generation keep the token a fixnum (see pool.lisp's queue).
+  (logior (ash (logand (sb-ext:atomic-incf (engine-generation engine)) #x3fffffff) 32)
+          fd))
+
+(defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
+  (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
+                             :raw (engine-raw-p engine)
+                             :remote-address remote-address :remote-port (or remote-port 0)
+                             :close-hook close-hook :user-data user-data))
+
+
+(defun schedule (c deadline)
+  "Set C's deadline and make sure the housekeeper looks at C by then."
+  (setf (connection-deadline c) deadline)
+  (wheel-schedule (engine-wheel (connection-engine c)) c deadline))
+
+(defun unfresh (c)
+  (when (conn-slot c fresh)
+    (setf (conn-slot c fresh) nil)
+    (sb-ext:atomic-decf (engine-pending (connection-engine c)))))
+
+
+;;; Closing, parking, rejecting
+
+(defun close-connection (c)
+  "Close C for good.  The caller owns C (it is :ACTIVE, :DRAINING or
+:DETACHED, or the caller won a CAS from :PARKED)."
+  (let ((engine (connection-engine c))
+        (fd (connection-fd c)))
+    (unless (eq (connection-state c) :closed)
+      ;; Out of the workers' epoll set before the fd closes.  Since Linux
+      ;; 6.10 epoll_wait holds a reference to a ready file while it polls
+      ;; it; a close(2) in that instant leaves the last reference, and so
+      ;; the socket's release (its FIN), to that worker, which does it only
+      ;; on its return to user space, and a worker whose poll found nothing
+      ;; sleeps on in epoll_wait (up to the pool's idle timeout, 10 s): the
+      ;; client waits that long for an answer or end of file.  EPOLL_CTL_DEL
+      ;; waits for such a poll to end, so the close below drops the last
+      ;; reference itself.  (Draining, detached and shed connections are not
+      ;; in that set.)
+      (when (member (connection-state c) '(:active :dirty :parked))
+        (let ((epfd (pool-epfd (engine-pool engine))))
+          (when (>= epfd 0)
+            (epoll-ctl epfd +epoll-ctl-del+ fd 0 0))))
+      (unfresh c)
+      (uncharge-head c)
+      (setf (connection-state c) :closed)
+      (wheel-forget c)
+      (setf (conn-slot c out-fill) 0
+            (conn-slot c in-start) 0
+            (conn-slot c in-end) 0)
+      (discard-unsent c)
+      (release-buffers c)
+      (let ((table (engine-table engine)))
+        (when (and (< fd (length table)) (eq (svref table fd) c))
+          (setf (svref table fd) nil)))
+      (let ((hook (conn-slot c close-hook)))
+        (if hook
+            (handler-case (funcall hook)
+              (error (e) (log-engine-error engine "Closing fd ~D: ~A" fd e)))
+            (close-fd fd)))
+      (sb-ext:atomic-incf (engine-closed engine))))
+  nil)
+
+(defun park (c &optional output)
+  "Give the connection back to epoll until its next request arrives (OUTPUT:
+until the socket takes more of its unsent output, see OUTPUT-PARKED-P).  The
+caller owns C.  Returns true, or NIL when an event came while C was busy
+(input arrived, or with OUTPUT the socket drained) and marked it :DIRTY: the
+caller still owns C and must read (or send) again."
+  (let ((engine (connection-engine c)))
+    (with-connection-slots (in-start in-end head-started boundary park-requested close-requested) c
+      (setf boundary nil park-requested nil close-requested nil)
+      (let ((now (now-ms)))
+        (cond (output
+               ;; The write timeout, from the last time the client read.
+               (schedule c (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+              ((= in-start in-end)
+               (setf head-started nil)
+               (schedule c (+ now (engine-idle-timeout-ms engine))))
+              (t
+               (unless head-started (setf head-started now))
+               (schedule c (+ head-started (engine-header-timeout-ms engine))))))
+      (release-buffers c)
+      (unless (charge-head c)
+        ;; Partial heads already hold the engine's whole head budget: this
+        ;; one is not kept (the answer is 503, not a crash of the heap; or,
+        ;; in the middle of an answer, the end of the connection).
+        (sb-ext:atomic-incf (engine-shed engine))
+        (if output
+            (close-connection c)
+            (reject-connection c (response-503 engine)))
+        (return-from park t))
+      (when (and output (not (conn-slot c out-registered)))
+        ;; Once and for good: edge-triggered, EPOLLOUT raises an event only
+        ;; when the socket drains after a send found it full.
+        (setf (conn-slot c out-registered) t)
+        (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-mod+ (connection-fd c)
+                   (logior +connection-events+ +epollout+) (connection-token c)))
+      ;; From here on, an event (or the housekeeper, once the deadline
+      ;; passes) may take C.  Input that came while C was busy left it
+      ;; :DIRTY: keep it and read again, or that input would wait for an
+      ;; event that already came.
+      (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
+        (:active t)
+        (:dirty (setf (connection-state c) :active)
+         nil)
+        (t (error "PARK: ~A is not owned by this worker" c))))))
+
+;;; The head budget.  A connection parked with part of a request head holds
+;;; its input buffer (8 KiB, or up to MAX-HEAD-BYTES when the head is long)
+;;; while no worker serves it, and clients choose how many such connections
+;;; there are.  The engine counts those buffers in HEAD-BYTES and keeps them
+;;; under HEAD-BUDGET (a quarter of the heap by default), so that heads can
+;;; never exhaust the heap: past it, a connection is answered 503 instead of
+;;; being parked, and no buffer grows.  A buffer grown for a long head is
+;;; counted from the moment it grows (CHARGE-GROWTH), whether parked or being
+;;; read, and a counted buffer stays counted until the connection gives it
+;;; back (RELEASE-BUFFERS) or closes.  Invariant: HEAD-BYTES is the sum of
+;;; the BUDGETED octets of every connection, and BUDGETED is 0 or the length
+;;; of the connection's input buffer.
+
+(defun charge-head (c)
+  "Count C's input buffer against the head budget if C is about to park with
+a partial request in it.  NIL when that would exceed the budget."
+  (with-connection-slots (inbuf in-start in-end budgeted engine) c
+    (or (null inbuf) (= in-start in-end) (plusp budgeted)
+        (let ((n (length (the octets inbuf))))
+          (if (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
+                 (engine-head-budget engine))
+              (progn (sb-ext:atomic-decf (engine-head-bytes engine) n) nil)
+              (progn (setf budgeted n) t))))))
+
+(defun uncharge-head (c)
+  "C gives its input buffer up (rejected or closed): give its share of the
+budget back."
+  (with-connection-slots (budgeted engine) c
+    (when (plusp budgeted)
+      (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+      (setf budgeted 0))))
+
+(defun reject-connection (c response &key (registered t))
+  "Send RESPONSE (an error the engine writes itself; NIL: nothing more), shut
+the write side and let the housekeeper drain and close C.  The caller owns C."
+  (let* ((engine (connection-engine c))
+         (fd (connection-fd c)))
+    (unfresh c)
+    (uncharge-head c)
+    (discard-unsent c)
+    (when registered
+      (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
+    (when response
+      (send-from fd response 0 (length response)))
+    (shutdown-fd fd +shut-wr+)
+    (with-connection-slots (in-start in-end out-fill) c
+      (setf in-start 0 in-end 0 out-fill 0))
+    (release-buffers c)
+    (schedule c (+ (now-ms) (engine-linger-ms engine)))
+    (setf (connection-state c) :draining)
+    (unless (and (>= (engine-housekeeper-epfd engine) 0)
+                 (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ fd
+                            (logior +epollin+ +epollrdhup+) (connection-token c)))
+      (close-connection c))))
+
+
+(defun reject (c response)
+  (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
+  (reject-connection c response))

@@ -1,0 +1,258 @@
+;;;; serve.lisp -- a worker serving a connection: the event, the request
+;;;; heads read until complete, the handler run (handler.lisp), then park,
+;;;; close, or leave the connection (detached) as the handler's use of the
+;;;; stream decided.  An answer the socket did not take whole parks the
+;;;; connection for EPOLLOUT first; the worker that takes that event sends the
+;;;; rest, then goes on (AFTER-WRITE: the next request, or the close).  A
+;;;; further pipelined request waits its turn (YIELD-TURN).  A request
+;;;; answered later from another thread changes hands (CONNECTION-SUSPEND ...
+;;;; CONNECTION-RESUME).
+
+(in-package #:gallop.core)
+
+;;; Serving
+
+(defun dispatch-event (engine token flags)
+  "Called in a worker for an epoll event on a connection, with the event's
+FLAGS."
+  (let* ((fd (logand token #xffffffff))
+         (table (engine-table engine))
+         (c (and (< fd (length table)) (svref table fd))))
+    (when (and c (= (connection-token c) token))
+      (when (logtest flags (logior +epollrdhup+ +epollhup+ +epollerr+))
+        ;; The client half-closed (or the socket failed): the end of file
+        ;; is already there, and no further event will announce it.
+        (setf (conn-slot c peer-closed) t))
+      (loop
+        (case (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
+          (:parked
+           (return
+             (handler-case (serve-connection engine c)
+               (serious-condition (e)
+                 ;; A bug, not the client's doing: log it, and don't leak the fd.
+                 (log-engine-error engine "Internal error serving ~A: ~A" c e)
+                 (unless (member (connection-state c) '(:closed :detached :draining))
+                   (close-connection c))))))
+          (:active
+           ;; Busy: tell its owner, who reads again instead of parking.
+           (when (eq :active (sb-ext:compare-and-swap (%conn-slot c state) :active :dirty))
+             (return)))
+          (t (return)))))))
+
+
+(defun serve-connection (engine c)
+  "Read until a request head is complete, check it, run the handler; then
+park, close or leave C as the handler decided.  A further request already
+buffered (pipelining) waits its turn behind other ready connections
+(YIELD-TURN), and none is read while an answer is unsent.  The caller owns C."
+  (unfresh c)
+  (setf (conn-slot c waiting-turn) nil)
+  (when (or (conn-slot c unsent) (conn-slot c suspended))
+    ;; Back from waiting for the client to read the last answer.
+    (when (output-parked-p c)
+      (return-from serve-connection))
+    (when (conn-slot c suspended)
+      ;; Sent for a request answered from another thread: C is that
+      ;; thread's again (CONNECTION-ACQUIRE).
+      (setf (conn-slot c out-parked) nil)
+      (return-from serve-connection))
+    (when (eq (shiftf (conn-slot c after-write) nil) :close)
+      (return-from serve-connection (close-after-answer c))))
+  ;; C keeps its share of the head budget while this worker reads into its
+  ;; buffer: buffers being read count as much as parked ones.
+  (with-connection-slots (fd in-end raw) c
+    (flet ((head-ready-p ()
+             ;; A complete head is buffered; a head over a limit is refused
+             ;; at once, complete or not.
+             (ecase (scan-head c)
+               (:complete t)
+               (:incomplete nil)
+               (:line-too-long (return-from serve-connection (reject c +response-414+)))
+               (:too-large (return-from serve-connection (reject c +response-431+))))))
+      (loop
+        (let ((ready (if raw (< (conn-slot c in-start) in-end) (head-ready-p))))
+          (unless ready
+            (unless (make-room c (engine-max-head-bytes engine))
+              ;; Full: at the head limit (431), or short of it because the
+              ;; head budget is spent (503).
+              (return (if (< (length (the octets (conn-slot c inbuf)))
+                             (engine-max-head-bytes engine))
+                          (progn (sb-ext:atomic-incf (engine-shed engine))
+                                 (reject-connection c (response-503 engine)))
+                          (reject c +response-431+))))
+            (let ((buffer (conn-slot c inbuf)))
+              (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+                (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+                (cond ((plusp n)
+                       (incf in-end n)
+                       (setf ready (or raw (head-ready-p))))
+                      ((zerop n) (return (close-connection c)))
+                      ((= errno +eagain+) (when (park c) (return)))
+                      (t (return (close-connection c)))))))
+          (when ready
+            (unless raw
+              (let ((refusal (check-head c)))
+                (when refusal
+                  (return (reject c (error-response refusal)))))
+              (begin-message c))
+            (ecase (run-handler engine c)
+              (:park
+               (unless (and (engine-running-p engine) (not (conn-slot c close-after))
+                            (finish-message c))
+                 (return (close-after-answer c)))
+               (when (conn-slot c unsent)
+                 ;; The client has not read this answer yet: no further
+                 ;; request is read until it has (pipelining backpressure).
+                 (setf (conn-slot c after-write) :serve)
+                 (when (output-parked-p c)
+                   (return)))
+               (when (and (not raw) (< (conn-slot c in-start) in-end)
+                          (yield-turn c))
+                 ;; The next pipelined request waits its turn.
+                 (return))
+               ;; Nothing buffered: park without trying another read.
+               ;; Most clients send their next request only after this
+               ;; answer, so that read would nearly always fail with
+               ;; EAGAIN; input that came meanwhile raised an event that
+               ;; left C :DIRTY, and PARK then says to read.  Only when
+               ;; the last read left input behind (a full buffer), or
+               ;; the client half-closed (its end of file raised no
+               ;; event of its own), is the read needed.
+               (when (and (not raw) (= (conn-slot c in-start) in-end)
+                          (conn-slot c drained) (not (conn-slot c peer-closed))
+                          (park c))
+                 (return)))
+              (:close (return (close-after-answer c)))
+              (:detached (return))
+              (:suspended
+               ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
+               (return (connection-release c))))))))))
+
+(defun yield-turn (c)
+  "C has served a request and has the next one buffered (pipelining): let it
+wait its turn behind the other ready connections, as nginx does, instead of
+serving a client's pipelined requests for as long as it sends them while
+new clients wait.  C is parked with its input and queued for a worker (see
+POOL-REQUEUE).  True when C was given up, NIL when an event marked it :DIRTY
+meanwhile: the caller still owns C and goes on serving it."
+  (setf (conn-slot c waiting-turn) t)
+  (cond ((park c)
+         (pool-requeue (engine-pool (connection-engine c)) (connection-token c))
+         t)
+        (t (setf (conn-slot c waiting-turn) nil)
+           nil)))
+
+(defun output-parked-p (c)
+  "C has unsent output (connection.lisp, Output): send what the socket takes
+now, and park C in epoll until it takes more if some is left; a worker then
+comes back to SERVE-CONNECTION.  True when C was parked or closed (the caller
+lets go of C), NIL when all of it is sent and the caller still owns C."
+  (handler-case
+      (loop (when (send-unsent c)
+              (return nil))
+            (when (park c t)
+              (return t)))
+    (connection-error ()
+      (note-client-abort (connection-engine c))
+      (close-connection c)
+      t)))
+
+(defun close-after-answer (c)
+  "Close C after its last answer, once the client read it (until then C waits
+in epoll, see OUTPUT-PARKED-P): at once when the client sent nothing more,
+else after reading and discarding what it still sends for a while (LINGER-MS:
+a close(2) with unread input sends a reset, which can destroy the answer
+before the client read it).  A raw (TLS) connection always lingers: what
+the client sent is not known here, and a TLS client sends its close_notify
+alert, data, as soon as it is done, often before the answer came."
+  (when (conn-slot c unsent)
+    (setf (conn-slot c after-write) :close)
+    (when (output-parked-p c)
+      (return-from close-after-answer)))
+  (if (and (not (conn-slot c raw))
+           (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end)))
+      (close-connection c)
+      (reject-connection c nil)))
+
+(defun connection-suspend (c)
+  "Called by a handler, in its worker, that will answer later from another
+thread; the handler then returns :SUSPENDED and the worker leaves C to that
+thread, which writes between CONNECTION-ACQUIRE and CONNECTION-RELEASE and
+ends with CONNECTION-RESUME.  The request counts as in flight until then.
+The handler deadline ends here: no interrupt may reach the worker once it is
+handing C over."
+  (sb-sys:without-interrupts
+    (disarm-handler-deadline c)
+    (setf (conn-slot c suspended) t
+          (conn-slot c out-parked) t)   ; the worker's until it lets go
+    (sb-ext:atomic-incf (engine-in-flight (connection-engine c)))))
+
+(defun connection-unsuspend (c)
+  "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
+  (setf (conn-slot c suspended) nil
+        (conn-slot c out-parked) nil)
+  (end-in-flight (connection-engine c)))
+
+;;; A suspended request's connection changes hands between its answering
+;;; thread, which writes, and the engine, which sends what the client did not
+;;; read yet while the connection waits in epoll.  OUT-PARKED says which:
+;;; while it is true the engine owns C (:PARKED, or :ACTIVE in the worker
+;;; sending for it); the answering thread takes C back with a CAS from
+;;; :PARKED, or once the worker has cleared OUT-PARKED, its last act on C.
+
+(defun connection-acquire (c)
+  "Called by the thread answering a suspended request on C before it writes:
+wait until the engine is not sending C's unsent output (it never waits for
+the client: only for a worker's non-blocking send), and take C.  NIL when C
+was closed meanwhile (the client went away, or read nothing for the write
+timeout): there is nobody to answer."
+  (loop
+    (case (connection-state c)
+      ((:active :dirty)
+       (unless (conn-slot c out-parked)
+         (return t)))
+      (:parked
+       (when (eq :parked (sb-ext:compare-and-swap (%conn-slot c state) :parked :active))
+         (setf (conn-slot c out-parked) nil)
+         (return t)))
+      (t (return nil)))
+    (sb-thread:thread-yield)))
+
+(defun connection-release (c)
+  "Called by the thread owning C while its request is suspended, after it
+wrote: what the client did not read yet is left to the engine, which sends
+it from epoll (OUTPUT-PARKED-P); C goes back to the answering thread at the
+next CONNECTION-ACQUIRE."
+  (setf (conn-slot c out-parked) t)
+  (unless (output-parked-p c)
+    (setf (conn-slot c out-parked) nil))
+  nil)
+
+(defun connection-resume (c keep-alive)
+  "Finish a suspended request from the thread that answered it, which owns C
+\(CONNECTION-ACQUIRE): when KEEP-ALIVE, give C back to the engine (a worker
+serves its next request, never this thread, which may be an application's
+timer or broadcaster), else close it (after the client read the answer)."
+  (let ((engine (connection-engine c)))
+    (end-in-flight engine)
+    (when (member (connection-state c) '(:closed :draining :detached))
+      (return-from connection-resume))
+    (setf (conn-slot c suspended) nil
+          (conn-slot c out-parked) nil)
+    (if (and keep-alive (engine-running-p engine) (not (conn-slot c close-after))
+             (finish-message c))
+        (handler-case (if (conn-slot c unsent)
+                          ;; Parks C until the client read it (or sends it).
+                          (serve-connection engine c)
+                          ;; A worker serves what comes next: C waits in
+                          ;; epoll, or when input may be there already, in
+                          ;; the pool's queue (as in SERVE-CONNECTION).
+                          (unless (and (= (conn-slot c in-start) (conn-slot c in-end))
+                                       (conn-slot c drained) (not (conn-slot c peer-closed))
+                                       (park c))
+                            (loop until (yield-turn c))))
+          (serious-condition (e)
+            (log-engine-error engine "Error resuming ~A: ~A" c e)
+            (unless (member (connection-state c) '(:closed :detached :draining))
+              (close-connection c))))
+        (close-after-answer c))))
