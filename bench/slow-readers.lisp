@@ -78,34 +78,40 @@ it, for SECONDS.  Returns the octets sent."
              (sleep 0.05))
     total))
 
-(defun probe (port)
-  "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
-exact answer, or NIL."
-  (let ((start (now-ms))
-        (s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+(defun fetch (port path)
+  "GET PATH with Connection: close on a fresh connection to PORT: the octets
+of the whole answer, up to the server's close, or NIL if that failed."
+  (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
     (unwind-protect
          (ignore-errors
           (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
           (let ((stream (sb-bsd-sockets:socket-make-stream s :input t :output t :timeout 10
                                                              :element-type '(unsigned-byte 8))))
-            (write-sequence (ascii (format nil "GET /yo HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
-                                           #\Return #\Linefeed #\Return #\Linefeed
+            (write-sequence (ascii (format nil "GET ~A HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
+                                           path #\Return #\Linefeed #\Return #\Linefeed
                                            #\Return #\Linefeed #\Return #\Linefeed))
                             stream)
             (finish-output stream)
-            (let* ((octets (coerce (loop for b = (read-byte stream nil) while b collect b)
-                                   '(simple-array (unsigned-byte 8) (*))))
-                   (text (map 'string #'code-char octets))
-                   (head-end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
-                                     text))
-                   (length-at (search (format nil "~C~CContent-Length: " #\Return #\Linefeed) text
-                                      :test #'char-equal)))
-              (and head-end length-at
-                   (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
-                   (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
-                   (string= "Hey!" (subseq text (+ head-end 4)))
-                   (- (now-ms) start)))))
+            (coerce (loop for b = (read-byte stream nil) while b collect b)
+                    '(simple-array (unsigned-byte 8) (*)))))
       (ignore-errors (sb-bsd-sockets:socket-close s)))))
+
+(defun probe (port)
+  "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
+exact answer, or NIL."
+  (let* ((start (now-ms))
+         (octets (fetch port "/yo")))
+    (when octets
+      (let* ((text (map 'string #'code-char octets))
+             (head-end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
+                               text))
+             (length-at (search (format nil "~C~CContent-Length: " #\Return #\Linefeed) text
+                                :test #'char-equal)))
+        (and head-end length-at
+             (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
+             (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
+             (string= "Hey!" (subseq text (+ head-end 4)))
+             (- (now-ms) start))))))
 
 (defun proc-field (pid field)
   "The number after FIELD: in /proc/PID/status, or NIL."
@@ -129,20 +135,8 @@ request a fresh SBCL process serves through Hunchentoot takes 100 to 150 ms
 here (its generic functions' dispatch is computed and compiled on first
 call; 0.5 ms after), on every server kind.  That is start-up, not what a
 slow reader does to the others."
-  (probe port)
-  (ignore-errors
-   (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
-     (unwind-protect
-          (progn (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
-                 (let ((stream (sb-bsd-sockets:socket-make-stream s :input t :output t :timeout 10
-                                                                    :element-type '(unsigned-byte 8))))
-                   (write-sequence (ascii (format nil "GET /big HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
-                                                  #\Return #\Linefeed #\Return #\Linefeed
-                                                  #\Return #\Linefeed #\Return #\Linefeed))
-                                   stream)
-                   (finish-output stream)
-                   (loop while (read-byte stream nil))))
-       (sb-bsd-sockets:socket-close s)))))
+  (fetch port "/yo")
+  (fetch port "/big"))
 
 (defun run-kind (kind port)
   (multiple-value-bind (process pid)
