@@ -73,7 +73,7 @@ client's upload, not the server's memory.")
   (max-unsent-bytes +default-max-unsent-bytes+ :type fixnum)
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 1024 :type fixnum)
-  (head-budget 0 :type fixnum) ; see server.lisp
+  (head-budget 0 :type fixnum) ; see lifecycle.lisp (the head budget)
   (retry-after 1 :type fixnum)
   (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters

@@ -5,7 +5,7 @@
 ;;;; so a ready connection costs no thread hand-off.  Connections are
 ;;;; registered once, edge-triggered: an event goes to one worker, and one
 ;;;; that finds its connection busy marks it so that its owner reads again
-;;;; (DISPATCH-EVENT and PARK in server.lisp).
+;;;; (DISPATCH-EVENT in serve.lisp, PARK in lifecycle.lisp).
 ;;;;
 ;;;; One epoll_wait takes up to +BATCH+ events, so that under load a request
 ;;;; costs a fraction of that system call (nginx does the same).  The worker
@@ -31,8 +31,8 @@
 ;;;; free (all busy), the CPUs are under +GROWTH-CPU-LIMIT+, and permit
 ;;;; holders are blocked (sleeping, waiting on a database): fewer of them
 ;;;; run or wait for a CPU (the kernel's thread state, cpus.lisp) than there
-;;;; are CPUs or than half of them, in two samples in a row, it adds a permit, and a thread when none is
-;;;; waiting for one (up to MAX-THREADS).  The thread states matter on a
+;;;; are CPUs or than half of them, in two samples in a row, it adds a
+;;;; permit, and a thread when none is waiting for one (up to MAX-THREADS).  The thread states matter on a
 ;;;; machine shared with other processes: there the process stays under its
 ;;;; CPUs while its workers compute and wait for CPUs others hold, and more
 ;;;; threads would only add to the wait.  Samples during which a garbage
