@@ -678,28 +678,29 @@ was queued.  On a RAW connection, blocks until all is sent."
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))
-    (loop while (< start end)
-          do (if (or (null (conn-slot c unsent)) (send-unsent c))
-                 ;; Nothing queued: straight to the socket.
-                 (multiple-value-bind (n errno) (send-from fd buffer start end)
-                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
-                         ((/= errno +eagain+) (client-went-away c errno "write"))
-                         ((or (not (eq keep :copy))
-                              (<= (- end start) (engine-max-unsent-bytes engine)))
-                          (return))
-                         ;; Too much to copy: wait for the client.
-                         (t (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
-                 ;; Queued output waits: queue behind it, or wait for room.
-                 (if (or (not (eq keep :copy))
-                         (<= (+ (conn-slot c unsent-bytes) (- end start))
-                             (engine-max-unsent-bytes engine)))
-                     (return)
-                     (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
-    (when (< start end)
-      (ecase keep
-        (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
-        (:reference (queue-unsent c (make-segment buffer start end)) :kept)
-        (:hand-over (queue-unsent c (make-segment buffer start end t)) :kept)))))
+    (flet ((may-queue-p ()
+             ;; What is left may join the queue now; else (a copy past
+             ;; MAX-UNSENT-BYTES) the client must read some first.
+             (or (not (eq keep :copy))
+                 (<= (+ (conn-slot c unsent-bytes) (- end start))
+                     (engine-max-unsent-bytes engine)))))
+      (loop while (< start end)
+            do (if (or (null (conn-slot c unsent)) (send-unsent c))
+                   ;; Nothing queued: straight to the socket.
+                   (multiple-value-bind (n errno) (send-from fd buffer start end)
+                     (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                           ((/= errno +eagain+) (client-went-away c errno "write"))
+                           ((may-queue-p) (return))
+                           (t (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+                   ;; Queued output waits: queue behind it, or wait for room.
+                   (if (may-queue-p)
+                       (return)
+                       (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+      (when (< start end)
+        (ecase keep
+          (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
+          (:reference (queue-unsent c (make-segment buffer start end)) :kept)
+          (:hand-over (queue-unsent c (make-segment buffer start end t)) :kept))))))
 
 (declaim (inline output-buffer))
 (defun output-buffer (c)

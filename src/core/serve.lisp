@@ -110,23 +110,25 @@ buffered (pipelining) waits its turn behind other ready connections
                           (yield-turn c))
                  ;; The next pipelined request waits its turn.
                  (return))
-               ;; Nothing buffered: park without trying another read.
-               ;; Most clients send their next request only after this
-               ;; answer, so that read would nearly always fail with
-               ;; EAGAIN; input that came meanwhile raised an event that
-               ;; left C :DIRTY, and PARK then says to read.  Only when
-               ;; the last read left input behind (a full buffer), or
-               ;; the client half-closed (its end of file raised no
-               ;; event of its own), is the read needed.
-               (when (and (not raw) (= (conn-slot c in-start) in-end)
-                          (conn-slot c drained) (not (conn-slot c peer-closed))
-                          (park c))
+               (when (and (not raw) (park-if-quiet c))
                  (return)))
               (:close (return (close-after-answer c)))
               (:detached (return))
               (:suspended
                ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
                (return (connection-release c))))))))))
+
+(defun park-if-quiet (c)
+  "After an answer, with nothing buffered: park C without trying another read,
+and return true.  Most clients send their next request only after this
+answer, so that read would nearly always fail with EAGAIN; input that came
+meanwhile raised an event that left C :DIRTY, and PARK then says to read
+\(NIL).  Only when the last read left input behind (a full buffer), or the
+client half-closed (its end of file raised no event of its own), is the read
+needed (NIL, C not parked)."
+  (and (= (conn-slot c in-start) (conn-slot c in-end))
+       (conn-slot c drained) (not (conn-slot c peer-closed))
+       (park c)))
 
 (defun yield-turn (c)
   "C has served a request and has the next one buffered (pipelining): let it
@@ -247,9 +249,7 @@ timer or broadcaster), else close it (after the client read the answer)."
                           ;; A worker serves what comes next: C waits in
                           ;; epoll, or when input may be there already, in
                           ;; the pool's queue (as in SERVE-CONNECTION).
-                          (unless (and (= (conn-slot c in-start) (conn-slot c in-end))
-                                       (conn-slot c drained) (not (conn-slot c peer-closed))
-                                       (park c))
+                          (unless (park-if-quiet c)
                             (loop until (yield-turn c))))
           (serious-condition (e)
             (log-engine-error engine "Error resuming ~A: ~A" c e)
