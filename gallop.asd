@@ -26,10 +26,11 @@
                (:file "buffers" :depends-on ("syscalls"))
                (:file "pool" :depends-on ("cpus" "buffers"))
                (:file "engine" :depends-on ("pool"))
-               (:file "connection" :depends-on ("engine" "buffers"))
+               (:file "chunks" :depends-on ("buffers"))
+               (:file "request" :depends-on ("chunks"))
+               (:file "connection" :depends-on ("engine" "buffers" "request"))
                (:file "wheel" :depends-on ("connection"))
                (:file "head" :depends-on ("connection"))
-               (:file "chunks" :depends-on ("buffers"))
                (:file "body" :depends-on ("connection" "head" "chunks"))
                (:file "lifecycle" :depends-on ("connection" "wheel"))
                (:file "accept" :depends-on ("lifecycle"))
@@ -59,12 +60,14 @@
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads")
+  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads"
+               "sb-introspect")
   :pathname "src/hunchentoot/"
   :serial t
   :components ((:file "package")
                (:file "compat")
                (:file "socket")
+               (:file "wire")
                (:file "taskmaster")
                (:file "acceptor"))
   :in-order-to ((test-op (test-op "gallop/tests"))))
@@ -102,6 +105,7 @@
                (:file "native/parser")
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
+               (:file "hunchentoot/wire")
                (:file "core/uploads")
                (:file "clack/handler")
                ;; the conformance corpus (make conformance also runs it against nginx)

@@ -61,6 +61,32 @@ serves: record its framing."
   (with-connection-slots (in-start scan head-left) c
     (setf in-start scan head-left 0)))
 
+(defun connection-take-head (c)
+  "For a layer above that reads request heads from the record instead of
+through the stream: C's request record, with the head consumed (the stream
+now reads the body), when the next read would start a checked head.  :EOF
+when that read would answer end of file instead (no further request now:
+the same steps as a read, see LEAVE-BOUNDARY).  NIL when the head can only
+be read through the stream (part of it was read already, or C is raw)."
+  (with-connection-slots (boundary raw head-left in-start request) c
+    (cond ((or raw (conn-slot c detaching)) nil)
+          ((and boundary (not (leave-boundary c))) :eof)
+          ((and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c))) :eof)
+          ((and (plusp head-left)
+                (= in-start (request-start request))
+                (= head-left (- (request-end request) (request-start request))))
+           (setf in-start (request-end request)
+                 head-left 0)
+           request)
+          (t nil))))
+
+(defun connection-write-continue (c)
+  "Send 100 Continue on C now, as an interim answer: it does not count as
+the start of the response."
+  (connection-write-octets c +response-100+)
+  (flush-output c)
+  (setf (conn-slot c sent) 0))
+
 (defun connection-detach (c)
   "The layer above keeps C's stream for a protocol of its own (Hunchentoot's
 DETACH-SOCKET: a WebSocket, a tunnel): from now on its reads and writes pass
@@ -251,9 +277,11 @@ an unread body, before it gives up and lets the connection close.")
 body) in the input that is here.  True when the next request starts at
 IN-START; NIL when the rest has not all arrived, or the framing is broken:
 then the connection must close after the answer."
-  (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw) c
+  (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw
+                          request) c
     (incf in-start head-left)
     (setf head-left 0)
+    (release-request-fields request)
     (cond
       ((or raw (null body-mode))        ; TLS reads its requests itself; or no body left
        (not framing-broken))

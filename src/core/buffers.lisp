@@ -96,9 +96,11 @@ left to the GC (see NOTE-DROPPED)."
 (defconstant +sp+ 32)
 (defconstant +dquote+ 34)
 (defconstant +percent+ 37)
+(defconstant +comma+ 44)
 (defconstant +colon+ 58)
 (defconstant +semicolon+ 59)
 (defconstant +equals+ 61)
+(defconstant +question+ 63)
 (defconstant +backslash+ 92)
 
 ;;; Scanning octets: typed loops, so no generic sequence function runs on the
@@ -120,6 +122,45 @@ left to the GC (see NOTE-DROPPED)."
         when (= (aref buffer i) octet) return i))
 
 
+;;; Classes of octets (RFC 9110, 5.6.2; RFC 9112), for the head and the
+;;; chunk framing alike.
+
+(declaim (inline tchar-p vchar-p digit-value hex-value))
+
+(deftype octet-set () '(simple-bit-vector 256))
+
+(defun make-octet-set (predicate)
+  (let ((set (make-array 256 :element-type 'bit :initial-element 0)))
+    (dotimes (b 256 set)
+      (when (funcall predicate b) (setf (sbit set b) 1)))))
+
+(defparameter +tchars+
+  (make-octet-set (lambda (b)
+                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+                        (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126)))))
+  "The token characters (RFC 9110, 5.6.2), as a bit per octet: one memory
+read per octet instead of a chain of comparisons.")
+
+(defun tchar-p (b)
+  "A token character (RFC 9110, 5.6.2)."
+  (declare (type (unsigned-byte 8) b))
+  (= 1 (sbit (the octet-set (load-time-value +tchars+ t)) b)))
+
+(defun vchar-p (b)
+  "A byte allowed in a field value: visible ASCII, obs-text, space or tab."
+  (declare (type (unsigned-byte 8) b))
+  (or (<= 32 b 126) (= b 9) (>= b 128)))
+
+(defun digit-value (b)
+  (declare (type (unsigned-byte 8) b))
+  (and (<= 48 b 57) (- b 48)))
+
+(defun hex-value (b)
+  (declare (type (unsigned-byte 8) b))
+  (cond ((<= 48 b 57) (- b 48))
+        ((<= 97 b 102) (- b 87))
+        ((<= 65 b 70) (- b 55))))
+
 ;;; Matching octets against names known at compile time.  The names become
 ;;; immediate operands in the code: nothing but the buffer is read, so a
 ;;; request touches no table of names (each a separate heap object that,
@@ -135,7 +176,7 @@ case when IGNORE-CASE, which then also accepts upper-case octets)?"
     (assert (string= name (string-downcase name)) () "~S is not in lower case." name))
   (let ((b (gensym "BUFFER")) (s (gensym "START")) (e (gensym "END")))
     `(let ((,b ,buffer) (,s ,start) (,e ,end))
-       (declare (type octets ,b) (type fixnum ,s ,e))
+       (declare (type octets ,b) (type fixnum ,s ,e) (ignorable ,b))
        (and (= (- ,e ,s) ,(length name))
             ,@(loop for i from 0 for ch across name
                     collect (let ((octet `(aref ,b (+ ,s ,i))))

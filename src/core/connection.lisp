@@ -100,11 +100,9 @@ raises an event.")
 pipelined request buffered (YIELD-TURN), until a worker serves it.")
    (raw :initarg :raw :initform nil
         :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
-   (body-length :initform 0 :type fixnum
-                :documentation "Content-Length of the request being served (0 if none).")
-   (chunked :initform nil :documentation "True if the request body is chunked.")
-   (request-method :initform nil
-                   :documentation "The keyword of the checked request's method (:GET ...).")
+   (request :initform (make-request) :type request
+            :documentation "The request being served: its head as PARSE-HEAD read it
+and the state of reading its body (request.lisp).")
    (boundary :initform nil)
    (park-requested :initform nil)
    (close-requested :initform nil)
@@ -117,8 +115,6 @@ pipelined request buffered (YIELD-TURN), until a worker serves it.")
 deadline interrupt meant for one request never hits the next.")
    (interrupted :initform nil
                 :documentation "True once the handler was interrupted: close after it.")
-   (expect-continue :initform nil
-                    :documentation "True if the request asked for 100 Continue.")
    (source :initform nil
            :documentation "For the plaintext side of a TLS connection (tls.lisp): the
 TLS stream it reads and writes instead of its fd.")
@@ -128,8 +124,6 @@ carrying the ciphertext.")
    (pending :initform nil
             :documentation "On a plaintext connection: a function, true when the TLS
 stream holds decrypted octets not read yet.")
-   (message :initform nil
-            :documentation "On a plaintext connection: true while a checked request is read.")
    (read-deadline :initform 0 :type fixnum
                   :documentation "When non-zero, the time (NOW-MS) by which reads must be done:
 the header timeout of a head read through TLS (tls.lisp).")
@@ -143,28 +137,6 @@ plaintext side of TLS, which reads it).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
 CONNECTION-DETACH): its reads pass through and know no request boundary.")
-   (close-after :initform nil
-                :documentation "True when the connection must close after this answer.")
-   (head-left :initform 0 :type fixnum
-              :documentation "Octets of the request head the layer above has yet to
-read through the stream (see body.lisp).")
-   (body-mode :initform nil
-              :documentation "NIL (no body, or all of it read), :LENGTH or :CHUNKED.")
-   (body-left :initform 0 :type fixnum
-              :documentation "With :LENGTH, body octets not yet read.")
-   (chunk-decoder :initform nil
-                  :documentation "This connection's CHUNK-DECODER, made on first use.")
-   (synth :initform nil
-          :documentation "Framing octets being handed to the layer above while a
-chunked body is passed on re-chunked (see body.lisp), or NIL.")
-   (synth-pos :initform 0 :type fixnum)
-   (synth-data-left :initform 0 :type fixnum)
-   (synth-done :initform nil)
-   (synth-octet :initform nil
-                :documentation "A one-octet vector for STREAM-READ-BYTE of a body.")
-   (framing-broken :initform nil
-                   :documentation "True once the body's framing failed: the
-connection closes after the answer.")
    (remote-address :initarg :remote-address :initform nil)
    (remote-port :initarg :remote-port :initform 0)
    (local-address :initform nil)
@@ -211,12 +183,24 @@ read requests from and write responses to."))
   (defparameter *connection-slot-types*
     '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
-      (body-length . fixnum) (sent . fixnum) (handler-serial . fixnum)
-      (head-left . fixnum) (body-left . fixnum) (budgeted . fixnum) (read-deadline . fixnum)
-      (synth-pos . fixnum) (synth-data-left . fixnum) (blank-lines . fixnum)
+      (sent . fixnum) (handler-serial . fixnum)
+      (budgeted . fixnum) (read-deadline . fixnum) (blank-lines . fixnum)
       (unsent-bytes . fixnum) (out-progress . fixnum)
-      (inbuf . (or null octets)) (outbuf . (or null octets)))
-    "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
+      (inbuf . (or null octets)) (outbuf . (or null octets)) (request . request))
+    "Declared types of CONNECTION's typed slots, for CONN-SLOT.")
+
+  (defparameter *request-fields*
+    '((body-length . request-body-length) (chunked . request-chunked)
+      (request-method . request-method) (expect-continue . request-expect-continue)
+      (close-after . request-close-after) (head-left . request-head-left)
+      (body-mode . request-body-mode) (body-left . request-body-left)
+      (chunk-decoder . request-chunk-decoder) (synth . request-synth)
+      (synth-pos . request-synth-pos) (synth-data-left . request-synth-data-left)
+      (synth-done . request-synth-done) (synth-octet . request-synth-octet)
+      (framing-broken . request-framing-broken) (message . request-message))
+    "The names CONN-SLOT reads in the connection's REQUEST record (request.lisp)
+rather than in the connection itself: the request being served, not the
+transport, so that code reading a request's state names it the same way."))
 
 (defun connection-slot-location (name)
   (let ((class (find-class 'connection)))
@@ -231,11 +215,18 @@ read requests from and write responses to."))
   `(sb-mop:standard-instance-access ,c (load-time-value (connection-slot-location ',name) t)))
 
 (defmacro conn-slot (c name)
-  "The place of slot NAME of the connection C."
-  (let ((type (cdr (assoc name *connection-slot-types*))))
-    (if type
-        `(the ,type (%conn-slot ,c ,name))
-        `(%conn-slot ,c ,name))))
+  "The place of slot NAME of the connection C, or of field NAME of the request
+it serves (see *REQUEST-FIELDS*)."
+  (let ((type (cdr (assoc name *connection-slot-types*)))
+        (field (cdr (assoc name *request-fields*))))
+    (cond (field `(,field (the request (%conn-slot ,c request))))
+          (type `(the ,type (%conn-slot ,c ,name)))
+          (t `(%conn-slot ,c ,name)))))
+
+(declaim (inline connection-request))
+(defun connection-request (c)
+  "The record of the request C serves (request.lisp)."
+  (conn-slot c request))
 
 (defmacro with-connection-slots ((&rest names) c &body body)
   "WITH-SLOTS for a connection, through CONN-SLOT."
@@ -796,15 +787,9 @@ at once."
   (with-connection-slots (inbuf in-start scan) c
     (values inbuf in-start scan)))
 
-(defun connection-body-length (c) (conn-slot c body-length))
-(defun connection-chunked-p (c) (conn-slot c chunked))
 (defun connection-close-after-p (c)
   "True when the connection must close after the answer to this request."
   (or (conn-slot c close-after) (conn-slot c framing-broken)))
-(defun connection-request-method (c)
-  "The method of the request head just checked, as a keyword (:GET, :POST ...)."
-  (conn-slot c request-method))
-
 ;;; The same contract as SEND-ALL's KEEP: a native app's response body is
 ;;; given up by the app (:REFERENCE), a streaming writer's data is copied.
 (defun connection-write-octets (c octets &optional (start 0) (end (length octets)) (keep :copy))

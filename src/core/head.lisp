@@ -1,11 +1,13 @@
-;;;; head.lisp -- checking a complete HTTP/1.x request head before any handler
-;;;; sees it.
+;;;; head.lisp -- reading and checking a complete HTTP/1.x request head
+;;;; before any handler sees it: the one parse of every head.
 ;;;;
 ;;;; The engine calls CHECK-HEAD once the end of a head is buffered (see
 ;;;; SCAN-HEAD), so a head split at any byte is checked exactly like one that
-;;;; arrived at once.  It walks the octets in place (no strings, no
-;;;; allocation but for a method no code names) and answers the HTTP status
-;;;; that refuses the request, or NIL:
+;;;; arrived at once.  PARSE-HEAD walks the octets in place (no strings, no
+;;;; allocation but for a method no code names), records what it read in the
+;;;; connection's REQUEST (request.lisp: method, target, version, the bounds
+;;;; of every header field, Host, the body's framing, Expect, keep-alive) and
+;;;; answers the HTTP status that refuses the request, or NIL:
 ;;;;   400  malformed request line; a line not ended by CRLF (bare LF; a bare
 ;;;;        CR fails the byte checks of its line); a header line without a
 ;;;;        colon or with white space before it; obsolete line folding; NUL or
@@ -14,50 +16,14 @@
 ;;;;        Transfer-Encoding together with Content-Length, or twice (request
 ;;;;        smuggling); two Host fields, or an HTTP/1.1 request without one
 ;;;;   413  Content-Length over the body limit (before the body is read)
-;;;;   501  a transfer coding other than chunked
+;;;;   431  more than +MAX-HEADER-FIELDS+ header fields
+;;;;   501  a transfer coding other than chunked; a method the layer above
+;;;;        does not serve (engine setting METHODS)
 ;;;;   505  an HTTP version other than 1.0 and 1.1
-;;;; Any method token passes.  It records the body's framing in the
-;;;; connection's BODY-LENGTH and CHUNKED, whether the client expects 100
-;;;; Continue in EXPECT-CONTINUE, and in CLOSE-AFTER that the connection must
-;;;; close after the answer (chunked framing in HTTP/1.0, RFC 9112 6.1).
+;;;; Any method token passes otherwise.  The layers above read the record and
+;;;; never scan the head again, so they cannot read it differently.
 
 (in-package #:gallop.core)
-
-(declaim (inline tchar-p vchar-p digit-value hex-value))
-
-(deftype octet-set () '(simple-bit-vector 256))
-
-(defun make-octet-set (predicate)
-  (let ((set (make-array 256 :element-type 'bit :initial-element 0)))
-    (dotimes (b 256 set)
-      (when (funcall predicate b) (setf (sbit set b) 1)))))
-
-(defparameter +tchars+
-  (make-octet-set (lambda (b)
-                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
-                        (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126)))))
-  "The token characters (RFC 9110, 5.6.2), as a bit per octet: one memory
-read per octet instead of a chain of comparisons.")
-
-(defun tchar-p (b)
-  "A token character (RFC 9110, 5.6.2)."
-  (declare (type (unsigned-byte 8) b))
-  (= 1 (sbit (the octet-set (load-time-value +tchars+ t)) b)))
-
-(defun vchar-p (b)
-  "A byte allowed in a field value: visible ASCII, obs-text, space or tab."
-  (declare (type (unsigned-byte 8) b))
-  (or (<= 32 b 126) (= b 9) (>= b 128)))
-
-(defun digit-value (b)
-  (declare (type (unsigned-byte 8) b))
-  (and (<= 48 b 57) (- b 48)))
-
-(defun hex-value (b)
-  (declare (type (unsigned-byte 8) b))
-  (cond ((<= 48 b 57) (- b 48))
-        ((<= 97 b 102) (- b 87))
-        ((<= 65 b 70) (- b 55))))
 
 ;;; Methods.  Any token is a method (RFC 9110, 9.1): the common ones are
 ;;; matched against literals (OCTETS-CASE, no table read per request) and
@@ -99,7 +65,7 @@ surrounding spaces and tabs: the bounds of a header field's value."
 (defun check-request-line (buffer start end)
   "Check the request line BUFFER[START,END) (END at its LF, which a CR must
 precede).  Returns the status that refuses it or NIL, the HTTP minor version
-\(0 or 1), and the method's symbol."
+\(0 or 1), the method's symbol, and the bounds of the request target."
   (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (unless (and (> end start) (= (aref buffer (1- end)) +cr+))
     (return-from check-request-line 400))
@@ -136,7 +102,8 @@ precede).  Returns the status that refuses it or NIL, the HTTP minor version
       (let ((major (- (aref buffer (+ i 5)) 48))
             (minor (- (aref buffer (+ i 7)) 48)))
         (if (and (= major 1) (<= minor 1))
-            (values nil minor (method-symbol buffer start method-end))
+            (values nil minor (method-symbol buffer start method-end)
+                    (1+ method-end) (1- i))
             (values 505 0))))))
 
 (defun parse-content-length (buffer start end)
@@ -151,78 +118,145 @@ precede).  Returns the status that refuses it or NIL, the HTTP minor version
                  (setf n (+ (* n 10) d))))
       n)))
 
+;;; Comma-separated lists of tokens (Connection, Expect): each element
+;;; without the white space around it, compared without case.
+(defmacro do-list-elements ((start end) (buffer list-start list-end) &body body)
+  "Run BODY with START and END bound to the bounds of each element of the
+comma-separated list BUFFER[LIST-START,LIST-END), without surrounding spaces
+and tabs (empty elements included)."
+  (let ((b (gensym "BUFFER")) (i (gensym "I")) (e (gensym "E")) (comma (gensym "COMMA")))
+    `(let ((,b ,buffer) (,i ,list-start) (,e ,list-end))
+       (declare (type octets ,b) (type fixnum ,i ,e))
+       (loop
+         (let ((,comma (or (octet-position +comma+ ,b ,i ,e) ,e)))
+           (declare (type fixnum ,comma))
+           (multiple-value-bind (,start ,end) (field-bounds ,b ,i ,comma)
+             (declare (type fixnum ,start ,end))
+             ,@body)
+           (when (>= ,comma ,e) (return))
+           (setf ,i (1+ ,comma)))))))
+
+(defun parse-head (buffer start end request &key methods (max-body-bytes most-positive-fixnum))
+  "Read and check the complete request head BUFFER[START,END) (END just after
+its empty line) into REQUEST (see request.lisp): the one parse of a head.
+Returns the status that refuses it, or NIL.  METHODS, when given, are the
+only methods served (others: 501); a Content-Length over MAX-BODY-BYTES
+gets 413."
+  (declare (type octets buffer) (type fixnum start end) (type request request)
+           (type fixnum max-body-bytes) (optimize speed))
+  (let* ((line-end (line-end buffer start end))
+         (content-length nil)
+         (transfer-encoding nil)
+         (hosts 0)
+         (close nil)
+         (keep-alive nil))
+    (declare (type fixnum hosts)
+             (type (or null (integer 0 999999999999999999)) content-length))
+    (setf (request-start request) start
+          (request-end request) end
+          (request-field-count request) 0
+          (request-host-start request) -1
+          (request-host-end request) -1
+          (request-content-length request) nil
+          (request-body-length request) 0
+          (request-chunked request) nil
+          (request-expect-continue request) nil
+          (request-close-after request) nil)
+    (unless line-end (return-from parse-head 400))
+    (multiple-value-bind (status minor method target-start target-end)
+        (check-request-line buffer start line-end)
+      (declare (type (or null fixnum) minor target-start target-end))
+      (when status (return-from parse-head status))
+      (when (and methods (not (member method methods :test #'eq)))
+        ;; A layer above that serves only some methods: refuse the others
+        ;; here, with a well-formed answer, rather than let it answer them
+        ;; its own way (Hunchentoot 1.3.x: an HTTP/1.0 400).
+        (return-from parse-head 501))
+      (setf (request-method request) method
+            (request-minor request) minor
+            (request-target-start request) target-start
+            (request-target-end request) target-end
+            (request-query-start request) (or (octet-position +question+ buffer target-start target-end)
+                                              target-end))
+      ;; Header fields, each ending in CRLF, up to the empty line.  A bare
+      ;; LF anywhere is refused here, and a bare CR fails the byte checks of
+      ;; the line it is in: there is one reading of the line ends.
+      (loop with line of-type fixnum = (1+ line-end)
+            for eol = (line-end buffer line end)
+            do (unless (and eol (> eol line) (= (aref buffer (1- eol)) +cr+))
+                 (return-from parse-head 400))
+               (when (= eol (1+ line))
+                 (return))            ; the empty line
+               (let ((b (aref buffer line)))
+                 (when (or (= b +sp+) (= b +tab+)) ; obsolete line folding
+                   (return-from parse-head 400))
+                 (let ((colon (octet-position +colon+ buffer line eol)))
+                   (unless (and colon (> colon line)
+                                (loop for i of-type fixnum from line below colon
+                                      always (tchar-p (aref buffer i))))
+                     (return-from parse-head 400))
+                   (multiple-value-bind (vs ve) (field-bounds buffer (1+ colon) eol)
+                     (declare (type fixnum vs ve))
+                     (unless (loop for i of-type fixnum from vs below ve
+                                   always (vchar-p (aref buffer i)))
+                       (return-from parse-head 400))
+                     (when (>= (request-field-count request) +max-header-fields+)
+                       (return-from parse-head 431))
+                     (let ((k (request-field-slot request))
+                           (fields (request-fields request)))
+                       (declare (type fixnum k) (type field-index fields))
+                       (setf (aref fields k) line
+                             (aref fields (+ k 1)) colon
+                             (aref fields (+ k 2)) vs
+                             (aref fields (+ k 3)) ve)
+                       (incf (request-field-count request)))
+                     (octets-case (buffer line colon :ignore-case t)
+                       ("content-length"
+                        (let ((n (parse-content-length buffer vs ve)))
+                          (when (or (null n) (and content-length (/= n content-length)))
+                            (return-from parse-head 400))
+                          (setf content-length n)))
+                       ("transfer-encoding"
+                        ;; Only "chunked", alone, is implemented (as nginx).
+                        (when transfer-encoding
+                          (return-from parse-head 400))
+                        (unless (octets-match-p buffer vs ve "chunked" :ignore-case t)
+                          (return-from parse-head 501))
+                        (setf transfer-encoding t))
+                       ("host"
+                        (incf hosts)
+                        (setf (request-host-start request) vs
+                              (request-host-end request) ve))
+                       ("connection"
+                        (do-list-elements (s e) (buffer vs ve)
+                          (cond ((octets-match-p buffer s e "close" :ignore-case t)
+                                 (setf close t))
+                                ((octets-match-p buffer s e "keep-alive" :ignore-case t)
+                                 (setf keep-alive t)))))
+                       ("expect"
+                        (do-list-elements (s e) (buffer vs ve)
+                          (when (octets-match-p buffer s e "100-continue" :ignore-case t)
+                            (setf (request-expect-continue request) t)))))))
+                 (setf line (1+ eol))))
+      (cond ((and transfer-encoding content-length) 400)
+            ((> hosts 1) 400)
+            ((and (= minor 1) (/= hosts 1)) 400)
+            ((and content-length (> content-length max-body-bytes)) 413)
+            (t (setf (request-content-length request) content-length
+                     (request-body-length request) (or content-length 0)
+                     (request-chunked request) transfer-encoding
+                     ;; RFC 9112, 6.1: chunked framing in HTTP/1.0 is read,
+                     ;; answered, and the connection closed after it.
+                     (request-close-after request) (and transfer-encoding (= minor 0))
+                     ;; RFC 9112, 9.3: HTTP/1.1 persists unless "close";
+                     ;; HTTP/1.0 only with "keep-alive" (and no "close").
+                     (request-keep-alive request) (and (not close) (or (= minor 1) keep-alive)))
+               nil)))))
+
 (defun check-head (c)
-  "Check the complete request head buffered in connection C.  Returns the
-status that refuses it, or NIL."
-  (with-connection-slots (inbuf in-start scan engine body-length chunked expect-continue
-                          request-method close-after) c
-    (let* ((buffer inbuf)
-           (head-end scan)
-           (line-end (line-end buffer in-start head-end))
-           (content-length nil)
-           (transfer-encoding nil)
-           (hosts 0))
-      (declare (type octets buffer) (type fixnum head-end hosts)
-               (type (or null (integer 0 999999999999999999)) content-length)
-               (optimize speed))
-      (setf body-length 0 chunked nil expect-continue nil close-after nil)
-      (multiple-value-bind (status minor method) (check-request-line buffer in-start line-end)
-        (declare (type (or null fixnum) minor))
-        (when status (return-from check-head status))
-        (setf request-method method)
-        (let ((methods (engine-methods engine)))
-          ;; A layer above that serves only some methods: refuse the others
-          ;; here, with a well-formed answer, rather than let it answer them
-          ;; its own way (Hunchentoot 1.3.x: an HTTP/1.0 400).
-          (when (and methods (not (member method methods :test #'eq)))
-            (return-from check-head 501)))
-        ;; Header fields, each ending in CRLF, up to the empty line.  A bare
-        ;; LF anywhere is refused here, and a bare CR fails the byte checks
-        ;; of the line it is in: there is one reading of the line ends.
-        (loop with start of-type fixnum = (1+ line-end)
-              for end = (line-end buffer start head-end)
-              do (unless (and end (> end start) (= (aref buffer (1- end)) +cr+))
-                   (return-from check-head 400))
-                 (when (= end (1+ start))
-                   (return))            ; the empty line
-                 (let ((b (aref buffer start)))
-                   (when (or (= b +sp+) (= b +tab+)) ; obsolete line folding
-                     (return-from check-head 400))
-                   (let ((colon (octet-position +colon+ buffer start end)))
-                     (unless (and colon (> colon start)
-                                  (loop for i of-type fixnum from start below colon
-                                        always (tchar-p (aref buffer i))))
-                       (return-from check-head 400))
-                     (multiple-value-bind (vs ve) (field-bounds buffer (1+ colon) end)
-                       (unless (loop for i of-type fixnum from vs below ve
-                                     always (vchar-p (aref buffer i)))
-                         (return-from check-head 400))
-                       (octets-case (buffer start colon :ignore-case t)
-                         ("content-length"
-                          (let ((n (parse-content-length buffer vs ve)))
-                            (when (or (null n) (and content-length (/= n content-length)))
-                              (return-from check-head 400))
-                            (setf content-length n)))
-                         ("transfer-encoding"
-                          ;; Only "chunked", alone, is implemented (as nginx).
-                          (when transfer-encoding
-                            (return-from check-head 400))
-                          (unless (octets-match-p buffer vs ve "chunked" :ignore-case t)
-                            (return-from check-head 501))
-                          (setf transfer-encoding t))
-                         ("host"
-                          (incf hosts))
-                         ("expect"
-                          (setf expect-continue
-                                (octets-match-p buffer vs ve "100-continue" :ignore-case t))))))
-                   (setf start (1+ end))))
-        (cond ((and transfer-encoding content-length) 400)
-              ((> hosts 1) 400)
-              ((and (= minor 1) (/= hosts 1)) 400)
-              ((and content-length (> content-length (engine-max-body-bytes engine))) 413)
-              (t (setf body-length (or content-length 0)
-                       chunked (and transfer-encoding t)
-                       ;; RFC 9112, 6.1: chunked framing in HTTP/1.0 is read,
-                       ;; answered, and the connection closed after it.
-                       close-after (and transfer-encoding (= minor 0)))
-                 nil))))))
+  "Check the complete request head buffered in connection C (PARSE-HEAD, into
+C's request record).  Returns the status that refuses it, or NIL."
+  (with-connection-slots (inbuf in-start scan engine request) c
+    (parse-head inbuf in-start scan request
+                :methods (engine-methods engine)
+                :max-body-bytes (engine-max-body-bytes engine))))

@@ -19,8 +19,14 @@
    #:connection-local-address #:connection-local-port
    #:connection-user-data #:connection-mark-boundary
    #:connection-owner-stream #:make-plain-connection #:call-with-header-deadline
-   #:connection-head #:connection-consume-head #:connection-body-length
-   #:connection-chunked-p #:connection-request-method #:connection-close-after-p
+   #:connection-head #:connection-consume-head #:connection-close-after-p
+   ;; the record of a request's head (request.lisp)
+   #:request #:connection-request #:request-start #:request-end #:request-method
+   #:request-minor #:request-target-start #:request-target-end #:request-query-start
+   #:request-field-count #:request-field #:do-request-fields
+   #:request-host-start #:request-host-end #:request-content-length #:request-chunked
+   #:request-expect-continue #:request-keep-alive #:parse-head #:make-request
+   #:connection-take-head #:connection-write-continue
    #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:make-body-stream #:body-stream
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output

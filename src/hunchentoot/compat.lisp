@@ -113,3 +113,36 @@ stream was made over), as it does inside cl+ssl's own calls."
   (unless (typep (fdefinition (find-symbol "ACCEPTOR-SHUTDOWN-P" '#:hunchentoot))
                  'generic-function)
     (error "This Hunchentoot's ACCEPTOR-SHUTDOWN-P is not a generic function.")))
+;;; GET-REQUEST-DATA and SEND-RESPONSE (internal functions, the same in
+;;; 1.2.38 and 1.3.x): Hunchentoot reads every request head and writes every
+;;; response head through them.  wire.lisp wraps them (SB-INT:ENCAPSULATE)
+;;; so that on a Gallop connection the head comes from the request record
+;;; the core already parsed, and the response head goes straight into the
+;;; connection's buffer: the speed of Gallop's Hunchentoot acceptors.  Their
+;;; lambda lists are checked here, since the wrappers take and give the same
+;;; arguments and values.  STRINGIFY-COOKIE (internal generic function) is
+;;; what SEND-RESPONSE writes a Set-Cookie header with.
+(defun check-internal-function (name lambda-list)
+  (let ((symbol (find-symbol name '#:hunchentoot)))
+    (unless (and symbol (fboundp symbol)
+                 (equal (mapcar #'symbol-name (sb-introspect:function-lambda-list symbol))
+                        lambda-list))
+      (error "This Hunchentoot's ~A is not a function of ~S: Gallop's wire.lisp needs it."
+             name lambda-list))
+    symbol))
+
+(defun hunchentoot-get-request-data ()
+  (load-time-value (check-internal-function "GET-REQUEST-DATA" '("STREAM")) t))
+
+(defun hunchentoot-send-response ()
+  (load-time-value (check-internal-function
+                    "SEND-RESPONSE"
+                    '("ACCEPTOR" "STREAM" "STATUS-CODE" "&KEY" "HEADERS" "COOKIES" "CONTENT"))
+                   t))
+
+(defun hunchentoot-stringify-cookie (cookie)
+  "Hunchentoot's Set-Cookie value for COOKIE."
+  (funcall (load-time-value (or (find-symbol "STRINGIFY-COOKIE" '#:hunchentoot)
+                                (error "This Hunchentoot has no STRINGIFY-COOKIE."))
+                            t)
+           cookie))

@@ -156,59 +156,45 @@ sends the same Host every time), so that neither the string nor its
         (latin1-string buffer start end))))
 
 (defun make-env (server c)
-  "The environment property list of the request head buffered on C, and
-whether the client wants the connection kept alive, and whether it is
-HTTP/1.0, and whether it expects 100-continue."
-  (multiple-value-bind (buffer start end) (gallop.core:connection-head c)
-    (declare (type octets buffer) (type fixnum start end))
-    (let* ((line-end (gallop.core:octet-position 10 buffer start end))
-           (sp1 (gallop.core:octet-position 32 buffer start line-end))
-           (sp2 (gallop.core:octet-position 32 buffer (1+ sp1) line-end))
-           (question (gallop.core:octet-position 63 buffer (1+ sp1) sp2))
-           (http-1.0 (= (aref buffer (+ sp2 8)) 48))
+  "The environment property list of the request C serves, built from its
+record (GALLOP.CORE:REQUEST, read once by the core, never scanned again
+here), and whether the client wants the connection kept alive, and whether
+it is HTTP/1.0, and whether it expects 100-continue."
+  (multiple-value-bind (buffer) (gallop.core:connection-head c)
+    (declare (type octets buffer))
+    (let* ((r (gallop.core:connection-request c))
+           (target-start (gallop.core:request-target-start r))
+           (target-end (gallop.core:request-target-end r))
+           (query-start (gallop.core:request-query-start r))
+           (http-1.0 (zerop (gallop.core:request-minor r)))
            (headers (make-hash-table :test 'equal :size 8))
            (content-type nil)
            (host nil)
-           (connection nil)
-           (expect nil)
-           (content-length nil))
-      (declare (type fixnum line-end sp1 sp2))
+           (peer (connection-peer c)))
+      (declare (type fixnum target-start target-end query-start))
       ;; header fields: lower-case names; repeated fields joined with ", "
-      (loop with i of-type fixnum = (1+ line-end)
-            for eol = (gallop.core:octet-position 10 buffer i end)
-            while (and eol (> (- eol i) (if (= (aref buffer i) 13) 1 0)))
-            do (let ((colon (gallop.core:octet-position 58 buffer i eol)))
-                 (multiple-value-bind (vs ve) (gallop.core:field-bounds buffer (1+ colon) eol)
-                   (let* ((name (header-name-string buffer i colon))
-                          (value (if (eq name (load-time-value (common-header-name "host") t))
-                                     (host-value (connection-peer c) buffer vs ve)
-                                     (latin1-string buffer vs ve)))
-                          (old (and (plusp (hash-table-count headers)) (gethash name headers)))
-                          (joined (if old (concatenate 'string old ", " value) value)))
-                     (setf (gethash name headers) joined)
-                     ;; The fields the server itself needs, without looking
-                     ;; them up again: their names are the shared strings.
-                     (cond ((eq name (load-time-value (common-header-name "host") t))
-                            (setf host joined))
-                           ((eq name (load-time-value (common-header-name "content-type") t))
-                            (setf content-type joined))
-                           ((eq name (load-time-value (common-header-name "connection") t))
-                            (setf connection joined))
-                           ((eq name (load-time-value (common-header-name "expect") t))
-                            (setf expect joined))
-                           ((eq name (load-time-value (common-header-name "content-length") t))
-                            (setf content-length t))))))
-               (setf i (1+ eol)))
-      (let* ((keep-alive (and (not (gallop.core:connection-close-after-p c))
-                              (if http-1.0
-                                  (connection-token-p connection "keep-alive")
-                                  (not (connection-token-p connection "close")))))
-             (peer (connection-peer c))
-             (env (list :request-method (gallop.core:connection-request-method c)
+      (gallop.core:do-request-fields (name-start name-end value-start value-end) r
+        (let* ((name (header-name-string buffer name-start name-end))
+               (value (if (eq name (load-time-value (common-header-name "host") t))
+                          (host-value peer buffer value-start value-end)
+                          (latin1-string buffer value-start value-end)))
+               (old (and (plusp (hash-table-count headers)) (gethash name headers)))
+               (joined (if old (concatenate 'string old ", " value) value)))
+          (setf (gethash name headers) joined)
+          ;; The fields the environment names itself, without looking them
+          ;; up again: their names are the shared strings.
+          (cond ((eq name (load-time-value (common-header-name "host") t))
+                 (setf host joined))
+                ((eq name (load-time-value (common-header-name "content-type") t))
+                 (setf content-type joined)))))
+      (let* ((keep-alive (and (gallop.core:request-keep-alive r)
+                              (not (gallop.core:connection-close-after-p c))))
+             (env (list :request-method (gallop.core:request-method r)
                         :script-name ""
-                        :path-info (percent-decode buffer (1+ sp1) (or question sp2))
-                        :query-string (and question (latin1-string buffer (1+ question) sp2))
-                        :request-uri (latin1-string buffer (1+ sp1) sp2)
+                        :path-info (percent-decode buffer target-start query-start)
+                        :query-string (and (< query-start target-end)
+                                           (latin1-string buffer (1+ query-start) target-end))
+                        :request-uri (latin1-string buffer target-start target-end)
                         :url-scheme "http"
                         :server-name (if host (server-name peer host) (server-address server))
                         :server-port (server-port server)
@@ -216,11 +202,8 @@ HTTP/1.0, and whether it expects 100-continue."
                         :remote-addr (remote-address-string c peer)
                         :remote-port (connection-remote-port c)
                         :content-type content-type
-                        :content-length (and (not (gallop.core:connection-chunked-p c))
-                                             content-length
-                                             (gallop.core:connection-body-length c))
+                        :content-length (gallop.core:request-content-length r)
                         :headers headers
                         :clack.streaming t
                         :gallop.connection c)))
-        (values env keep-alive http-1.0
-                (and expect (string-equal expect "100-continue")))))))
+        (values env keep-alive http-1.0 (gallop.core:request-expect-continue r))))))

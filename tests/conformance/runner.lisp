@@ -238,12 +238,12 @@ its OUTCOME."
         when (>= (wire-status a) 200) collect (wire-status a)))
 
 (defun expected-seen-line (seen front-end)
-  "The X-Seen line the app must write for the request SEEN.  Hunchentoot
-interns the method upper-cased (its own behaviour: chunga's AS-KEYWORD), so
-its front ends report it so."
+  "The X-Seen line the app must write for the request SEEN, on every front
+end: the method exactly as sent (methods are case-sensitive; Gallop hands
+Hunchentoot the core's reading of it, not chunga's upper-cased one)."
+  (declare (ignore front-end))
   (destructuring-bind (method target count body) seen
-    (seen-line (if (hunchentoot-front-end-p front-end) (string-upcase method) method)
-               target count body)))
+    (seen-line method target count body)))
 
 (defun short (octets &optional (max 300))
   "OCTETS as a readable string, at most MAX characters."

@@ -1,0 +1,117 @@
+;;;; request.lisp -- the record of the request a connection serves: its head
+;;;; as PARSE-HEAD read it, once, and the state of reading its body.
+;;;;
+;;;; The connection (connection.lisp) is the transport: fd, buffers, states,
+;;;; deadlines, output.  A REQUEST is what one request on it is: each
+;;;; connection has one, reused from request to request.  The layers above
+;;;; read the head from here and never scan it again: the native API builds
+;;;; its environment from it (src/native/request.lisp), the Hunchentoot layer
+;;;; Hunchentoot's request (src/hunchentoot/request.lisp).
+;;;;
+;;;; The head's positions are indexes into the connection's input buffer,
+;;;; valid from PARSE-HEAD until the body is read (reading the body may move
+;;;; the buffer's contents): a layer above reads the head first.
+;;;;
+;;;; Invariants, once PARSE-HEAD accepted a head:
+;;;;   START <= TARGET-START < QUERY-START <= TARGET-END < END, where
+;;;;     QUERY-START is the index of the target's "?" or TARGET-END;
+;;;;   FIELDS holds FIELD-COUNT quadruples (name start, name end = the colon,
+;;;;     value start, value end, the value without surrounding white space),
+;;;;     in the order of the head, each name a token, each value checked;
+;;;;   HOST-START is -1 or the bounds of the one Host value;
+;;;;   CONTENT-LENGTH is NIL or the one declared length, and then CHUNKED is
+;;;;     false; BODY-LENGTH is CONTENT-LENGTH or 0.
+;;;; Body state (body.lisp): HEAD-LEFT octets of the head the layer above has
+;;;; not read through the stream; BODY-MODE NIL, :LENGTH (BODY-LEFT octets to
+;;;; go) or :CHUNKED (DECODER's state, and SYNTH* while a chunked body is
+;;;; passed on re-chunked).
+
+(in-package #:gallop.core)
+
+(defconstant +max-header-fields+ 1000
+  "Header fields a request head may have; more get 431 (Apache allows 100,
+Node.js 2000).  Bounds the record of a head's fields to 16 KB.")
+
+(defconstant +initial-fields+ 16
+  "Header fields a record has room for at first (it grows as needed, and
+shrinks back after a request that needed more, see RELEASE-REQUEST-FIELDS).")
+
+(deftype field-index () '(simple-array (unsigned-byte 32) (*)))
+
+(defstruct (request (:constructor make-request ()) (:copier nil) (:predicate nil))
+  "The request a connection serves (see the file's header)."
+  ;; The head, as PARSE-HEAD read it
+  (start 0 :type fixnum)
+  (end 0 :type fixnum)
+  (method nil :type symbol)
+  (minor 1 :type (integer 0 1))
+  (target-start 0 :type fixnum)
+  (target-end 0 :type fixnum)
+  (query-start 0 :type fixnum)
+  (fields nil :type (or null field-index))
+  (field-count 0 :type fixnum)
+  (host-start -1 :type fixnum)
+  (host-end -1 :type fixnum)
+  (content-length nil :type (or null (integer 0 999999999999999999)))
+  (body-length 0 :type fixnum)
+  (chunked nil :type boolean)
+  (expect-continue nil :type boolean)
+  (keep-alive nil :type boolean)
+  (close-after nil :type boolean)
+  ;; Reading it (body.lisp)
+  (head-left 0 :type fixnum)
+  (body-mode nil :type (member nil :length :chunked))
+  (body-left 0 :type fixnum)
+  (chunk-decoder nil)
+  (synth nil)
+  (synth-pos 0 :type fixnum)
+  (synth-data-left 0 :type fixnum)
+  (synth-done nil)
+  (synth-octet nil)
+  (framing-broken nil)
+  (message nil))
+
+(defun request-field-slot (request)
+  "Room in REQUEST's field index for one more field: the index of its first
+entry (the index grows as needed)."
+  (let* ((fields (request-fields request))
+         (i (* 4 (request-field-count request))))
+    (declare (type fixnum i))
+    (when (or (null fields) (>= i (length fields)))
+      (let ((bigger (make-array (* 4 (if fields (* 2 (floor (length fields) 4)) +initial-fields+))
+                                :element-type '(unsigned-byte 32))))
+        (when fields (replace bigger fields))
+        (setf (request-fields request) bigger)))
+    i))
+
+(defun release-request-fields (request)
+  "After a request with many header fields: give their index back, so that
+an idle connection holds at most room for +INITIAL-FIELDS+."
+  (let ((fields (request-fields request)))
+    (when (and fields (> (length fields) (* 4 +initial-fields+)))
+      (setf (request-fields request) nil))))
+
+(declaim (inline request-field))
+(defun request-field (request i)
+  "The bounds of header field I of REQUEST: name start and end, value start
+and end."
+  (let ((fields (request-fields request))
+        (k (* 4 i)))
+    (declare (type field-index fields) (type fixnum k))
+    (values (aref fields k) (aref fields (+ k 1)) (aref fields (+ k 2)) (aref fields (+ k 3)))))
+
+(defmacro do-request-fields ((name-start name-end value-start value-end) request &body body)
+  "Run BODY for each header field of REQUEST in order, with its bounds bound."
+  (let ((r (gensym "REQUEST")) (fields (gensym "FIELDS")) (k (gensym "K")))
+    `(let* ((,r ,request)
+            (,fields (request-fields ,r)))
+       (declare (type (or null field-index) ,fields))
+       (when ,fields
+         (loop for ,k of-type fixnum from 0 below (* 4 (request-field-count ,r)) by 4
+               do (let ((,name-start (aref ,fields ,k))
+                        (,name-end (aref ,fields (+ ,k 1)))
+                        (,value-start (aref ,fields (+ ,k 2)))
+                        (,value-end (aref ,fields (+ ,k 3))))
+                    (declare (type fixnum ,name-start ,name-end ,value-start ,value-end)
+                             (ignorable ,name-start ,name-end ,value-start ,value-end))
+                    ,@body))))))

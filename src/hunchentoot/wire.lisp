@@ -1,0 +1,207 @@
+;;;; wire.lisp -- Hunchentoot's requests read from Gallop's request record,
+;;;; and its response heads written by Gallop's writer.
+;;;;
+;;;; Hunchentoot reads a request head through its stream a character at a
+;;;; time (chunga's READ-LINE*, then CL-PPCRE:SPLIT of the request line) and
+;;;; writes a response head through a fresh flexi-stream with FORMAT, one
+;;;; generic call per character.  On a Gallop connection the head was already
+;;;; read and checked once (gallop.core's PARSE-HEAD), and the connection has
+;;;; an output buffer of octets: so here
+;;;;  - GET-REQUEST-DATA answers from the connection's request record (the
+;;;;    same four values Hunchentoot's own computes: headers alist, method,
+;;;;    URI, protocol), and the head is consumed without being read again;
+;;;;  - SEND-RESPONSE writes the status line and header lines straight into
+;;;;    the connection's output buffer.
+;;;; Both are Hunchentoot's internal functions (see compat.lisp), wrapped
+;;;; with SB-INT:ENCAPSULATE: on any other stream, and whenever
+;;;; HUNCHENTOOT:*HEADER-STREAM* is set (it asks for a copy of every head
+;;;; line), Hunchentoot's own run.  Everything around them -- PROCESS-CONNECTION,
+;;;; PROCESS-REQUEST, the request object, handlers, sessions, START-OUTPUT --
+;;;; is Hunchentoot's, unchanged.
+;;;;
+;;;; Where the result differs from Hunchentoot's own, on purpose:
+;;;;  - Header names a client sends and no code in the image names become
+;;;;    uninterned symbols, not new keywords (as the native API does with
+;;;;    methods), so that clients cannot grow the KEYWORD package.  A handler
+;;;;    that names a header (HEADER-IN* :X-MINE) finds it: naming it interned it.
+;;;;  - The method is the core's reading of it, case-sensitive as RFC 9110 9.1
+;;;;    says: "get" is not :GET (Hunchentoot 1.2.38 upcased it; a "head" it
+;;;;    answered without a body is a response a proxy in front frames
+;;;;    differently).  Hunchentoot 1.3.x's own reading refuses those anyway.
+;;;;  - A header value with newlines is written as one line, the lines joined
+;;;;    by a space (what a client makes of Hunchentoot's obsolete line folding,
+;;;;    which RFC 9112 5.2 forbids in responses); an empty value gets its
+;;;;    CRLF (Hunchentoot's writer omits it, merging the next line into it);
+;;;;    CR and other controls become spaces, characters beyond Latin-1 "?".
+
+(in-package #:gallop)
+
+;;; Reading: GET-REQUEST-DATA from the record
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter +common-header-keywords+
+    '("host" "user-agent" "accept" "accept-encoding" "accept-language" "accept-charset"
+      "connection" "keep-alive" "content-type" "content-length" "cookie" "referer"
+      "cache-control" "pragma" "origin" "upgrade-insecure-requests" "authorization"
+      "if-modified-since" "if-none-match" "if-match" "if-unmodified-since" "range"
+      "x-forwarded-for" "x-forwarded-proto" "x-forwarded-host" "x-real-ip"
+      "transfer-encoding" "expect" "te" "dnt" "upgrade" "sec-fetch-site" "sec-fetch-mode"
+      "sec-fetch-dest" "sec-fetch-user")
+    "Header names common enough to be matched against literals (no string is
+made for them)."))
+
+(defun header-keyword (buffer start end)
+  "The symbol Hunchentoot's headers alist names the header BUFFER[START,END)
+by: the keyword of its upper-case name when one exists (every name some code
+mentions), else an uninterned symbol of that name."
+  (declare (type octets buffer) (type fixnum start end))
+  (macrolet ((match-common ()
+               `(gallop.core:octets-case (buffer start end :ignore-case t)
+                  ,@(loop for name in +common-header-keywords+
+                          collect `(,name ,(intern (string-upcase name) :keyword)))
+                  (t (let ((name (make-string (- end start))))
+                       (loop for i of-type fixnum from start below end
+                             for j of-type fixnum from 0
+                             do (setf (schar name j) (char-upcase (code-char (aref buffer i)))))
+                       (multiple-value-bind (symbol status) (find-symbol name :keyword)
+                         (if status symbol (make-symbol name))))))))
+    (match-common)))
+
+(defun request-headers-alist (buffer request)
+  "The header fields of REQUEST as Hunchentoot's (chunga's READ-HTTP-HEADERS)
+alist: (NAME . VALUE) in the order of the head, a repeated name once, its
+values joined by a comma."
+  (let ((headers '()))
+    (gallop.core:do-request-fields (name-start name-end value-start value-end) request
+      (let* ((name (header-keyword buffer name-start name-end))
+             (value (latin1-string buffer value-start value-end))
+             (old (and headers
+                       (if (symbol-package name)
+                           (assoc name headers :test #'eq)
+                           ;; uninterned: each field made its own symbol
+                           (assoc (symbol-name name) headers
+                                  :key #'symbol-name :test #'string=)))))
+        (if old
+            (setf (cdr old) (concatenate 'string (cdr old) "," value))
+            (push (cons name value) headers))))
+    (nreverse headers)))
+
+(defun read-request-data (original stream)
+  "GET-REQUEST-DATA (see the file's header): from STREAM's request record
+when STREAM is a Gallop connection with a checked head not read yet, else
+through ORIGINAL, Hunchentoot's own."
+  (if (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*))
+      (let ((request (gallop.core:connection-take-head stream)))
+        (case request
+          ((nil) (funcall original stream))
+          (:eof nil)
+          (t
+           (let ((buffer (gallop.core:connection-head stream)))
+             (when (gallop.core:request-expect-continue request)
+               ;; As Hunchentoot: the interim answer before the handler runs.
+               (gallop.core:connection-write-continue stream))
+             (values (request-headers-alist buffer request)
+                     (gallop.core:request-method request)
+                     (latin1-string buffer (gallop.core:request-target-start request)
+                                    (gallop.core:request-target-end request))
+                     (if (zerop (gallop.core:request-minor request)) :http/1.0 :http/1.1))))))
+      (funcall original stream)))
+
+;;; Writing: SEND-RESPONSE's head through the connection's buffer
+
+(defparameter +crlf-octets+ (coerce '(13 10) 'octets)
+  "CR LF (not through CONNECTION-WRITE-LATIN1, which makes controls spaces).")
+
+(defvar *status-lines* (make-array 600 :initial-element nil)
+  "The status line of each code below 600, as Hunchentoot writes it (its own
+reason phrase), encoded once on first use.")
+
+(defun hunchentoot-status-line (code)
+  "The octets of the status line \"HTTP/1.1 CODE REASON\" CRLF."
+  (flet ((make-line ()
+           (map 'octets (lambda (char) (logand #xff (char-code char)))
+                (format nil "HTTP/1.1 ~D ~A~C~C" code (hunchentoot:reason-phrase code)
+                        #\Return #\Linefeed))))
+    (if (typep code '(integer 0 599))
+        (or (svref *status-lines* code)
+            (setf (svref *status-lines* code) (make-line)))
+        (make-line))))
+
+(defun one-line-value (value)
+  "VALUE, a header value string, on one line: its lines (Hunchentoot writes
+one per line, folded) joined by a space, empty ones dropped."
+  (if (not (find #\Newline value))
+      value
+      (let ((lines (loop with start = 0
+                         for end = (or (position #\Newline value :start start) (length value))
+                         when (< start end) collect (subseq value start end)
+                         while (< end (length value))
+                         do (setf start (1+ end)))))
+        (format nil "~{~A~^ ~}" lines))))
+
+(defun write-header (c name value)
+  "Write the header line NAME: VALUE (a string, see ONE-LINE-VALUE) on C."
+  (declare (type string name value))
+  (let* ((value (one-line-value value))
+         (n (+ (length name) (length value) 4)))
+    (multiple-value-bind (buffer fill) (gallop.core:connection-reserve-output c n)
+      (if buffer
+          (let ((fill (gallop.core:put-latin1 buffer fill name)))
+            (declare (type octets buffer) (type fixnum fill))
+            (setf (aref buffer fill) 58 (aref buffer (1+ fill)) 32)
+            (setf fill (gallop.core:put-latin1 buffer (+ fill 2) value))
+            (setf (aref buffer fill) 13 (aref buffer (1+ fill)) 10)
+            (gallop.core:connection-commit-output c (+ fill 2)))
+          (progn
+            (gallop.core:connection-write-latin1 c name)
+            (gallop.core:connection-write-latin1 c ": ")
+            (gallop.core:connection-write-latin1 c value)
+            (gallop.core:connection-write-octets c +crlf-octets+))))))
+
+(defun header-value-string (value)
+  "VALUE as Hunchentoot's WRITE-HEADER-LINE writes it: a string as it is, a
+number in decimal, anything else as PRINC writes it."
+  (typecase value
+    (string value)
+    (number (write-to-string value :escape nil :readably nil :base 10))
+    (t (princ-to-string value))))
+
+(defun write-response (original acceptor stream status-code &rest args &key headers cookies content)
+  "SEND-RESPONSE (see the file's header): on a Gallop connection, what
+Hunchentoot's own does, with the head written into the connection's buffer;
+else ORIGINAL, Hunchentoot's own."
+  (if (not (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*)))
+      (apply original acceptor stream status-code args)
+      (let ((c stream))
+        ;; Hunchentoot's own steps, in its order:
+        (when content
+          (setf (hunchentoot:content-length*) (length content)))
+        (when (hunchentoot:content-length*)
+          (if (assoc :content-length headers)
+              (setf (cdr (assoc :content-length headers)) (hunchentoot:content-length*))
+              (push (cons :content-length (hunchentoot:content-length*)) headers)))
+        (hunchentoot:acceptor-log-access acceptor :return-code status-code)
+        (hunchentoot:raw-post-data :force-binary t)
+        (let ((line (hunchentoot-status-line status-code)))
+          (gallop.core:connection-write-octets c line))
+        (loop for (key . value) in headers
+              when value
+                do (write-header c (chunga:as-capitalized-string key) (header-value-string value)))
+        (loop for (nil . cookie) in cookies
+              do (write-header c "Set-Cookie" (header-value-string (hunchentoot-stringify-cookie cookie))))
+        (gallop.core:connection-write-octets c +crlf-octets+)
+        (when content
+          (write-sequence content c)
+          (finish-output c))
+        c)))
+
+;;; Wrapping Hunchentoot's two functions (compat.lisp checks them).
+
+(flet ((wrap (name function)
+         (when (sb-int:encapsulated-p name 'gallop)
+           (sb-int:unencapsulate name 'gallop))
+         (sb-int:encapsulate name 'gallop function)))
+  (wrap (hunchentoot-get-request-data)
+        (lambda (original stream) (read-request-data original stream)))
+  (wrap (hunchentoot-send-response)
+        (lambda (original &rest args) (apply #'write-response original args))))
