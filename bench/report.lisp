@@ -37,10 +37,13 @@
 (defparameter *columns*
   '("run_id" "mode" "rep" "scenario" "sleep_ms" "connection" "connections" "server"
     "duration_s" "requests" "rps" "ok_rps" "p50_ms" "p90_ms" "p99_ms"
-    "err_connect" "err_read" "err_write" "err_timeout" "non2xx" "status"
+    "err_connect" "err_read" "err_write" "err_timeout" "non2xx" "cpu_s" "cpu_us_per_req" "status"
     "idle_n" "idle_held" "idle_alive" "idle_open_ms" "rss_before_kb" "rss_idle_kb"
     "threads_before" "threads_idle" "note" "command")
-  "The columns of a results TSV, in order.")
+  "The columns of a results TSV, in order.  READ-TSV goes by the header line,
+so a TSV written before a column existed (cpu_s and cpu_us_per_req are
+younger than the first runs) still reads: its missing cells are unknown,
+shown as \"–\".")
 
 (defun tsv-clean (value)
   "VALUE as one TSV field: no tabs or newlines."
@@ -152,6 +155,13 @@
         ((< ms 1000) (format nil "~D ms" (round ms)))
         (t (format nil "~,2F s" (/ ms 1000)))))
 
+(defun fmt-us (us)
+  "Microseconds of server CPU per request, to a tenth below 100 µs: a 1 s
+run of 10,000 requests or more resolves 1 µs (one clock tick, 10 ms, in 10,000)."
+  (cond ((null us) "–")
+        ((< us 100) (format nil "~,1F" us))
+        (t (fmt-int us))))
+
 (defun fmt-ratio (x)
   (cond ((null x) "–")
         ((>= x 10) (format nil "~,1F×" x))
@@ -210,6 +220,7 @@ close, then connections."
                         (when (and m (plusp m) (> (length ok) 1))
                           (/ (- (reduce #'max ok-rps) (reduce #'min ok-rps)) 2 m)))
               :p50 (med "p50_ms") :p99 (med "p99_ms")
+              :cpu-us (med "cpu_us_per_req")
               :connect (med "err_connect") :read (med "err_read")
               :write (med "err_write") :timeout (med "err_timeout")
               :non2xx (med "non2xx"))))))
@@ -225,14 +236,15 @@ close, then connections."
 (defun write-scenario-table (out rows scenario servers)
   (let* ((stock (summarize (rows-of rows scenario "stock")))
          (stock-ok (getf stock :ok-rps)))
-    (format out "| server | req/s | 2xx req/s | vs stock | p50 | p99 | socket errors c/r/w/t | non-2xx | runs ok |~%")
-    (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+    (format out "| server | req/s | CPU µs/req | 2xx req/s | vs stock | p50 | p99 | socket errors c/r/w/t | non-2xx | runs ok |~%")
+    (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
     (dolist (server servers)
       (let ((s (summarize (rows-of rows scenario server))))
         (if (zerop (getf s :ok))
-            (format out "| ~A | failed | | | | | | | 0/~D |~%" (server-label server) (getf s :runs))
-            (format out "| ~A | ~A | ~A~@[ ±~D%~] | ~A | ~A | ~A | ~A | ~A | ~D/~D |~%"
-                    (server-label server) (fmt-int (getf s :rps)) (fmt-int (getf s :ok-rps))
+            (format out "| ~A | failed | | | | | | | | 0/~D |~%" (server-label server) (getf s :runs))
+            (format out "| ~A | ~A | ~A | ~A~@[ ±~D%~] | ~A | ~A | ~A | ~A | ~A | ~D/~D |~%"
+                    (server-label server) (fmt-int (getf s :rps)) (fmt-us (getf s :cpu-us))
+                    (fmt-int (getf s :ok-rps))
                     (and (getf s :spread) (round (* 100 (getf s :spread))))
                     (cond ((string= server "stock") "1.00×")
                           ((and stock-ok (plusp stock-ok) (getf s :ok-rps))
@@ -255,6 +267,7 @@ repetition's run with idle connections with its run without."
             :n (med all-with "idle_n") :held (med with "idle_held") :alive (med with "idle_alive")
             :open-ms (med with "idle_open_ms")
             :base-rps (med base "ok_rps") :with-rps (med with "ok_rps")
+            :base-cpu-us (med base "cpu_us_per_req") :with-cpu-us (med with "cpu_us_per_req")
             :ratio (median (loop for r in with
                                  for b = (base-of r)
                                  for x = (cell r "ok_rps")
@@ -277,22 +290,26 @@ repetition's run with idle connections with its run without."
                connections; then the helper opens N keep-alive connections, makes one ~
                request on each (~A at a time) and holds them open, idle, while the same ~
                wrk load runs again. RSS and threads are read from `/proc/PID/status` (nginx: master ~
-               and worker summed) before and after the connections are opened.~%~%"
+               and worker summed) before and after the connections are opened; CPU µs/req is ~
+               the server's CPU time during each wrk run divided by its requests, as in the ~
+               tables above.~%~%"
           (format nil "`wrk -c100` keep-alive for ~A s" (meta meta "duration_s" "?"))
           (meta meta "idle_batch" "32"))
-  (format out "| server | idle N | held | opened in | still open after load | 2xx req/s without | 2xx req/s with | with/without | p99 with | socket errors c/r/w/t | non-2xx | RSS per idle conn | threads before → with idle |~%")
-  (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+  (format out "| server | idle N | held | opened in | still open after load | 2xx req/s without | CPU µs/req without | 2xx req/s with | CPU µs/req with | with/without | p99 with | socket errors c/r/w/t | non-2xx | RSS per idle conn | threads before → with idle |~%")
+  (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
   (dolist (server servers)
     (let ((s (idle-summary rows server)))
       (cond ((zerop (getf s :runs)))
             ((zerop (getf s :ok))
-             (format out "| ~A | ~A | failed | | | | | | | | | | |~%"
+             (format out "| ~A | ~A | failed | | | | | | | | | | | | |~%"
                      (server-label server) (fmt-int (getf s :n))))
             (t
-             (format out "| ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A → ~A |~%"
+             (format out "| ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A → ~A |~%"
                      (server-label server) (fmt-int (getf s :n)) (fmt-int (getf s :held))
                      (fmt-ms (getf s :open-ms)) (fmt-int (getf s :alive)) (fmt-int (getf s :base-rps))
-                     (fmt-int (getf s :with-rps)) (fmt-ratio (getf s :ratio))
+                     (fmt-us (getf s :base-cpu-us))
+                     (fmt-int (getf s :with-rps)) (fmt-us (getf s :with-cpu-us))
+                     (fmt-ratio (getf s :ratio))
                      (fmt-ms (getf s :p99)) (fmt-errors s) (fmt-int (getf s :non2xx))
                      (if (getf s :rss-per-conn)
                          (format nil "~,1F KiB" (getf s :rss-per-conn))
@@ -354,7 +371,12 @@ scenario, failures and how the run was done."
     (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A. Medians of ~A ~
                  repetition~:P of ~A s wrk runs; \"2xx req/s\" counts only successful ~
                  answers, and \"vs stock\" compares it with stock Hunchentoot's. ~
-                 \"±\" is half the spread (max − min) over the repetitions.~%~%"
+                 \"±\" is half the spread (max − min) over the repetitions. \"CPU µs/req\" ~
+                 is the CPU time the server used during the run (utime + stime from ~
+                 `/proc/PID/stat`, read just before and just after wrk; nginx: master and ~
+                 workers summed) divided by the requests wrk completed, whatever their status: ~
+                 what a request costs the server, also where it is not the bottleneck ~
+                 (\"–\": not measured, as in runs recorded before it was).~%~%"
             (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "cpu" "?")
             (meta meta "cores" "?") (meta meta "sbcl" "?")
             (parse-integer (meta meta "reps" "1") :junk-allowed t)

@@ -10,8 +10,12 @@
 ;;;; and 400 connections -- rotating the server order from scenario to
 ;;;; scenario, then runs the idle-connections scenario (bench/idle.lisp holds N
 ;;;; idle keep-alive connections open while wrk -c100 runs).  Every wrk run
-;;;; becomes a line of bench/results/RUN.tsv as soon as it is done; at the end
-;;;; report.lisp turns the TSV into tables (medians over repetitions),
+;;;; becomes a line of bench/results/RUN.tsv as soon as it is done (wrk's
+;;;; numbers, and the server's CPU time during the run: cpu_s, and
+;;;; cpu_us_per_req = cpu_s / the requests wrk completed, from utime + stime in
+;;;; /proc/PID/stat sampled right before and after wrk, nginx's master and
+;;;; workers summed; see "Server CPU time" below); at the end report.lisp turns
+;;;; the TSV into tables (medians over repetitions; CPU µs/req beside req/s),
 ;;;; BENCHMARKS.md and an SVG chart (chart.lisp).
 ;;;;
 ;;;;   mode    reps  wrk run  idle N  warm-up  writes
@@ -183,14 +187,21 @@ GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
     (push p *live*)
     p))
 
+(defun proc-stat-fields (pid)
+  "The fields of /proc/PID/stat after the command name, as strings (the first
+is field 3, the state), or NIL when PID is gone.  The name, in parentheses,
+may itself hold spaces and parentheses, so the fields start after the last
+closing one."
+  (let* ((stat (ignore-errors
+                (with-open-file (in (format nil "/proc/~D/stat" pid)) (read-line in nil))))
+         (close (and stat (position #\) stat :from-end t))))
+    (and close (split (string-trim " " (subseq stat (1+ close))) #\Space))))
+
 (defun child-pids (pid)
   "The processes whose parent is PID (from /proc/*/stat)."
   (loop for dir in (directory "/proc/*/" :resolve-symlinks nil)
         for id = (parse-integer (or (car (last (pathname-directory dir))) "") :junk-allowed t)
-        for stat = (and id (ignore-errors
-                    (with-open-file (in (format nil "/proc/~D/stat" id)) (read-line in nil))))
-        for close = (and stat (position #\) stat :from-end t))
-        for fields = (and close (split (string-trim " " (subseq stat (1+ close))) #\Space))
+        for fields = (and id (proc-stat-fields id))
         when (and fields (eql (parse-integer (second fields) :junk-allowed t) pid))
           collect id))
 
@@ -239,6 +250,52 @@ GALLOP:TASKMASTER), see *BATCH* in idle.lisp.")
       (multiple-value-bind (r th) (proc-status p)
         (when r (setf any t) (incf rss r) (incf threads (or th 0)))))
     (if any (values rss threads) (values nil nil))))
+
+;;; Server CPU time.  The TSV's cpu_s is the CPU time the server used during a
+;;; wrk run (utime + stime, sampled right before and right after it), and
+;;; cpu_us_per_req that time divided by the requests wrk completed: what a
+;;; request costs the server, which req/s alone hides when the server is not
+;;; the bottleneck (sleep 1 ms, or wrk itself the limit).  It is read from
+;;; /proc/PID/stat, not /proc/PID/schedstat: schedstat (ns) counts only the
+;;; thread PID names, while the Lisp servers work in pool threads that come and
+;;; go, and stat's utime and stime count the whole process, exited threads
+;;; included.  Its unit is the clock tick (10 ms at CLK_TCK 100): about 1% of
+;;; a 1 s run on a busy core.
+
+(defvar *clock-ticks* nil "Clock ticks per second (getconf CLK_TCK), once known.")
+
+(defun clock-ticks ()
+  "Clock ticks per second, the unit of utime and stime in /proc/PID/stat:
+`getconf CLK_TCK`, or 100 (Linux's USER_HZ everywhere) if that fails."
+  (or *clock-ticks*
+      (setf *clock-ticks*
+            (let ((n (ignore-errors (parse-integer (run-capture "getconf" '("CLK_TCK"))
+                                                   :junk-allowed t))))
+              (if (and n (plusp n)) n 100)))))
+
+(defun proc-cpu-ticks (pid)
+  "utime + stime of process PID in clock ticks (/proc/PID/stat fields 14 and
+15: every thread of the process, exited ones included), or NIL when PID is gone."
+  (let ((fields (proc-stat-fields pid)))
+    ;; Field N is element N - 3 of FIELDS.
+    (let ((utime (and fields (parse-integer (or (nth 11 fields) "") :junk-allowed t)))
+          (stime (and fields (parse-integer (or (nth 12 fields) "") :junk-allowed t))))
+      (and utime stime (+ utime stime)))))
+
+(defun tree-cpu-ticks (pid)
+  "PROC-CPU-TICKS summed over PID and its children (nginx: the master and its
+workers), or NIL when PID is gone."
+  (let ((own (and pid (proc-cpu-ticks pid))))
+    (when own
+      (+ own (loop for child in (child-pids pid)
+                   sum (or (proc-cpu-ticks child) 0))))))
+
+(defun cpu-seconds (before after)
+  "Seconds of CPU between two TREE-CPU-TICKS samples, or NIL when either is
+missing or the total went down (a process of the tree ended in between and
+took its time with it)."
+  (and before after (>= after before)
+       (/ (- after before) (clock-ticks))))
 
 (defun find-program (name &rest extra-dirs)
   (loop for dir in (append (split (or (uiop:getenv "PATH") "") #\:) extra-dirs)
@@ -461,14 +518,20 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
           (when close-p (list "-H" "Connection: close"))
           (list (format nil "http://127.0.0.1:~D/yo" port))))
 
-(defun run-wrk (cfg port connections close-p duration)
-  "Run wrk; its parsed report (or NIL), its output, exit code and command line."
+(defun run-wrk (cfg port connections close-p duration &optional server-pid)
+  "Run wrk; its parsed report (or NIL), its output, exit code and command
+line, and the seconds of CPU that process SERVER-PID and its children used
+meanwhile (NIL when not given or not known; see CPU-SECONDS)."
   (multiple-value-bind (program args)
       (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg port connections close-p duration))
-    (multiple-value-bind (out code)
-        ;; wrk stops by itself after -d; timeout only guards against a hang.
-        (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30)) program args))
-      (values (parse-wrk out) out code (command-line program args)))))
+    ;; The server's CPU is sampled as close to wrk's start and end as can be,
+    ;; so that it holds the run and little else.
+    (let ((before (and server-pid (tree-cpu-ticks server-pid))))
+      (multiple-value-bind (out code)
+          ;; wrk stops by itself after -d; timeout only guards against a hang.
+          (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30)) program args))
+        (let ((cpu (and server-pid (cpu-seconds before (tree-cpu-ticks server-pid)))))
+          (values (parse-wrk out) out code (command-line program args) cpu))))))
 
 (defun last-nonblank-line (text)
   (let ((lines (remove "" (mapcar (lambda (l) (string-trim " " l)) (split text #\Newline))
@@ -499,9 +562,10 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
   "Run wrk for ROW's scenario against SERVER and fill ROW in."
   (let ((failure (and (null server) "server did not start")))
     (when failure (return-from measure (fail-row row failure))))
-  (multiple-value-bind (r out code command)
+  (multiple-value-bind (r out code command cpu)
       (run-wrk cfg (srv-port server) (gethash "connections" row)
-               (string= (gethash "connection" row) "close") (cfg-duration cfg))
+               (string= (gethash "connection" row) "close") (cfg-duration cfg)
+               (srv-pid server))
     (setf (gethash "command" row) command)
     (cond ((null r)
            (fail-row row (format nil "wrk exit ~A, unparsable output: ~A" code
@@ -523,7 +587,12 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
                    (gethash "err_read" row) (round (getf r :read))
                    (gethash "err_write" row) (round (getf r :write))
                    (gethash "err_timeout" row) (round (getf r :timeout))
-                   (gethash "non2xx" row) (round non2xx))
+                   (gethash "non2xx" row) (round non2xx)
+                   ;; Per request wrk completed, whatever its status: a 503
+                   ;; costs the server CPU too.
+                   (gethash "cpu_s" row) cpu
+                   (gethash "cpu_us_per_req" row) (and cpu (plusp requests)
+                                                       (/ (* cpu 1000000) requests)))
              (when (zerop requests)
                (fail-row row "no response at all")))))
     ;; The server must still answer afterwards.
@@ -556,8 +625,9 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
 
 (defun row-summary (row)
   (if (row-ok-p row)
-      (format nil "~A req/s (2xx ~A), p99 ~A~:[~;, socket errors ~:*~A~]~:[~;, non-2xx ~:*~A~]"
-              (fmt-int (cell row "rps")) (fmt-int (cell row "ok_rps")) (fmt-ms (cell row "p99_ms"))
+      (format nil "~A req/s (2xx ~A), ~A CPU µs/req, p99 ~A~:[~;, socket errors ~:*~A~]~:[~;, non-2xx ~:*~A~]"
+              (fmt-int (cell row "rps")) (fmt-int (cell row "ok_rps"))
+              (fmt-us (cell row "cpu_us_per_req")) (fmt-ms (cell row "p99_ms"))
               (let ((e (+ (or (gethash "err_connect" row) 0) (or (gethash "err_read" row) 0)
                           (or (gethash "err_write" row) 0) (or (gethash "err_timeout" row) 0))))
                 (and (plusp e) e))

@@ -154,6 +154,8 @@ gets 413."
              (type (or null (integer 0 999999999999999999)) content-length))
     (setf (request-start request) start
           (request-end request) end
+          (request-method request) nil
+          (request-keep-alive request) nil
           (request-field-count request) 0
           (request-host-start request) -1
           (request-host-end request) -1
@@ -234,8 +236,11 @@ gets 413."
                                 ((octets-match-p buffer s e "keep-alive" :ignore-case t)
                                  (setf keep-alive t)))))
                        ("expect"
+                        ;; RFC 9110 10.1.1: ignored in an HTTP/1.0 request
+                        ;; (which must get no 1xx answer, 15.2).
                         (do-list-elements (s e) (buffer vs ve)
-                          (when (octets-match-p buffer s e "100-continue" :ignore-case t)
+                          (when (and (= minor 1)
+                                     (octets-match-p buffer s e "100-continue" :ignore-case t))
                             (setf (request-expect-continue request) t)))))))
                  (setf line (1+ eol))))
       (cond ((and transfer-encoding content-length) 400)

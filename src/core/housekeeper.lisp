@@ -26,7 +26,7 @@ when part of a request head had arrived), else schedule it again."
     (case (connection-state c)
       (:parked
        (cond ((not (due-p))
-              (wheel-schedule (engine-wheel engine) c (connection-deadline c)))
+              (wheel-schedule (engine-wheel engine) c (connection-deadline c) :from-advance t))
              ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
               (cond ((conn-slot c unsent)
                      ;; The client read nothing of its answer for the write
@@ -45,7 +45,7 @@ when part of a request head had arrived), else schedule it again."
       (:draining
        (if (due-p)
            (close-connection c)
-           (wheel-schedule (engine-wheel engine) c (connection-deadline c))))
+           (wheel-schedule (engine-wheel engine) c (connection-deadline c) :from-advance t)))
       ((:active :dirty)
        (let ((thread (conn-slot c handler-thread))
              (serial (conn-slot c handler-serial)))
@@ -60,7 +60,8 @@ when part of a request head had arrived), else schedule it again."
              ;; ARM-HANDLER-DEADLINE only push an entry when it is earlier
              ;; than the one there), and it must still be looked at then.
              (wheel-schedule (engine-wheel engine) c
-                             (max (connection-deadline c) (+ now +tick-ms+)))))))))
+                             (max (connection-deadline c) (+ now +tick-ms+))
+                             :from-advance t)))))))
 
 (defun close-idle-connections (engine &key keep-readable)
   "Close every parked and draining connection; with KEEP-READABLE, leave the

@@ -13,8 +13,10 @@
 ;;;; the buffer's contents): a layer above reads the head first.
 ;;;;
 ;;;; Invariants, once PARSE-HEAD accepted a head:
-;;;;   START <= TARGET-START < QUERY-START <= TARGET-END < END, where
-;;;;     QUERY-START is the index of the target's "?" or TARGET-END;
+;;;;   START < TARGET-START <= QUERY-START <= TARGET-END < END, where
+;;;;     QUERY-START is the index of the target's first "?" or TARGET-END
+;;;;     (the target is any run of visible ASCII with valid %-escapes: its
+;;;;     form is the layer above's to judge);
 ;;;;   FIELDS holds FIELD-COUNT quadruples (name start, name end = the colon,
 ;;;;     value start, value end, the value without surrounding white space),
 ;;;;     in the order of the head, each name a token, each value checked;

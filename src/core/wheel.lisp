@@ -24,7 +24,8 @@
 ;;;;    deadline, so it is looked at no later than its deadline (rounded up to
 ;;;;    a tick).
 ;;;;  - Entries are only ever pushed for ticks at least two after CURRENT (the
-;;;;    tick the housekeeper is processing), so none is missed by a full turn;
+;;;;    tick the housekeeper is processing), or one after it by the
+;;;;    housekeeper itself, so none is missed by a full turn;
 ;;;;    deadlines beyond the wheel's span go in its last slot and are
 ;;;;    rescheduled from there.
 
@@ -44,12 +45,17 @@
   (declare (type fixnum deadline-ms))
   (values (ceiling deadline-ms +tick-ms+)))
 
-(defun wheel-schedule (wheel connection deadline-ms)
-  "Make sure CONNECTION is looked at no later than DEADLINE-MS.  Any thread."
+(defun wheel-schedule (wheel connection deadline-ms &key from-advance)
+  "Make sure CONNECTION is looked at no later than DEADLINE-MS.  Any thread;
+FROM-ADVANCE when called by WHEEL-ADVANCE's FUNCTION (the housekeeper)."
   (declare (type fixnum deadline-ms))
   (let* ((current (wheel-current wheel))
-         ;; Two ticks ahead: the housekeeper may be processing CURRENT + 1.
-         (tick (min (max (deadline-tick deadline-ms) (+ 2 current))
+         ;; Another thread may read CURRENT just before the housekeeper moves
+         ;; on to CURRENT + 1 and empties that slot: two ticks ahead.  Inside
+         ;; WHEEL-ADVANCE, CURRENT is the tick being processed and the next
+         ;; is processed after it: one tick ahead, so a deadline in the next
+         ;; tick is not looked at a tick late.
+         (tick (min (max (deadline-tick deadline-ms) (+ (if from-advance 1 2) current))
                     (+ current (1- +slots+)))))
     (declare (type fixnum current tick))
     (loop
