@@ -26,6 +26,7 @@
                (:file "buffers" :depends-on ("syscalls"))
                (:file "pool" :depends-on ("cpus" "buffers"))
                (:file "engine" :depends-on ("pool"))
+               (:file "settings" :depends-on ("engine"))
                (:file "chunks" :depends-on ("buffers"))
                (:file "request" :depends-on ("chunks"))
                (:file "connection" :depends-on ("engine" "buffers" "request"))
@@ -38,7 +39,7 @@
                (:file "serve" :depends-on ("handler" "head" "body"))
                (:file "tls" :depends-on ("body"))
                (:file "housekeeper" :depends-on ("accept" "serve"))
-               (:file "server" :depends-on ("housekeeper" "tls"))))
+               (:file "server" :depends-on ("housekeeper" "tls" "settings"))))
 
 (defsystem "gallop/native"
   :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."

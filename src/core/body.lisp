@@ -1,13 +1,15 @@
 ;;;; body.lisp -- the request a handler is serving: its head and its body,
 ;;;; read as they arrive, in bounded memory, and never past the request's end.
 ;;;;
-;;;; Once CHECK-HEAD passed, BEGIN-MESSAGE records the request's framing on
-;;;; the connection.  From then on:
-;;;;  - The native layer reads the head in place (CONNECTION-HEAD), drops it
-;;;;    (CONNECTION-CONSUME-HEAD) and reads the decoded body with
+;;;; Once CHECK-HEAD passed, BEGIN-MESSAGE records the request's framing in
+;;;; the connection's REQUEST record.  From then on:
+;;;;  - The native layer reads the head from the record (see request.lisp),
+;;;;    drops it (CONNECTION-CONSUME-HEAD) and reads the decoded body with
 ;;;;    CONNECTION-READ-BODY, usually through a BODY-STREAM.
-;;;;  - Hunchentoot reads the connection as a stream (READ-MESSAGE): first
-;;;;    the head's octets, then the body.  A Content-Length body is passed on
+;;;;  - Hunchentoot takes the head from the record too (CONNECTION-TAKE-HEAD,
+;;;;    see src/hunchentoot/wire.lisp) and reads the connection as a stream
+;;;;    (READ-MESSAGE): the head's octets only where it reads the head itself
+;;;;    (HUNCHENTOOT:*HEADER-STREAM* set), then the body.  A Content-Length body is passed on
 ;;;;    as it is; a chunked body is decoded here and passed on re-chunked
 ;;;;    into canonical chunks of at most +RECHUNK-SIZE+ octets, without
 ;;;;    extensions or trailers.  So chunga, Hunchentoot's chunk reader, only
@@ -100,6 +102,7 @@ buffer no longer counts against the head budget."
           boundary nil
           raw t
           (conn-slot c detaching) t)
+    (release-request-fields (conn-slot c request))
     (uncharge-head c)
     c))
 

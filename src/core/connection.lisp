@@ -783,7 +783,9 @@ at once."
 
 (defun connection-head (c)
   "The buffer holding the request head just checked, its start and its end
-\(just after the blank line)."
+\(just after the blank line).  Once the head was consumed (CONNECTION-
+CONSUME-HEAD, CONNECTION-TAKE-HEAD) only the buffer is meant: the record
+\(CONNECTION-REQUEST) has the head's positions in it."
   (with-connection-slots (inbuf in-start scan) c
     (values inbuf in-start scan)))
 

@@ -3,8 +3,9 @@
 ;;;;
 ;;;; The engine calls CHECK-HEAD once the end of a head is buffered (see
 ;;;; SCAN-HEAD), so a head split at any byte is checked exactly like one that
-;;;; arrived at once.  PARSE-HEAD walks the octets in place (no strings, no
-;;;; allocation but for a method no code names), records what it read in the
+;;;; arrived at once.  PARSE-HEAD walks the octets in place (no strings; no
+;;;; allocation but for a method no code names, and for the record's field
+;;;; index when a head has more fields than it had room for), records what it read in the
 ;;;; connection's REQUEST (request.lisp: method, target, version, the bounds
 ;;;; of every header field, Host, the body's framing, Expect, keep-alive) and
 ;;;; answers the HTTP status that refuses the request, or NIL:

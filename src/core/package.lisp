@@ -43,11 +43,14 @@
    #:connection-unsent-bytes #:connection-give-body
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
+   ;; settings (settings.lisp)
+   #:+settings+ #:define-settings-function #:setting-arguments #:setting-slot-definitions
+   #:setting-default
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
    #:engine-running-p #:engine-pool #:engine-stats
    #:reason-phrase #:+response-100+
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    ;; utilities used by the layers above
-   #:octet-position #:octets-case #:octets-match-p #:field-bounds #:unix-seconds
+   #:octet-position #:octets-case #:octets-match-p #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd))

@@ -6,7 +6,7 @@
 ;;;; connection has one, reused from request to request.  The layers above
 ;;;; read the head from here and never scan it again: the native API builds
 ;;;; its environment from it (src/native/request.lisp), the Hunchentoot layer
-;;;; Hunchentoot's request (src/hunchentoot/request.lisp).
+;;;; Hunchentoot's request data (src/hunchentoot/wire.lisp).
 ;;;;
 ;;;; The head's positions are indexes into the connection's input buffer,
 ;;;; valid from PARSE-HEAD until the body is read (reading the body may move
@@ -35,8 +35,11 @@
 Node.js 2000).  Bounds the record of a head's fields to 16 KB.")
 
 (defconstant +initial-fields+ 16
-  "Header fields a record has room for at first (it grows as needed, and
-shrinks back after a request that needed more, see RELEASE-REQUEST-FIELDS).")
+  "Header fields a record has room for at first (it grows as needed).")
+
+(defconstant +kept-fields+ 64
+  "Header fields a record keeps room for between requests; after a request
+that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
 
 (deftype field-index () '(simple-array (unsigned-byte 32) (*)))
 
@@ -88,9 +91,9 @@ entry (the index grows as needed)."
 
 (defun release-request-fields (request)
   "After a request with many header fields: give their index back, so that
-an idle connection holds at most room for +INITIAL-FIELDS+."
+an idle connection holds at most room for +KEPT-FIELDS+."
   (let ((fields (request-fields request)))
-    (when (and fields (> (length fields) (* 4 +initial-fields+)))
+    (when (and fields (> (length fields) (* 4 +kept-fields+)))
       (setf (request-fields request) nil))))
 
 (declaim (inline request-field))

@@ -11,14 +11,9 @@
 
 (in-package #:gallop.core)
 
-(defun make-engine (&key (name "gallop") handler raw
-                      (min-threads 4) (max-threads 100) (thread-idle-timeout 10)
-                      (header-timeout 20) (idle-timeout 20) (read-timeout 20)
-                      (write-timeout 20) handler-timeout (max-head-bytes +default-max-head-bytes+)
-                      (max-body-bytes +default-max-body-bytes+)
-                      (max-request-line-bytes +default-max-request-line-bytes+)
-                      (max-unsent-bytes +default-max-unsent-bytes+) methods (max-queue 1024) (retry-after 1) head-budget thread-starter log-error)
-  "Make a stopped engine.  HANDLER is called in a worker as (HANDLER
+(define-settings-function make-engine ()
+    ((name "gallop") handler raw methods (retry-after 1) thread-starter log-error)
+  "Make a stopped engine, with the settings of +SETTINGS+ (settings.lisp).  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS).  It reads the request from the
 connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
@@ -35,7 +30,7 @@ Output the client does not read yet waits with its connection in epoll, not
 in a worker; MAX-UNSENT-BYTES bounds what a streaming writer may leave there
 copied before it waits for the client (see connection.lisp).  METHODS, when
 given, lists the request methods (keywords, exact case) the handler serves:
-others get 501 before it sees them.  MAX-QUEUE bounds the
+others get 501 before it sees them.  MAX-QUEUE-LENGTH bounds the
 accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
 RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
@@ -53,12 +48,14 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-unsent-bytes max-unsent-bytes
                                 :methods methods
-                                :max-queue max-queue :retry-after retry-after
+                                :max-queue max-queue-length :retry-after retry-after
                                 :head-budget (or head-budget
                                                  (floor (sb-ext:dynamic-space-size) 4))
                                 :log-error log-error)))
       (setf (engine-pool engine)
-            (make-pool :name name :min-threads min-threads :max-threads max-threads
+            (make-pool :name name
+                       :min-threads (max 1 (min standby-thread-count max-thread-count))
+                       :max-threads max-thread-count
                        :idle-timeout thread-idle-timeout
                        :thread-starter thread-starter
                        :dispatch (lambda (data flags)

@@ -24,7 +24,6 @@
 (defconstant +epollerr+ #x008)
 (defconstant +epollhup+ #x010)
 (defconstant +epollrdhup+ #x2000)
-(defconstant +epolloneshot+ #x40000000)
 (defconstant +epollet+ #x80000000)
 
 (defconstant +epoll-ctl-add+ 1)
@@ -43,7 +42,6 @@
 (defconstant +f-setfl+ 4)
 (defconstant +f-dupfd-cloexec+ 1030)
 (defconstant +msg-nosignal+ #x4000)
-(defconstant +shut-rd+ 0)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
 (defconstant +pollin+ #x001)

@@ -39,73 +39,43 @@ an acceptor to its taskmaster.")
   "The GALLOP:TASKMASTER running ACCEPTOR, or NIL."
   (values (gethash acceptor *taskmasters*)))
 
-(defclass taskmaster (hunchentoot:taskmaster)
-  ((max-thread-count :initarg :max-thread-count
-                     :reader hunchentoot:taskmaster-max-thread-count
-                     :documentation "The most worker threads the pool grows to.")
-   (standby-thread-count :initarg :standby-thread-count
-                         :reader taskmaster-standby-thread-count
-                         :documentation "Workers kept when idle; the pool shrinks back to this.")
-   (max-accept-count :initarg :max-accept-count
-                     :initform nil
-                     :reader hunchentoot:taskmaster-max-accept-count
-                     :documentation "As in Hunchentoot: when given, connections beyond
+(macrolet ((define-taskmaster-class (slots &rest options)
+             ;; One slot per setting (GALLOP.CORE:+SETTINGS+), then SLOTS.
+             `(defclass taskmaster (hunchentoot:taskmaster)
+                (,@(gallop.core:setting-slot-definitions
+                    :readers '(:max-thread-count hunchentoot:taskmaster-max-thread-count
+                               :standby-thread-count taskmaster-standby-thread-count)
+                    ;; NIL: from the acceptor (see MAKE-TASKMASTER-ENGINE)
+                    :initforms '(:header-timeout nil :idle-timeout nil :read-timeout nil
+                                 :write-timeout nil :max-queue-length nil))
+                 ,@slots)
+                ,@options)))
+  (define-taskmaster-class
+      ((max-accept-count :initarg :max-accept-count
+                         :initform nil
+                         :reader hunchentoot:taskmaster-max-accept-count
+                         :documentation "As in Hunchentoot: when given, connections beyond
 this many (being served or waiting) get 503.  Gallop counts only connections
 that wait for their first request to be served, so this sets
 MAX-QUEUE-LENGTH to MAX-ACCEPT-COUNT - MAX-THREAD-COUNT.")
-   (max-queue-length :initarg :max-queue-length
-                     :initform nil
-                     :documentation "The most accepted connections waiting for a worker
-before new ones get an immediate 503 with Retry-After.")
-   (thread-idle-timeout :initarg :thread-idle-timeout
-                        :documentation "Seconds an idle worker beyond the standby count
-waits before it leaves.")
-   (header-timeout :initarg :header-timeout :initform nil
-                   :documentation "Seconds for a whole request head (408 after).
-Defaults to the acceptor's read timeout.")
-   (idle-timeout :initarg :idle-timeout :initform nil
-                 :documentation "Seconds a keep-alive connection may stay idle.
-Defaults to the acceptor's read timeout.")
-   (handler-timeout :initarg :handler-timeout :initform nil
-                    :documentation "Seconds a request's handler may run (none by
-default).  Past it GALLOP:HANDLER-TIMEOUT is signalled in the handler's thread:
-the client gets 503 and the connection is closed.")
-   (max-head-bytes :initarg :max-head-bytes
-                   :documentation "Request heads over this many bytes get 431.")
-   (max-request-line-bytes :initarg :max-request-line-bytes
-                           :documentation "Request lines over this many bytes get 414.")
-   (max-body-bytes :initarg :max-body-bytes
-                   :documentation "Requests declaring a larger Content-Length get 413
-before their body is read.")
-   (max-unsent-bytes :initarg :max-unsent-bytes
-                     :documentation "Octets a handler writing through the stream may
-leave unsent, copied, on a connection whose client does not read yet, before
-its write waits for the client.  What the client has not read when the
-handler returns waits with the connection in epoll, not in a worker.")
-   (head-budget :initarg :head-budget :initform nil
-                :documentation "Octets of input buffers that connections parked with a
-partial request head may hold in all (default: a quarter of the heap); past
-it a new one gets 503.")
-   (engine :initform nil :reader taskmaster-engine
-           :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
-   (listener :initform nil
-             :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
+       (engine :initform nil :reader taskmaster-engine
+               :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
+       (listener :initform nil
+                 :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
 when the acceptor is not a GALLOP:ACCEPTOR.")
-   (soft-stop :initform nil :accessor taskmaster-soft-stop))
-  (:default-initargs
-   :max-thread-count 100
-   :standby-thread-count 4
-   :thread-idle-timeout 10
-   :max-head-bytes gallop.core:+default-max-head-bytes+
-   :max-request-line-bytes gallop.core:+default-max-request-line-bytes+
-   :max-body-bytes gallop.core:+default-max-body-bytes+
-   :max-unsent-bytes gallop.core:+default-max-unsent-bytes+)
-  (:documentation "A taskmaster that serves requests from an elastic pool of
+       (soft-stop :initform nil :accessor taskmaster-soft-stop))
+    (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
 
   (make-instance 'hunchentoot:easy-acceptor :port 4242
-                 :taskmaster (make-instance 'gallop:taskmaster :max-thread-count 8))"))
+                 :taskmaster (make-instance 'gallop:taskmaster :max-thread-count 8))
+
+Its initargs are the settings every Gallop server takes, with the same
+defaults (GALLOP.CORE:+SETTINGS+, src/core/settings.lisp), except that the
+timeouts default to the acceptor's: HEADER-TIMEOUT, IDLE-TIMEOUT and
+READ-TIMEOUT to its read timeout, WRITE-TIMEOUT to its write timeout; and
+MAX-QUEUE-LENGTH, when not given, follows MAX-ACCEPT-COUNT.")))
 
 (defmethod initialize-instance :after ((tm taskmaster) &key)
   (with-slots (max-thread-count standby-thread-count) tm
@@ -118,7 +88,7 @@ new connections get 503.")
     (with-slots (max-queue-length max-accept-count max-thread-count) tm
       (cond (max-queue-length)
             (max-accept-count (max 0 (- max-accept-count max-thread-count)))
-            (t 1024)))))
+            (t (gallop.core:setting-default max-queue-length))))))
 
 (defmethod hunchentoot:taskmaster-thread-count ((tm taskmaster))
   (let ((engine (taskmaster-engine tm)))
@@ -151,35 +121,29 @@ new connections get 503.")
     (hunchentoot:process-connection acceptor socket)))
 
 (defun make-taskmaster-engine (tm acceptor)
-  (let ((read-timeout (or (hunchentoot:acceptor-read-timeout acceptor) 20))
-        (write-timeout (or (hunchentoot:acceptor-write-timeout acceptor) 20)))
-    (with-slots (max-thread-count standby-thread-count thread-idle-timeout
-                 header-timeout idle-timeout handler-timeout max-head-bytes max-request-line-bytes
-                 max-body-bytes max-unsent-bytes head-budget) tm
-      (gallop.core:make-engine
-       :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
-       :handler (lambda (connection) (serve-connection acceptor connection))
-       :raw (hunchentoot:acceptor-ssl-p acceptor)
-       :min-threads standby-thread-count
-       :max-threads max-thread-count
-       :thread-idle-timeout thread-idle-timeout
-       :header-timeout (or header-timeout read-timeout)
-       :idle-timeout (or idle-timeout read-timeout)
-       :read-timeout read-timeout
-       :write-timeout write-timeout
-       :handler-timeout handler-timeout
-       :max-head-bytes max-head-bytes
-       :max-request-line-bytes max-request-line-bytes
-       :max-body-bytes max-body-bytes
-       :max-unsent-bytes max-unsent-bytes
-       :methods (hunchentoot-request-methods)
-       :head-budget head-budget
-       :max-queue (taskmaster-max-queue-length tm)
-       :thread-starter (lambda (thunk name)
-                         (hunchentoot:start-thread tm thunk :name name))
-       :log-error (lambda (format-control &rest args)
-                    (apply #'hunchentoot:acceptor-log-message acceptor :error
-                           format-control args))))))
+  (let ((read-timeout (or (slot-value tm 'read-timeout)
+                          (hunchentoot:acceptor-read-timeout acceptor) 20))
+        (write-timeout (or (slot-value tm 'write-timeout)
+                           (hunchentoot:acceptor-write-timeout acceptor) 20)))
+    (macrolet ((setting-of (name) `(slot-value tm ',name)))
+      ;; The first of a repeated keyword counts: the acceptor's timeouts
+      ;; and the queue length first, then every setting as given.
+      (apply #'gallop.core:make-engine
+             :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
+             :handler (lambda (connection) (serve-connection acceptor connection))
+             :raw (hunchentoot:acceptor-ssl-p acceptor)
+             :methods (hunchentoot-request-methods)
+             :thread-starter (lambda (thunk name)
+                               (hunchentoot:start-thread tm thunk :name name))
+             :log-error (lambda (format-control &rest args)
+                          (apply #'hunchentoot:acceptor-log-message acceptor :error
+                                 format-control args))
+             :header-timeout (or (setting-of header-timeout) read-timeout)
+             :idle-timeout (or (setting-of idle-timeout) read-timeout)
+             :read-timeout read-timeout
+             :write-timeout write-timeout
+             :max-queue-length (taskmaster-max-queue-length tm)
+             (gallop.core:setting-arguments setting-of)))))
 
 (defmethod hunchentoot:execute-acceptor ((tm taskmaster))
   (let* ((acceptor (hunchentoot:taskmaster-acceptor tm))

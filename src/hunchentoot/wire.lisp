@@ -25,9 +25,15 @@
 ;;;;    methods), so that clients cannot grow the KEYWORD package.  A handler
 ;;;;    that names a header (HEADER-IN* :X-MINE) finds it: naming it interned it.
 ;;;;  - The method is the core's reading of it, case-sensitive as RFC 9110 9.1
-;;;;    says: "get" is not :GET (Hunchentoot 1.2.38 upcased it; a "head" it
+;;;;    says: "get" is not :GET (Hunchentoot upper-cases it; a "head" it
 ;;;;    answered without a body is a response a proxy in front frames
-;;;;    differently).  Hunchentoot 1.3.x's own reading refuses those anyway.
+;;;;    differently).  On 1.3.x, which serves nine methods, the engine answers
+;;;;    any other, "get" included, 501 first (compat.lisp).
+;;;;  - An HTTP/1.0 request with Expect: 100-continue gets no 100 Continue
+;;;;    (RFC 9110 10.1.1, 15.2: no 1xx to an HTTP/1.0 client).
+;;;;  - A header value neither string nor number is written as PRINC writes
+;;;;    it (Hunchentoot's default method): a method of one's own on
+;;;;    Hunchentoot's internal WRITE-HEADER-LINE is not called.
 ;;;;  - A header value with newlines is written as one line, the lines joined
 ;;;;    by a space (what a client makes of Hunchentoot's obsolete line folding,
 ;;;;    which RFC 9112 5.2 forbids in responses); an empty value gets its
@@ -71,16 +77,20 @@ mentions), else an uninterned symbol of that name."
   "The header fields of REQUEST as Hunchentoot's (chunga's READ-HTTP-HEADERS)
 alist: (NAME . VALUE) in the order of the head, a repeated name once, its
 values joined by a comma."
-  (let ((headers '()))
+  (let ((headers '())
+        (uninterned nil))
     (gallop.core:do-request-fields (name-start name-end value-start value-end) request
-      (let* ((name (header-keyword buffer name-start name-end))
+      (let* ((name (let ((symbol (header-keyword buffer name-start name-end)))
+                     (if (symbol-package symbol)
+                         symbol
+                         ;; One symbol per name in a request, so that a
+                         ;; repeated name is found by EQ like a keyword.
+                         (let ((table (or uninterned
+                                          (setf uninterned (make-hash-table :test 'equal)))))
+                           (or (gethash (symbol-name symbol) table)
+                               (setf (gethash (symbol-name symbol) table) symbol))))))
              (value (latin1-string buffer value-start value-end))
-             (old (and headers
-                       (if (symbol-package name)
-                           (assoc name headers :test #'eq)
-                           ;; uninterned: each field made its own symbol
-                           (assoc (symbol-name name) headers
-                                  :key #'symbol-name :test #'string=)))))
+             (old (and headers (assoc name headers :test #'eq))))
         (if old
             (setf (cdr old) (concatenate 'string (cdr old) "," value))
             (push (cons name value) headers))))
@@ -114,7 +124,9 @@ through ORIGINAL, Hunchentoot's own."
 
 (defvar *status-lines* (make-array 600 :initial-element nil)
   "The status line of each code below 600, as Hunchentoot writes it (its own
-reason phrase), encoded once on first use.")
+reason phrase), encoded once on first use (threads racing to fill an entry
+store equal vectors).  A later change to Hunchentoot's table of reason
+phrases is not seen.")
 
 (defun hunchentoot-status-line (code)
   "The octets of the status line \"HTTP/1.1 CODE REASON\" CRLF."

@@ -257,21 +257,14 @@ write its response, and tell the engine what to do with C next."
       (sb-bsd-sockets:socket-listen socket backlog))
     socket))
 
-(defun start (app &key (address "127.0.0.1") (port 5000) (backlog 1024)
-                    (max-thread-count 100) (standby-thread-count 4) (thread-idle-timeout 10)
-                    (header-timeout 20) (idle-timeout 20) (read-timeout 20) (write-timeout 20)
-                    handler-timeout
-                    (max-body-bytes gallop.core:+default-max-body-bytes+)
-                    (max-head-bytes gallop.core:+default-max-head-bytes+)
-                    (max-request-line-bytes gallop.core:+default-max-request-line-bytes+)
-                    (max-unsent-bytes gallop.core:+default-max-unsent-bytes+)
-                    head-budget
-                    (max-queue-length 1024) debug (log *error-output*))
+(gallop.core:define-settings-function start (app)
+    ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*))
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
-it.  APP runs in an elastic pool of MAX-THREAD-COUNT workers, keeping
-STANDBY-THREAD-COUNT when idle; timeouts are in seconds (see
-GALLOP.CORE:MAKE-ENGINE).  Errors in APP are logged to LOG and answered with
+it.  The other keywords are the settings every Gallop server takes, with
+their defaults (GALLOP.CORE:+SETTINGS+, src/core/settings.lisp): APP runs in
+an elastic pool of MAX-THREAD-COUNT workers, keeping STANDBY-THREAD-COUNT
+when idle; timeouts are in seconds.  Errors in APP are logged to LOG and answered with
 500 (with the error text when DEBUG is true).  HANDLER-TIMEOUT (seconds, none
 by default) bounds how long APP may run on one request in its worker: past
 it, GALLOP:HANDLER-TIMEOUT is signalled in APP's thread, the client gets 503
@@ -283,22 +276,12 @@ is bounded only while that function runs in the worker."
                                :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
                                :max-body-bytes max-body-bytes :debug debug :log log)))
     (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
-      (let ((engine (gallop.core:make-engine
-                     :name (format nil "gallop-~D" (server-port server))
-                     :handler (lambda (c) (serve-request server c))
-                     :min-threads (max 1 (min standby-thread-count max-thread-count))
-                     :max-threads max-thread-count
-                     :thread-idle-timeout thread-idle-timeout
-                     :header-timeout header-timeout :idle-timeout idle-timeout
-                     :read-timeout read-timeout :write-timeout write-timeout
-                     :handler-timeout handler-timeout
-                     :max-head-bytes max-head-bytes :max-body-bytes max-body-bytes
-                     :max-request-line-bytes max-request-line-bytes
-                     :max-unsent-bytes max-unsent-bytes
-                     :head-budget head-budget
-                     :max-queue max-queue-length
-                     :log-error (lambda (format-control &rest args)
-                                  (apply #'log-error server format-control args)))))
+      (let ((engine (apply #'gallop.core:make-engine
+                           :name (format nil "gallop-~D" (server-port server))
+                           :handler (lambda (c) (serve-request server c))
+                           :log-error (lambda (format-control &rest args)
+                                        (apply #'log-error server format-control args))
+                           (gallop.core:setting-arguments))))
         (setf (server-engine server) engine)
         (gallop.core:engine-start engine :listen-fd (sb-bsd-sockets:socket-file-descriptor socket))))
     server))

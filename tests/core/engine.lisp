@@ -53,7 +53,7 @@ body; BEFORE-ANSWER, if given, is called with the request line first."
 (defun engine-stat (engine key) (getf (gallop.core:engine-stats engine) key))
 
 (test engine-serves-and-parks-keep-alive-connections
-  (with-engine (engine port :min-threads 2)
+  (with-engine (engine port :standby-thread-count 2)
     (let ((sockets (loop repeat 50 collect (connect port))))
       (unwind-protect
            (progn

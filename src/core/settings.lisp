@@ -1,0 +1,97 @@
+;;;; settings.lisp -- every setting a user gives a Gallop server, its default
+;;;; and its meaning, in one table.
+;;;;
+;;;; The same names are MAKE-ENGINE's keywords, GALLOP:START's (and so
+;;;; Clack's, which reads START's lambda list) and GALLOP:TASKMASTER's
+;;;; initargs: each layer takes them from +SETTINGS+ through the macros below
+;;;; instead of listing them again, so a setting added here reaches every
+;;;; front end with one default.
+
+(in-package #:gallop.core)
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter +settings+
+    '((max-thread-count 100
+       "The most worker threads the pool grows to.")
+      (standby-thread-count 4
+       "Workers kept when idle; the pool shrinks back to this (at least 1, at
+most MAX-THREAD-COUNT).")
+      (thread-idle-timeout 10
+       "Seconds an idle worker beyond the standby count waits before it leaves.")
+      (header-timeout 20
+       "Seconds for a whole request head; 408 after.")
+      (idle-timeout 20
+       "Seconds a keep-alive connection may stay idle between requests.")
+      (read-timeout 20
+       "Seconds a read of a request body may go without progress.")
+      (write-timeout 20
+       "Seconds a write may go without progress (a client that reads nothing of
+its answer for this long is closed).")
+      (handler-timeout nil
+       "Seconds a request's handler may run, or NIL for no limit.  Past it
+GALLOP:HANDLER-TIMEOUT is signalled in the handler's thread: the client gets
+503 and the connection is closed.")
+      (max-head-bytes +default-max-head-bytes+
+       "Request heads over this many octets get 431.")
+      (max-request-line-bytes +default-max-request-line-bytes+
+       "Request lines over this many octets get 414.")
+      (max-body-bytes +default-max-body-bytes+
+       "Request bodies over this many octets get 413 (a declared
+Content-Length before the body is read; a chunked body when it grows past it).")
+      (max-unsent-bytes +default-max-unsent-bytes+
+       "Octets a streaming writer may leave unsent, copied, on a connection whose
+client does not read yet, before its write waits for the client.  What the
+client has not read when the handler returns waits with the connection in
+epoll, not in a worker.")
+      (head-budget nil
+       "Octets of input buffers that connections with a partial request head may
+hold in all (NIL: a quarter of the heap); past it a new one gets 503.")
+      (max-queue-length 1024
+       "The most accepted connections waiting for a worker before new ones get an
+immediate 503 with Retry-After."))
+    "Each user setting: (NAME DEFAULT-FORM DOCUMENTATION).  Times in seconds,
+sizes in octets."))
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun setting-symbol (setting)
+    "The symbol named as SETTING in the package of the code being compiled: the
+name its parameter, variable or slot has there."
+    (intern (symbol-name setting) *package*)))
+
+(defmacro define-settings-function (name (&rest required) (&rest keys) documentation
+                                    &body body)
+  "DEFUN NAME with the REQUIRED parameters and the &KEY parameters KEYS,
+followed by one &KEY parameter per setting, with its default (+SETTINGS+)."
+  `(defun ,name (,@required &key ,@keys
+                 ,@(loop for (setting default) in +settings+
+                         collect (list (setting-symbol setting) default)))
+     ,documentation
+     ,@body))
+
+(defmacro setting-default (name)
+  "The default of the setting NAME (a form, evaluated where this is used)."
+  (let ((entry (assoc (symbol-name name) +settings+ :key #'symbol-name :test #'string=)))
+    (unless entry (error "~S is not a setting (see +SETTINGS+)." name))
+    (second entry)))
+
+(defmacro setting-arguments (&optional (value-of 'identity))
+  "A keyword argument list of every setting, each the variable of its name
+\(or (VALUE-OF NAME), VALUE-OF a macro or function name): what a function
+defined with DEFINE-SETTINGS-FUNCTION passes on."
+  `(list ,@(loop for (setting) in +settings+
+                 collect (intern (symbol-name setting) :keyword)
+                 collect (let ((variable (setting-symbol setting)))
+                           (if (eq value-of 'identity) variable `(,value-of ,variable))))))
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+(defun setting-slot-definitions (&key readers initforms)
+  "Slot specifications of a class with one slot per setting: initarg of its
+name, initform its default (or the one in the plist INITFORMS), its
+documentation, and the reader READERS (a plist) names for it."
+  (loop for (setting default documentation) in +settings+
+        for key = (intern (symbol-name setting) :keyword)
+        collect `(,(setting-symbol setting) :initarg ,key
+                           :initform ,(getf initforms key default)
+                           ,@(let ((reader (getf readers key)))
+                               (and reader `(:reader ,reader)))
+                           :documentation ,documentation))))
