@@ -15,7 +15,8 @@
 ;;;;        control bytes; invalid percent-encoding in the target; a
 ;;;;        Content-Length that is not 1*DIGIT or differs from another;
 ;;;;        Transfer-Encoding together with Content-Length, or twice (request
-;;;;        smuggling); two Host fields, or an HTTP/1.1 request without one
+;;;;        smuggling); two Host fields, an HTTP/1.1 request without one, or
+;;;;        a Host value that is not uri-host [ ":" port ] (RFC 9112 3.2)
 ;;;;   413  Content-Length over the body limit (before the body is read)
 ;;;;   431  more than +MAX-HEADER-FIELDS+ header fields
 ;;;;   501  a transfer coding other than chunked; a method the layer above
@@ -106,6 +107,48 @@ precede).  Returns the status that refuses it or NIL, the HTTP minor version
             (values nil minor (method-symbol buffer start method-end)
                     (1+ method-end) (1- i))
             (values 505 0))))))
+
+(defparameter +reg-name-octets+
+  (make-octet-set (lambda (b)
+                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+                        ;; unreserved, sub-delims (RFC 3986 2.3, 2.2)
+                        (member b '(45 46 95 126 33 36 38 39 40 41 42 43 44 59 61)))))
+  "The octets of a reg-name but for pct-encoded (RFC 3986 3.2.2).")
+
+(defun host-value-p (buffer start end)
+  "Is BUFFER[START,END) a valid Host field value: empty, or uri-host [ \":\"
+port ] (RFC 9110 7.2; uri-host is an IP literal in brackets, or a reg-name,
+which covers IPv4 addresses)?"
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (flet ((port-p (i)
+           (declare (type fixnum i))
+           (or (= i end)
+               (and (= (aref buffer i) +colon+)
+                    (loop for k of-type fixnum from (1+ i) below end
+                          always (digit-value (aref buffer k))))))
+         (reg-name-octet-p (b)
+           (= 1 (sbit (the octet-set (load-time-value +reg-name-octets+ t)) b))))
+    (cond ((= start end) t)
+          ((= (aref buffer start) 91)   ; "[" IPv6address / IPvFuture "]"
+           (let ((close (octet-position 93 buffer start end)))
+             (and close (> close (1+ start))
+                  (loop for k of-type fixnum from (1+ start) below close
+                        always (let ((b (aref buffer k)))
+                                 (or (reg-name-octet-p b) (= b +colon+))))
+                  (port-p (1+ close)))))
+          (t
+           (let ((colon (or (octet-position +colon+ buffer start end) end))
+                 (i start))
+             (declare (type fixnum colon i))
+             (loop while (< i colon)
+                   do (let ((b (aref buffer i)))
+                        (cond ((reg-name-octet-p b) (incf i))
+                              ((and (= b +percent+) (< (+ i 2) colon)
+                                    (hex-value (aref buffer (+ i 1)))
+                                    (hex-value (aref buffer (+ i 2))))
+                               (incf i 3))
+                              (t (return-from host-value-p nil)))))
+             (port-p colon))))))
 
 (defun parse-content-length (buffer start end)
   "The value of a Content-Length field, or NIL if it is not 1*DIGIT."
@@ -227,6 +270,8 @@ gets 413."
                           (return-from parse-head 501))
                         (setf transfer-encoding t))
                        ("host"
+                        (unless (host-value-p buffer vs ve)
+                          (return-from parse-head 400))
                         (incf hosts)
                         (setf (request-host-start request) vs
                               (request-host-end request) ve))

@@ -169,11 +169,12 @@
     ("host-with-port" "9110 7.2"
      "GET / HTTP/1.1|Host: x:8080||"
      :seen (("GET" "/" 1 "")))
-    ;; The policy counts Host fields but does not check their values: RFC
-    ;; 9112 3.2 asks for 400 on an invalid one (doc/conformance.md).
-    ("host-invalid-value" "9112 3.2"
-     "GET / HTTP/1.1|Host: a b||"
+    ("host-ipv6-literal-with-port" "9110 7.2"
+     "GET / HTTP/1.1|Host: [::1]:8080||"
      :seen (("GET" "/" 1 "")))
+    ("host-ipv4-and-pct-encoded" "9110 7.2"
+     "GET / HTTP/1.1|Host: 127.0.0.1|X-B: 1||GET / HTTP/1.1|Host: ex%41mple.com||"
+     :seen (("GET" "/" 2 "") ("GET" "/" 1 "")))
     ("connection-close" "9112 9.6"
      "GET / HTTP/1.1|Host: x|Connection: close||"
      :seen (("GET" "/" 2 "")))
@@ -632,6 +633,28 @@
      :then 400)
     ("host-twice-http10" "9112 3.2"
      "GET / HTTP/1.0|Host: a|Host: b||"
+     :then 400)
+    ;; RFC 9112 3.2: 400 for a Host value that is not uri-host [ ":" port ]
+    ("host-invalid-value" "9112 3.2"
+     "GET / HTTP/1.1|Host: a b||"
+     :then 400)
+    ("host-with-a-path" "9112 3.2"
+     "GET / HTTP/1.1|Host: a/b||"
+     :then 400)
+    ("host-with-userinfo" "9112 3.2"
+     "GET / HTTP/1.1|Host: u@a||"
+     :then 400)
+    ("host-port-not-digits" "9112 3.2"
+     "GET / HTTP/1.1|Host: a:80x||"
+     :then 400)
+    ("host-unclosed-ipv6-literal" "9112 3.2"
+     "GET / HTTP/1.1|Host: [::1||"
+     :then 400)
+    ("host-bad-pct-encoding" "9112 3.2"
+     "GET / HTTP/1.1|Host: a%zz||"
+     :then 400)
+    ("host-invalid-value-http10" "9112 3.2"
+     "GET / HTTP/1.0|Host: a b||"
      :then 400)
 
     ;;; -------------------------------------------------------------------

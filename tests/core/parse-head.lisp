@@ -587,3 +587,14 @@ PARSE-HEAD's keys.")
       (ph-parse (ph-head "POST / HTTP/1.0" "Expect: 100-continue" "Content-Length: 3"))
     (is (null status))
     (is-false (gallop.core:request-expect-continue r))))
+
+(test parse-head-checks-host-values
+  ;; RFC 9112 3.2: 400 for a Host value that is not uri-host [ ":" port ].
+  (dolist (host '("" "x" "example.com" "example.com:8080" "127.0.0.1:80" "[::1]" "[::1]:443"
+                  "[v1.fe80::a+en1]" "ex%41mple" "a-b_c~d.e!$&'()*+,;=" "x:"))
+    (is (null (ph-parse (ph-head "GET / HTTP/1.1" (format nil "Host: ~A" host))))
+        "Host ~S refused" host))
+  (dolist (host '("a b" "a/b" "u@a" "a:80x" "a:8:0" "[::1" "[]" "[::1]x" "a%zz" "a%4"
+                  "a?b" "a#b" "a\"b" "[::1]:8a"))
+    (is (eql 400 (ph-parse (ph-head "GET / HTTP/1.1" (format nil "Host: ~A" host))))
+        "Host ~S accepted" host)))
