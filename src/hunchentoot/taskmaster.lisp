@@ -122,9 +122,11 @@ new connections get 503.")
 
 (defun make-taskmaster-engine (tm acceptor)
   (let ((read-timeout (or (slot-value tm 'read-timeout)
-                          (hunchentoot:acceptor-read-timeout acceptor) 20))
+                          (hunchentoot:acceptor-read-timeout acceptor)
+                          (gallop.core:setting-default read-timeout)))
         (write-timeout (or (slot-value tm 'write-timeout)
-                           (hunchentoot:acceptor-write-timeout acceptor) 20)))
+                           (hunchentoot:acceptor-write-timeout acceptor)
+                           (gallop.core:setting-default write-timeout))))
     (macrolet ((setting-of (name) `(slot-value tm ',name)))
       ;; The first of a repeated keyword counts: the acceptor's timeouts
       ;; and the queue length first, then every setting as given.

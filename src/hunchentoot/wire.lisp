@@ -44,18 +44,6 @@
 
 ;;; Reading: GET-REQUEST-DATA from the record
 
-(eval-when (:compile-toplevel :load-toplevel :execute)
-  (defparameter +common-header-keywords+
-    '("host" "user-agent" "accept" "accept-encoding" "accept-language" "accept-charset"
-      "connection" "keep-alive" "content-type" "content-length" "cookie" "referer"
-      "cache-control" "pragma" "origin" "upgrade-insecure-requests" "authorization"
-      "if-modified-since" "if-none-match" "if-match" "if-unmodified-since" "range"
-      "x-forwarded-for" "x-forwarded-proto" "x-forwarded-host" "x-real-ip"
-      "transfer-encoding" "expect" "te" "dnt" "upgrade" "sec-fetch-site" "sec-fetch-mode"
-      "sec-fetch-dest" "sec-fetch-user")
-    "Header names common enough to be matched against literals (no string is
-made for them)."))
-
 (defun header-keyword (buffer start end)
   "The symbol Hunchentoot's headers alist names the header BUFFER[START,END)
 by: the keyword of its upper-case name when one exists (every name some code
@@ -63,7 +51,8 @@ mentions), else an uninterned symbol of that name."
   (declare (type octets buffer) (type fixnum start end))
   (macrolet ((match-common ()
                `(gallop.core:octets-case (buffer start end :ignore-case t)
-                  ,@(loop for name in +common-header-keywords+
+                  ;; the native API's common names (src/native/request.lisp)
+                  ,@(loop for name in +common-header-names+
                           collect `(,name ,(intern (string-upcase name) :keyword)))
                   (t (let ((name (make-string (- end start))))
                        (loop for i of-type fixnum from start below end
@@ -188,10 +177,12 @@ else ORIGINAL, Hunchentoot's own."
         ;; Hunchentoot's own steps, in its order:
         (when content
           (setf (hunchentoot:content-length*) (length content)))
-        (when (hunchentoot:content-length*)
-          (if (assoc :content-length headers)
-              (setf (cdr (assoc :content-length headers)) (hunchentoot:content-length*))
-              (push (cons :content-length (hunchentoot:content-length*)) headers)))
+        (let ((length (hunchentoot:content-length*)))
+          (when length
+            (let ((entry (assoc :content-length headers)))
+              (if entry
+                  (setf (cdr entry) length)
+                  (push (cons :content-length length) headers)))))
         (hunchentoot:acceptor-log-access acceptor :return-code status-code)
         (hunchentoot:raw-post-data :force-binary t)
         (let ((line (hunchentoot-status-line status-code)))

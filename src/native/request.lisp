@@ -17,12 +17,16 @@
 
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (defparameter +common-header-names+
-    '("host" "user-agent" "accept" "accept-encoding" "accept-language" "connection"
-      "content-type" "content-length" "cookie" "referer" "cache-control" "origin"
-      "upgrade-insecure-requests" "authorization" "if-modified-since" "if-none-match"
-      "x-forwarded-for" "x-forwarded-proto" "x-real-ip" "transfer-encoding" "expect"
-      "pragma" "dnt" "te" "range")
-    "Lower-case header names common enough to share one string each."))
+    '("host" "user-agent" "accept" "accept-encoding" "accept-language" "accept-charset"
+      "connection" "keep-alive" "content-type" "content-length" "cookie" "referer"
+      "cache-control" "pragma" "origin" "upgrade-insecure-requests" "authorization"
+      "if-modified-since" "if-none-match" "if-match" "if-unmodified-since" "range"
+      "x-forwarded-for" "x-forwarded-proto" "x-forwarded-host" "x-real-ip"
+      "transfer-encoding" "expect" "te" "dnt" "upgrade" "sec-fetch-site" "sec-fetch-mode"
+      "sec-fetch-dest" "sec-fetch-user")
+    "Lower-case header names common enough to be matched against literals
+\(OCTETS-CASE) when a request's head is read: the native API shares one
+string for each, the Hunchentoot layer names each by its keyword (wire.lisp)."))
 
 (defun common-header-name (name)
   "The shared string of the common header NAME."
@@ -160,7 +164,7 @@ sends the same Host every time), so that neither the string nor its
 record (GALLOP.CORE:REQUEST, read once by the core, never scanned again
 here), and whether the client wants the connection kept alive, and whether
 it is HTTP/1.0, and whether it expects 100-continue."
-  (multiple-value-bind (buffer) (gallop.core:connection-head c)
+  (let ((buffer (gallop.core:connection-head c)))
     (declare (type octets buffer))
     (let* ((r (gallop.core:connection-request c))
            (target-start (gallop.core:request-target-start r))
