@@ -98,6 +98,7 @@
                (:file "core/answers")
                (:file "core/epoll-close")
                (:file "core/slow-readers")
+               (:file "core/every-core")
                (:file "hunchentoot/handlers")
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")

@@ -35,15 +35,16 @@
 ;;; TSV
 
 (defparameter *columns*
-  '("run_id" "mode" "rep" "scenario" "sleep_ms" "connection" "connections" "server"
+  '("run_id" "mode" "setup" "rep" "scenario" "sleep_ms" "connection" "connections" "server"
     "duration_s" "requests" "rps" "ok_rps" "p50_ms" "p90_ms" "p99_ms"
     "err_connect" "err_read" "err_write" "err_timeout" "non2xx" "cpu_s" "cpu_us_per_req" "status"
     "idle_n" "idle_held" "idle_alive" "idle_open_ms" "rss_before_kb" "rss_idle_kb"
-    "threads_before" "threads_idle" "note" "command")
+    "threads_before" "threads_idle" "threads_max" "note" "command")
   "The columns of a results TSV, in order.  READ-TSV goes by the header line,
 so a TSV written before a column existed (cpu_s and cpu_us_per_req are
-younger than the first runs) still reads: its missing cells are unknown,
-shown as \"–\".")
+younger than the first runs, setup and threads_max younger still) still
+reads: its missing cells are unknown, shown as \"–\", and a row without a
+setup was pinned.")
 
 (defun tsv-clean (value)
   "VALUE as one TSV field: no tabs or newlines."
@@ -117,6 +118,11 @@ shown as \"–\".")
 (defun meta (meta key &optional default)
   (or (cdr (assoc key meta :test #'string=)) default))
 
+(defun setup-meta (meta key setup &optional default)
+  "KEY's value for SETUP (\"pinned\" or \"shared\"): KEY_SETUP, or KEY in
+runs recorded before there were setups."
+  (or (meta meta (format nil "~A_~A" key setup)) (meta meta key default)))
+
 ;;; Numbers
 
 (defun parse-decimal (string)
@@ -172,6 +178,26 @@ run of 10,000 requests or more resolves 1 µs (one clock tick, 10 ms, in 10,000)
 (defun row-ok-p (row)
   (string= (gethash "status" row "") "ok"))
 
+(defun row-setup (row)
+  "\"pinned\" or \"shared\" (rows recorded before there were setups were pinned)."
+  (let ((setup (gethash "setup" row)))
+    (if (and setup (plusp (length setup))) setup "pinned")))
+
+(defun rows-in-setup (rows setup)
+  (remove-if-not (lambda (r) (string= (row-setup r) setup)) rows))
+
+(defun setups-present (rows)
+  (remove-if-not (lambda (setup) (find setup rows :key #'row-setup :test #'string=))
+                 '("pinned" "shared")))
+
+(defun setup-title (setup)
+  (if (string= setup "shared")
+      "Shared: server unpinned, beside wrk on every core"
+      "Pinned: server on one core, wrk on the other"))
+
+(defun hog-scenario-p (scenario)
+  (uiop:string-suffix-p scenario "-hog"))
+
 (defun scenario-sort-key (row)
   (list (or (cell row "sleep_ms") 0)
         (if (string= (gethash "connection" row "") "close") 1 0)
@@ -204,10 +230,11 @@ close, then connections."
                  rows))
 
 (defun scenario-title (row)
-  (format nil "sleep ~D ms, ~A, ~D connections"
+  (format nil "sleep ~D ms, ~A, ~D connections~:[~;, CPU hog on one core~]"
           (round (or (cell row "sleep_ms") 0))
           (if (string= (gethash "connection" row) "close") "Connection: close" "keep-alive")
-          (round (or (cell row "connections") 0))))
+          (round (or (cell row "connections") 0))
+          (hog-scenario-p (gethash "scenario" row))))
 
 (defun summarize (runs)
   "Medians over the successful RUNS of one scenario and server, as a plist."
@@ -221,6 +248,7 @@ close, then connections."
                           (/ (- (reduce #'max ok-rps) (reduce #'min ok-rps)) 2 m)))
               :p50 (med "p50_ms") :p99 (med "p99_ms")
               :cpu-us (med "cpu_us_per_req")
+              :threads (med "threads_max")
               :connect (med "err_connect") :read (med "err_read")
               :write (med "err_write") :timeout (med "err_timeout")
               :non2xx (med "non2xx"))))))
@@ -236,13 +264,13 @@ close, then connections."
 (defun write-scenario-table (out rows scenario servers)
   (let* ((stock (summarize (rows-of rows scenario "stock")))
          (stock-ok (getf stock :ok-rps)))
-    (format out "| server | req/s | CPU µs/req | 2xx req/s | vs stock | p50 | p99 | socket errors c/r/w/t | non-2xx | runs ok |~%")
-    (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+    (format out "| server | req/s | CPU µs/req | 2xx req/s | vs stock | p50 | p99 | socket errors c/r/w/t | non-2xx | threads | runs ok |~%")
+    (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
     (dolist (server servers)
       (let ((s (summarize (rows-of rows scenario server))))
         (if (zerop (getf s :ok))
-            (format out "| ~A | failed | | | | | | | | 0/~D |~%" (server-label server) (getf s :runs))
-            (format out "| ~A | ~A | ~A | ~A~@[ ±~D%~] | ~A | ~A | ~A | ~A | ~A | ~D/~D |~%"
+            (format out "| ~A | failed | | | | | | | | | 0/~D |~%" (server-label server) (getf s :runs))
+            (format out "| ~A | ~A | ~A | ~A~@[ ±~D%~] | ~A | ~A | ~A | ~A | ~A | ~A | ~D/~D |~%"
                     (server-label server) (fmt-int (getf s :rps)) (fmt-us (getf s :cpu-us))
                     (fmt-int (getf s :ok-rps))
                     (and (getf s :spread) (round (* 100 (getf s :spread))))
@@ -251,7 +279,60 @@ close, then connections."
                            (fmt-ratio (/ (getf s :ok-rps) stock-ok)))
                           (t "–"))
                     (fmt-ms (getf s :p50)) (fmt-ms (getf s :p99)) (fmt-errors s)
-                    (fmt-int (getf s :non2xx)) (getf s :ok) (getf s :runs)))))
+                    (fmt-int (getf s :non2xx)) (fmt-int (getf s :threads))
+                    (getf s :ok) (getf s :runs)))))
+    (terpri out)))
+
+(defun write-setup-comparison (out rows servers)
+  "Each scenario run in both setups, each server: its cost per request
+pinned and shared, and its throughput shared against nginx's."
+  (let ((pinned (rows-in-setup rows "pinned"))
+        (shared (rows-in-setup rows "shared")))
+    (format out "| scenario | server | pinned req/s | pinned CPU µs/req | shared req/s | shared CPU µs/req | shared ÷ pinned CPU | shared vs nginx | shared threads |~%")
+    (format out "|---|---|--:|--:|--:|--:|--:|--:|--:|~%")
+    (dolist (scenario (matrix-scenarios shared))
+      (unless (hog-scenario-p scenario)
+        (let* ((row (find scenario shared :key (lambda (r) (gethash "scenario" r)) :test #'string=))
+               (nginx (summarize (rows-of shared scenario "nginx"))))
+          (dolist (server servers)
+            (let ((p (summarize (rows-of pinned scenario server)))
+                  (s (summarize (rows-of shared scenario server))))
+              (when (plusp (getf s :runs))
+                (format out "| ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A |~%"
+                        (scenario-title row) (server-label server)
+                        (fmt-int (getf p :ok-rps)) (fmt-us (getf p :cpu-us))
+                        (fmt-int (getf s :ok-rps)) (fmt-us (getf s :cpu-us))
+                        (if (and (getf p :cpu-us) (getf s :cpu-us) (plusp (getf p :cpu-us)))
+                            (fmt-ratio (/ (getf s :cpu-us) (getf p :cpu-us)))
+                            "–")
+                        (if (and (getf nginx :ok-rps) (plusp (getf nginx :ok-rps)) (getf s :ok-rps))
+                            (fmt-ratio (/ (getf s :ok-rps) (getf nginx :ok-rps)))
+                            "–")
+                        (fmt-int (getf s :threads)))))))))
+    (terpri out)))
+
+(defun write-hog-comparison (out rows servers)
+  "Each CPU-hog scenario beside the same scenario without the hog (shared)."
+  (let ((shared (rows-in-setup rows "shared")))
+    (format out "| scenario | server | req/s without hog | with hog | CPU µs/req without | with | threads without | with | pool after the run with hog |~%")
+    (format out "|---|---|--:|--:|--:|--:|--:|--:|---|~%")
+    (dolist (scenario (matrix-scenarios shared))
+      (when (hog-scenario-p scenario)
+        (let ((row (find scenario shared :key (lambda (r) (gethash "scenario" r)) :test #'string=))
+              (base (subseq scenario 0 (- (length scenario) (length "-hog")))))
+          (dolist (server servers)
+            (let ((w (summarize (rows-of shared scenario server)))
+                  (wo (summarize (rows-of shared base server)))
+                  (note (let ((r (find-if #'row-ok-p (rows-of shared scenario server))))
+                          (and r (gethash "note" r)))))
+              (when (plusp (getf w :runs))
+                (format out "| ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A | ~A |~%"
+                        (scenario-title row) (server-label server)
+                        (fmt-int (getf wo :ok-rps)) (fmt-int (getf w :ok-rps))
+                        (fmt-us (getf wo :cpu-us)) (fmt-us (getf w :cpu-us))
+                        (fmt-int (getf wo :threads)) (fmt-int (getf w :threads))
+                        ;; Gallop's pool (GALLOP:STATS); the others have none.
+                        (if (and note (search "run-permits" note)) note "–"))))))))
     (terpri out)))
 
 (defun idle-summary (rows server)
@@ -323,7 +404,7 @@ repetition's run with idle connections with its run without."
     (when notes
       (format out "~{- ~A~%~}~%" notes))))
 
-(defun write-method (out meta)
+(defun write-method (out meta setups)
   (format out "### How it was run~%~%")
   (format out "- Machine: ~A, ~A cores, ~A RAM; ~A, Linux ~A.~%"
           (meta meta "cpu" "?") (meta meta "cores" "?") (meta meta "memory" "?")
@@ -336,11 +417,13 @@ repetition's run with idle connections with its run without."
           (meta meta "run_id" "?") (meta meta "mode" "?")
           (parse-integer (meta meta "reps" "1") :junk-allowed t)
           (meta meta "duration_s" "?") (meta meta "started" "?") (meta meta "elapsed" "?"))
-  (format out "- Order: every repetition runs every scenario against every server, ~
+  (format out "- Order: every repetition runs ~:[the~;each~] setup~:*~:[~;, one after the other~], ~
+               and in it every scenario against every server, ~
                rotating the server order from one scenario to the next, so slow drifts ~
                of the machine spread over all servers. Each repetition starts fresh ~
                server processes for the sleep 0 ms scenarios, again for sleep 1 ms, and ~
-               again for each server's idle-connections scenario~A.~%"
+               again for each server's idle-connections scenario (~A setup)~A.~%"
+          (rest setups) (first setups)
           (let ((warmup (parse-integer (meta meta "warmup_s" "0") :junk-allowed t)))
             (if (and warmup (plusp warmup))
                 (format nil "; each freshly started server first gets a ~D s `wrk -c10` warm-up, not recorded" warmup)
@@ -348,6 +431,8 @@ repetition's run with idle connections with its run without."
   (format out "- Handler (seed 001): an easy-handler `/yo` returning `\"Hey!\"` ~
                (`\"Hey NAME!\"` with a `name` parameter), which calls `sleep` only ~
                when the sleep setting is above 0.~%")
+  (format out "- \"threads\": the most threads the server process had (nginx: master and ~
+               workers), sampled from `/proc/PID/status` every 100 ms during the wrk run.~%")
   (format out "- A run fails (and `make bench*` exits non-zero) when wrk cannot run, ~
                its output cannot be parsed, no response at all arrived, or the server ~
                does not answer `GET /yo` with 200 after the run. Socket errors and ~
@@ -355,18 +440,21 @@ repetition's run with idle connections with its run without."
   (format out "Servers (all on 127.0.0.1, access and message logs off):~%~%")
   (dolist (d *server-descriptions*)
     (format out "- **~A**: ~A~%" (server-label (car d)) (cdr d)))
-  (format out "~%#### Sharing two cores between load and server~%~%~A~%~%"
-          (meta meta "cpu_policy" "?"))
-  (format out "#### Exact commands~%~%```sh~%~A~%```~%~%"
-          (meta meta "commands" "?"))
-  (format out "nginx.conf (`DIR` is a fresh directory under `bench/results/tmp/`):~%~%```nginx~%~A```~%~%"
-          (meta meta "nginx_conf" "?")))
+  (format out "~%#### Sharing two cores between load and server~%~%")
+  (dolist (setup setups)
+    (format out "~A~%~%" (setup-meta meta "cpu_policy" setup "?")))
+  (dolist (setup setups)
+    (format out "#### Exact commands~:[~*~;, ~A setup~]~%~%```sh~%~A~%```~%~%"
+            (rest setups) setup (setup-meta meta "commands" setup "?")))
+  (dolist (setup setups)
+    (format out "nginx.conf~:[~*~;, ~A setup~] (`DIR` is a fresh directory under `bench/results/tmp/`):~%~%```nginx~%~A```~%~%"
+            (rest setups) setup (setup-meta meta "nginx_conf" setup "?"))))
 
 (defun write-results (out meta rows &key svg-name (method t))
-  "The generated markdown: the chart, one table per scenario, the idle
-scenario, failures and how the run was done."
+  "The generated markdown: the chart, the setups compared, one table per
+scenario and setup, the idle scenario, failures and how the run was done."
   (let ((servers (servers-present rows))
-        (scenarios (matrix-scenarios rows)))
+        (setups (setups-present rows)))
     (format out "## Results~%~%")
     (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A. Medians of ~A ~
                  repetition~:P of ~A s wrk runs; \"2xx req/s\" counts only successful ~
@@ -381,31 +469,55 @@ scenario, failures and how the run was done."
             (meta meta "cores" "?") (meta meta "sbcl" "?")
             (parse-integer (meta meta "reps" "1") :junk-allowed t)
             (meta meta "duration_s" "?"))
+    (format out "Setups (\"Sharing two cores\" below): ~{~A~^; ~}.~%~%"
+            (mapcar (lambda (setup)
+                      (if (string= setup "shared")
+                          "**shared**: nothing pinned, wrk with a thread per core, nginx with a worker per core, as on a real machine"
+                          "**pinned**: server on one core, wrk on the other (the cost per core)"))
+                    setups))
     (when svg-name
       (format out "![2xx requests per second by scenario and server](~A)~%~%" svg-name))
-    (dolist (scenario scenarios)
-      (let ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
-        (format out "### ~A~%~%" (scenario-title row))
-        (write-scenario-table out rows scenario servers)))
+    (when (and (member "pinned" setups :test #'string=) (member "shared" setups :test #'string=))
+      (format out "### Every core: pinned and shared~%~%")
+      (format out "Each server's cost per request with the server pinned to one core and unpinned ~
+                   beside wrk, and its throughput unpinned against nginx's (with a worker per ~
+                   core) in the same run.~%~%")
+      (write-setup-comparison out rows servers))
+    (when (some #'hog-scenario-p (mapcar (lambda (r) (gethash "scenario" r)) rows))
+      (format out "### A CPU hog beside the server (shared)~%~%")
+      (format out "The same load with a busy loop on one core for the whole run: another process ~
+                   holding a CPU. A pool that took the CPU it cannot get for blocked handlers ~
+                   would grow (0 ms); with handlers that do block (1 ms) it must still grow.~%~%")
+      (write-hog-comparison out rows servers))
+    (dolist (setup setups)
+      (let ((in-setup (rows-in-setup rows setup)))
+        (format out "### ~A~%~%" (setup-title setup))
+        (dolist (scenario (matrix-scenarios in-setup))
+          (let ((row (find scenario in-setup :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+            (format out "#### ~A~%~%" (scenario-title row))
+            (write-scenario-table out in-setup scenario servers)))))
     (when (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
-      (format out "### Idle connections held open while wrk -c100 runs (keep-alive, sleep 0 ms)~%~%")
+      (format out "### Idle connections held open while wrk -c100 runs (keep-alive, sleep 0 ms, ~A)~%~%"
+              (row-setup (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
       (write-idle-table out rows servers meta))
     (let ((failed (remove-if #'row-ok-p rows)))
       (when failed
         (format out "### Failed runs~%~%")
         (dolist (r failed)
-          (format out "- repetition ~A, ~A, ~A: ~A~%"
-                  (gethash "rep" r) (gethash "scenario" r) (server-label (gethash "server" r))
-                  (gethash "status" r)))
+          (format out "- repetition ~A, ~A, ~A, ~A: ~A~%"
+                  (gethash "rep" r) (row-setup r) (gethash "scenario" r)
+                  (server-label (gethash "server" r)) (gethash "status" r)))
         (terpri out)))
     (when method
-      (write-method out meta))))
+      (write-method out meta setups))))
 
 ;;; Chart
 
-(defun chart-rows (rows)
+(defun chart-rows (rows &key (suffix "") (idle t))
+  "Panels of the chart for ROWS (one setup), one row of them per connection
+count, titled with SUFFIX; the idle scenario's when IDLE."
   (let* ((servers (servers-present rows))
-         (scenarios (matrix-scenarios rows))
+         (scenarios (remove-if #'hog-scenario-p (matrix-scenarios rows)))
          (by-shape (make-hash-table :test #'equal))
          (shapes '()))
     ;; One row of panels per connection count; columns are sleep x connection mode.
@@ -427,9 +539,9 @@ scenario, failures and how the run was done."
               (gethash connections by-shape))))
     (append
      (loop for connections in shapes
-           collect (cons (format nil "~D connections" connections)
+           collect (cons (format nil "~D connections~A" connections suffix)
                          (reverse (gethash connections by-shape))))
-     (when (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
+     (when (and idle (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
        (let ((summaries (mapcar (lambda (server) (cons server (idle-summary rows server))) servers)))
          (list (list "Idle keep-alive connections held open during wrk -c100, sleep 0 ms"
                      (list :title "2xx req/s without idle conns"
@@ -453,20 +565,26 @@ scenario, failures and how the run was done."
                                        collect (list (server-label server) (and v (max v 0))
                                                      (if v (format nil "~,1F" v) "n/a")
                                                      (server-color (server-kind server))
-                                                     (string= server "nginx")))))))))))
+                                                     (string= server "nginx"))))))))))))
 
 (defun write-chart (svg-path meta rows)
   (write-svg-chart
    svg-path
    :title "Gallop vs stock Hunchentoot (and nginx): successful requests per second, higher is better"
-   :subtitle (format nil "run ~A (~A): median of ~A × ~A s wrk runs, ~A; SBCL ~A; server on CPU ~A, wrk -t~A on CPU ~A; // = bar cut, off the panel's scale"
+   :subtitle (format nil "run ~A (~A): median of ~A × ~A s wrk runs, ~A; SBCL ~A; pinned: server on CPU ~A, wrk -t~A on CPU ~A~@[; shared: nothing pinned, wrk -t~A~]; // = bar cut, off the panel's scale"
                      (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "reps" "?")
                      (meta meta "duration_s" "?") (meta meta "cpu" "?") (meta meta "sbcl" "?")
-                     (meta meta "server_cpus" "any") (meta meta "wrk_threads" "?")
-                     (meta meta "client_cpus" "any"))
+                     (setup-meta meta "server_cpus" "pinned" "any")
+                     (setup-meta meta "wrk_threads" "pinned" "?")
+                     (setup-meta meta "client_cpus" "pinned" "any")
+                     (meta meta "wrk_threads_shared"))
    :legend (loop for server in (servers-present rows)
                  collect (list (server-label server) (server-color (server-kind server))))
-   :rows (chart-rows rows)))
+   :rows (let ((setups (setups-present rows)))
+           (loop for setup in setups
+                 append (chart-rows (rows-in-setup rows setup)
+                                    :suffix (if (rest setups) (format nil ", ~A" setup) "")
+                                    :idle (string= setup (first setups)))))))
 
 ;;; Files
 

@@ -3,50 +3,58 @@
 ;;;;
 ;;;;   scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main :full)'   ; or :quick, :smoke
 ;;;;
-;;;; For each repetition it starts the servers (bench/server.lisp for stock
-;;;; Hunchentoot and Gallop's two modes, plus Debian's nginx), each in its own
-;;;; process on 127.0.0.1, runs wrk against every scenario of seed 001's matrix
-;;;; -- handler sleep 0 and 1 ms x keep-alive and `Connection: close` x 10, 100
-;;;; and 400 connections -- rotating the server order from scenario to
-;;;; scenario, then runs the idle-connections scenario (bench/idle.lisp holds N
-;;;; idle keep-alive connections open while wrk -c100 runs).  Every wrk run
-;;;; becomes a line of bench/results/RUN.tsv as soon as it is done (wrk's
-;;;; numbers, and the server's CPU time during the run: cpu_s, and
-;;;; cpu_us_per_req = cpu_s / the requests wrk completed, from utime + stime in
-;;;; /proc/PID/stat sampled right before and after wrk, nginx's master and
-;;;; workers summed; see "Server CPU time" below); at the end report.lisp turns
-;;;; the TSV into tables (medians over repetitions; CPU µs/req beside req/s),
-;;;; BENCHMARKS.md and an SVG chart (chart.lisp).
+;;;; For each repetition and each setup (below) it starts the servers
+;;;; (bench/server.lisp for stock Hunchentoot and Gallop's three front ends,
+;;;; plus Debian's nginx), each in its own process on 127.0.0.1, runs wrk
+;;;; against every scenario of seed 001's matrix -- handler sleep 0 and 1 ms x
+;;;; keep-alive and `Connection: close` x 10, 100 and 400 connections --
+;;;; rotating the server order from scenario to scenario, then (pinned setup)
+;;;; runs the idle-connections scenario (bench/idle.lisp holds N idle
+;;;; keep-alive connections open while wrk -c100 runs).  Every wrk run becomes
+;;;; a line of bench/results/RUN.tsv as soon as it is done (wrk's numbers, the
+;;;; server's CPU time during the run: cpu_s, and cpu_us_per_req = cpu_s / the
+;;;; requests wrk completed, from utime + stime in /proc/PID/stat sampled right
+;;;; before and after wrk, nginx's master and workers summed, see "Server CPU
+;;;; time" below; and threads_max, the most threads the server had, sampled
+;;;; every 100 ms); at the end report.lisp turns the TSV into tables (medians
+;;;; over repetitions; CPU µs/req beside req/s), BENCHMARKS.md and an SVG
+;;;; chart (chart.lisp).
 ;;;;
 ;;;;   mode    reps  wrk run  idle N  warm-up  writes
 ;;;;   :full     3     5 s    10000    1 s     bench/results/RUN.tsv, BENCHMARKS.md, BENCHMARKS.svg
 ;;;;   :quick    1     1 s     1000    1 s     bench/results/tmp/RUN.{tsv,md,svg}
-;;;;   :smoke    1     1 s      100    none    bench/results/tmp/RUN.{tsv,md,svg}; two scenarios only
+;;;;   :smoke    1     1 s      100    none    bench/results/tmp/RUN.{tsv,md,svg}; three scenarios only
 ;;;;
 ;;;; Environment overrides: BENCH_REPS, BENCH_DURATION (s), BENCH_WARMUP (s), BENCH_IDLE_N,
 ;;;; BENCH_IDLE_STOCK_MAX, BENCH_SERVERS (e.g. "gallop,nginx"), BENCH_PORT
-;;;; (base port; servers use PORT+1..PORT+5), BENCH_SERVER_CPUS and
-;;;; BENCH_CLIENT_CPUS (taskset lists, "none" for no pinning),
-;;;; BENCH_WRK_THREADS, BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
+;;;; (base port; servers use PORT+1..PORT+5), BENCH_SETUPS ("pinned,shared",
+;;;; the default, or either), BENCH_SERVER_CPUS and BENCH_CLIENT_CPUS (the
+;;;; pinned setup's taskset lists, "none" for no pinning), BENCH_WRK_THREADS
+;;;; (the pinned setup's), BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
 ;;;; bench/results/tmp/logs/).
 ;;;;
 ;;;; The exit code is non-zero when anything failed: a server that does not
 ;;;; start or stops answering, wrk that cannot run or whose output cannot be
 ;;;; parsed, a run without a single response.  The report is written anyway.
 ;;;;
-;;;; CPU pinning -- why: the load generator and the server share this
-;;;; machine's two cores.  Unpinned, the kernel spreads wrk's and the server's
-;;;; threads over both cores, so every number depends on how much CPU wrk
-;;;; happened to take from the server in that run, and a multi-threaded Lisp
-;;;; server gets anything between one and two cores.  So each side gets its own
-;;;; core: servers (all their threads; nginx's master and worker) run under
-;;;; `taskset -c 0`; wrk, the idle helper, curl and this harness under
-;;;; `taskset -c 1`.  wrk runs one thread (-t1) because it owns one core: a
-;;;; second thread would only time-slice with the first.  nginx runs one worker
-;;;; process for the same reason.  The numbers are thus one-core server
-;;;; throughput with no competition from the load generator; a handler's
-;;;; sleep still blocks only its thread, not the core.  (CPU-POLICY below is the
-;;;; same text for BENCHMARKS.md.)
+;;;; Two setups, because this machine's two cores are shared by the load
+;;;; generator and the server.
+;;;;  - Pinned: each side gets its own core.  Servers (all their threads;
+;;;;    nginx's master and worker) run under `taskset -c 0`; wrk, the idle
+;;;;    helper, curl and this harness under `taskset -c 1`.  wrk runs one thread
+;;;;    (-t1) because it owns one core, nginx one worker process for the same
+;;;;    reason.  The numbers are one-core server throughput and cost with no
+;;;;    competition from the load generator: the cost per core.
+;;;;  - Shared: nothing pinned, wrk with a thread per CPU, nginx with a worker
+;;;;    per CPU: a server on a real machine, beside the other processes that
+;;;;    use it.  Every thread may run on every core, so the server's threads
+;;;;    migrate, wake each other across cores and wait for CPUs that wrk holds.
+;;;;    Here CPU µs per request and the ratio to nginx in the same setup are
+;;;;    what to compare; two more scenarios add a busy loop on one core
+;;;;    (HOG-COMMAND), so that another process holds a CPU.
+;;;; A result that holds only pinned is not a result.  Each repetition runs
+;;;; both setups, so drifts of the machine spread over them.  (CPU-POLICY
+;;;; below is the same text for BENCHMARKS.md.)
 
 (load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
 
@@ -65,7 +73,11 @@
 
 (defstruct (config (:conc-name cfg-))
   mode reps duration warmup settle idle-n idle-stock-max scenarios servers port
-  server-cpus client-cpus wrk-threads (wrk-timeout 2)
+  ;; SETUPS: :PINNED and/or :SHARED (see "Two setups" above); SETUP is the
+  ;; one being run, and SERVER-CPUS, CLIENT-CPUS and WRK-THREADS are its
+  ;; (APPLY-SETUP), taken from the PINNED-... ones for :PINNED.
+  setups setup server-cpus client-cpus wrk-threads
+  pinned-server-cpus pinned-client-cpus pinned-wrk-threads (wrk-timeout 2)
   run-id out-dir tmp-dir tsv md svg splice)
 
 (defun env-cpus (name default)
@@ -74,21 +86,31 @@
           ((string-equal v "none") nil)
           (t v))))
 
-(defun scenario (sleep-ms close-p connections)
-  (list :sleep sleep-ms :close close-p :connections connections))
+(defun scenario (sleep-ms close-p connections &key hog)
+  "A scenario of the matrix; with HOG, a busy loop runs on one CPU beside
+the server during the run (shared setup only, see HOG-COMMAND)."
+  (list :sleep sleep-ms :close close-p :connections connections :hog hog))
 
 (defun scenario-key (s)
-  (format nil "s~D-~:[ka~;close~]-c~D" (getf s :sleep) (getf s :close) (getf s :connections)))
+  (format nil "s~D-~:[ka~;close~]-c~D~:[~;-hog~]"
+          (getf s :sleep) (getf s :close) (getf s :connections) (getf s :hog)))
 
 (defun scenario-label (s)
-  (format nil "sleep ~D ms, ~:[keep-alive~;Connection: close~], ~D conn"
-          (getf s :sleep) (getf s :close) (getf s :connections)))
+  (format nil "sleep ~D ms, ~:[keep-alive~;Connection: close~], ~D conn~:[~;, CPU hog~]"
+          (getf s :sleep) (getf s :close) (getf s :connections) (getf s :hog)))
+
+(defun hog-scenarios ()
+  "The CPU-hog scenarios: does the pool take a CPU that another process
+holds for a blocked handler (0 ms: it must not grow), and does it still grow
+when handlers do block beside the hog (1 ms)?"
+  (list (scenario 0 nil 100 :hog t) (scenario 1 nil 100 :hog t)))
 
 (defun full-matrix ()
-  (loop for sleep in '(0 1)
-        append (loop for close in '(nil t)
-                     append (loop for connections in '(10 100 400)
-                                  collect (scenario sleep close connections)))))
+  (append (loop for sleep in '(0 1)
+                append (loop for close in '(nil t)
+                             append (loop for connections in '(10 100 400)
+                                          collect (scenario sleep close connections))))
+          (hog-scenarios)))
 
 (defun cpu-count ()
   (with-open-file (in "/proc/cpuinfo")
@@ -112,7 +134,8 @@
         (ecase mode
           (:full (values 3 5 10000 1 (full-matrix)))
           (:quick (values 1 1 1000 1 (full-matrix)))
-          (:smoke (values 1 1 100 0 (list (scenario 0 nil 10) (scenario 1 t 100)))))
+          (:smoke (values 1 1 100 0 (list (scenario 0 nil 10) (scenario 1 t 100)
+                                          (scenario 0 nil 100 :hog t)))))
       (make-config
        :mode mode :run-id run-id
        :reps (env-int "BENCH_REPS" reps)
@@ -133,9 +156,16 @@
                                    n (mapcar #'first *servers*)))))
                       (mapcar #'first *servers*)))
        :port (env-int "BENCH_PORT" 18080)
-       :server-cpus (env-cpus "BENCH_SERVER_CPUS" (and pin "0"))
-       :client-cpus (env-cpus "BENCH_CLIENT_CPUS" (and pin "1"))
-       :wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
+       :setups (let ((list (env "BENCH_SETUPS")))
+                 (if list
+                     (mapcar (lambda (name)
+                               (or (find (string-trim " " name) '(:pinned :shared) :test #'string-equal)
+                                   (error "BENCH_SETUPS: unknown setup ~S (known: pinned, shared)" name)))
+                             (remove "" (split list #\,) :test #'string=))
+                     (if pin '(:pinned :shared) '(:shared))))
+       :pinned-server-cpus (env-cpus "BENCH_SERVER_CPUS" (and pin "0"))
+       :pinned-client-cpus (env-cpus "BENCH_CLIENT_CPUS" (and pin "1"))
+       :pinned-wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
        :out-dir out :tmp-dir tmp
        :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
        :md (if (eq mode :full)
@@ -145,6 +175,27 @@
                 (merge-pathnames "BENCHMARKS.svg" *repo*)
                 (merge-pathnames (format nil "~A.svg" run-id) out))
        :splice (eq mode :full)))))
+
+(defun apply-setup (cfg setup)
+  "Make SETUP the one CFG runs: its CPUs for servers and clients and wrk's
+threads.  Pinned: as BENCH_SERVER_CPUS, BENCH_CLIENT_CPUS, BENCH_WRK_THREADS
+say (by default server on CPU 0, wrk -t1 on CPU 1).  Shared: nothing pinned,
+wrk with a thread per CPU, nginx with a worker per CPU."
+  (setf (cfg-setup cfg) setup)
+  (ecase setup
+    (:pinned (setf (cfg-server-cpus cfg) (cfg-pinned-server-cpus cfg)
+                   (cfg-client-cpus cfg) (cfg-pinned-client-cpus cfg)
+                   (cfg-wrk-threads cfg) (cfg-pinned-wrk-threads cfg)))
+    (:shared (setf (cfg-server-cpus cfg) nil
+                   (cfg-client-cpus cfg) nil
+                   (cfg-wrk-threads cfg) (cpu-count))))
+  cfg)
+
+(defun setup-scenarios (cfg)
+  "The scenarios of CFG's setup: the CPU-hog ones only when shared."
+  (if (eq (cfg-setup cfg) :shared)
+      (cfg-scenarios cfg)
+      (remove-if (lambda (s) (getf s :hog)) (cfg-scenarios cfg))))
 
 (defun server-port (cfg name)
   (+ (cfg-port cfg) 1 (position name *servers* :key #'first :test #'string=)))
@@ -451,7 +502,7 @@ then, like nginx, 10 seconds to answer."
              (let ((*read-eval* nil) (*package* (find-package :keyword)))
                (read-from-string line t nil :start 6)))))))))
 
-(defun fmt-stats (plist &optional (keys '(:open :idle :threads :shed :rejected :timeouts)))
+(defun fmt-stats (plist &optional (keys '(:open :idle :threads :run-permits :shed :rejected :timeouts)))
   (format nil "~{~(~A~)=~A~^ ~}"
           (loop for k in keys
                 for v = (getf plist k)
@@ -518,20 +569,56 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
           (when close-p (list "-H" "Connection: close"))
           (list (format nil "http://127.0.0.1:~D/yo" port))))
 
-(defun run-wrk (cfg port connections close-p duration &optional server-pid)
-  "Run wrk; its parsed report (or NIL), its output, exit code and command
-line, and the seconds of CPU that process SERVER-PID and its children used
-meanwhile (NIL when not given or not known; see CPU-SECONDS)."
+(defun hog-command ()
+  "A busy loop on the machine's last CPU: another process's work beside the
+server (shared setup)."
+  (values "taskset" (list "-c" (princ-to-string (1- (cpu-count)))
+                          "sh" "-c" "while :; do :; done")))
+
+(defun call-sampling-threads (pid function)
+  "Call FUNCTION while a thread samples the thread count of PID (and its
+children) every 100 ms; FUNCTION's values, then the most threads seen (NIL
+without PID)."
+  (let* ((done nil)
+         (most nil)
+         (sampler (and pid (sb-thread:make-thread
+                            (lambda ()
+                              (loop until done
+                                    do (let ((n (nth-value 1 (tree-status pid))))
+                                         (when (and n (or (null most) (> n most)))
+                                           (setf most n)))
+                                       (sleep 0.1)))
+                            :name "thread sampler"))))
+    (let ((values (unwind-protect (multiple-value-list (funcall function))
+                    (setf done t)
+                    (when sampler (sb-thread:join-thread sampler :default nil)))))
+      (values-list (append values (list most))))))
+
+(defun run-wrk (cfg port connections close-p duration &optional server-pid hog)
+  "Run wrk (beside a CPU hog when HOG); its parsed report (or NIL), its
+output, exit code and command line, the seconds of CPU that process
+SERVER-PID and its children used meanwhile (NIL when not given or not known;
+see CPU-SECONDS), and the most threads they had meanwhile."
   (multiple-value-bind (program args)
       (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg port connections close-p duration))
-    ;; The server's CPU is sampled as close to wrk's start and end as can be,
-    ;; so that it holds the run and little else.
-    (let ((before (and server-pid (tree-cpu-ticks server-pid))))
-      (multiple-value-bind (out code)
-          ;; wrk stops by itself after -d; timeout only guards against a hang.
-          (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30)) program args))
-        (let ((cpu (and server-pid (cpu-seconds before (tree-cpu-ticks server-pid)))))
-          (values (parse-wrk out) out code (command-line program args) cpu))))))
+    (let ((hog-process (and hog (multiple-value-call #'spawn (hog-command)))))
+      (unwind-protect
+           (call-sampling-threads
+            server-pid
+            (lambda ()
+              ;; The server's CPU is sampled as close to wrk's start and end as
+              ;; can be, so that it holds the run and little else.
+              (let ((before (and server-pid (tree-cpu-ticks server-pid))))
+                (multiple-value-bind (out code)
+                    ;; wrk stops by itself after -d; timeout only guards against a hang.
+                    (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30))
+                                                  program args))
+                  (let ((cpu (and server-pid (cpu-seconds before (tree-cpu-ticks server-pid)))))
+                    (values (parse-wrk out) out code (command-line program args) cpu))))))
+        (when hog-process
+          (ignore-errors (sb-ext:process-kill hog-process 9))
+          (wait-exit hog-process 5)
+          (reap hog-process))))))
 
 (defun last-nonblank-line (text)
   (let ((lines (remove "" (mapcar (lambda (l) (string-trim " " l)) (split text #\Newline))
@@ -544,6 +631,7 @@ meanwhile (NIL when not given or not known; see CPU-SECONDS)."
   (let ((row (make-hash-table :test #'equal)))
     (setf (gethash "run_id" row) (cfg-run-id cfg)
           (gethash "mode" row) (string-downcase (cfg-mode cfg))
+          (gethash "setup" row) (string-downcase (cfg-setup cfg))
           (gethash "rep" row) rep
           (gethash "scenario" row) scenario-key
           (gethash "sleep_ms" row) sleep-ms
@@ -562,11 +650,12 @@ meanwhile (NIL when not given or not known; see CPU-SECONDS)."
   "Run wrk for ROW's scenario against SERVER and fill ROW in."
   (let ((failure (and (null server) "server did not start")))
     (when failure (return-from measure (fail-row row failure))))
-  (multiple-value-bind (r out code command cpu)
+  (multiple-value-bind (r out code command cpu threads)
       (run-wrk cfg (srv-port server) (gethash "connections" row)
                (string= (gethash "connection" row) "close") (cfg-duration cfg)
-               (srv-pid server))
-    (setf (gethash "command" row) command)
+               (srv-pid server) (uiop:string-suffix-p (gethash "scenario" row) "-hog"))
+    (setf (gethash "command" row) command
+          (gethash "threads_max" row) threads)
     (cond ((null r)
            (fail-row row (format nil "wrk exit ~A, unparsable output: ~A" code
                                  (last-nonblank-line out))))
@@ -699,7 +788,7 @@ meanwhile (NIL when not given or not known; see CPU-SECONDS)."
                              (row (new-row cfg rep (scenario-key scenario) sleep-ms
                                            (getf scenario :close) (getf scenario :connections)
                                            name)))
-                        (progress-begin rep cfg (scenario-label scenario) name)
+                        (progress-begin rep cfg (format nil "~(~A~): ~A" (cfg-setup cfg) (scenario-label scenario)) name)
                         (if server
                             (measure cfg row server)
                             (fail-row row (or (third entry) "server did not start")))
@@ -857,33 +946,44 @@ meanwhile (NIL when not given or not known; see CPU-SECONDS)."
                       "(not a git checkout)"))))))
 
 (defun cpu-policy (cfg)
-  (if (and (cfg-server-cpus cfg) (cfg-client-cpus cfg))
-      (format nil "The load generator and the server share this machine's ~D cores, so each ~
-side gets its own: every server process (all its threads; nginx's master and worker) runs ~
-under `taskset -c ~A`, and wrk, the idle-connections helper, curl and the harness itself ~
-under `taskset -c ~A`. Unpinned, the kernel spreads wrk's and the server's threads over both ~
-cores, so each number would depend on how much CPU wrk happened to take from the server in ~
-that run, and a multi-threaded Lisp server would get anything between one and two cores. ~
-wrk runs ~D thread~:P (`-t~:*~D`) because it owns ~D core~:P: more threads would only ~
-time-slice with each other. nginx runs ~A worker process~:[es~;~] for the same reason. So the ~
-numbers are each server's throughput on ~A core~:P, with no competition from the load ~
-generator; a handler's `sleep` still blocks only its thread, not the core. Whether wrk itself ~
-is the limit shows in the nginx rows: a Lisp server far below nginx is not limited by wrk."
-              (cpu-count) (cfg-server-cpus cfg) (cfg-client-cpus cfg)
-              (cfg-wrk-threads cfg) (count-cpus (cfg-client-cpus cfg))
-              (nginx-workers cfg) (equal (nginx-workers cfg) "1")
-              (count-cpus (cfg-server-cpus cfg)))
-      (format nil "No CPU pinning in this run (~:[fewer than 2 cores~;BENCH_SERVER_CPUS or ~
-BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D cores, so the load ~
-generator takes CPU from the server it measures; nginx runs `worker_processes ~A`."
-              (>= (cpu-count) 2) (cfg-wrk-threads cfg) (cpu-count) (nginx-workers cfg))))
+  "How CFG's current setup shares the machine's cores, for BENCHMARKS.md."
+  (cond
+    ((eq (cfg-setup cfg) :shared)
+     (format nil "**Shared** (unpinned): nothing is pinned. The servers, wrk (`-t~D`, a thread per ~
+core) and the harness share all ~D cores as a server shares a real machine with its load ~
+balancer, database and clients; nginx runs `worker_processes auto` (~:*~D workers). The kernel ~
+places every thread, so a number also depends on how much CPU wrk took from the server in that ~
+run: CPU µs per request is the fair measure here, and req/s the server's ratio to nginx in the ~
+same setup. The CPU-hog scenarios add a busy loop (`~A`) for the whole wrk run: another ~
+process taking one core."
+             (cfg-wrk-threads cfg) (cpu-count)
+             (multiple-value-call #'command-line (hog-command))))
+    ((and (cfg-server-cpus cfg) (cfg-client-cpus cfg))
+     (format nil "**Pinned**: the load generator and the server each get their own core: every ~
+server process (all its threads; nginx's master and worker) runs under `taskset -c ~A`, and wrk, ~
+the idle-connections helper, curl and the harness itself under `taskset -c ~A`. wrk runs ~D ~
+thread~:P (`-t~:*~D`) because it owns ~D core~:P: more threads would only time-slice with each ~
+other. nginx runs ~A worker process~:[es~;~] for the same reason. So the numbers are each ~
+server's throughput and cost on ~A core~:P, with no competition from the load generator; a ~
+handler's `sleep` still blocks only its thread, not the core. Whether wrk itself is the limit ~
+shows in the nginx rows: a Lisp server far below nginx is not limited by wrk."
+             (cfg-server-cpus cfg) (cfg-client-cpus cfg)
+             (cfg-wrk-threads cfg) (count-cpus (cfg-client-cpus cfg))
+             (nginx-workers cfg) (equal (nginx-workers cfg) "1")
+             (count-cpus (cfg-server-cpus cfg))))
+    (t
+     (format nil "**Pinned** setup without pinning (~:[fewer than 2 cores~;BENCH_SERVER_CPUS or ~
+BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D cores; nginx runs ~
+`worker_processes ~A`."
+             (>= (cpu-count) 2) (cfg-wrk-threads cfg) (cpu-count) (nginx-workers cfg)))))
 
 (defun make-target (cfg)
   (ecase (cfg-mode cfg) (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke")))
 
 (defun commands-meta (cfg)
+  "The exact commands of CFG's current setup, for BENCHMARKS.md."
   (let ((env (loop for name in '("BENCH_REPS" "BENCH_DURATION" "BENCH_WARMUP" "BENCH_IDLE_N" "BENCH_IDLE_STOCK_MAX"
-                                 "BENCH_SERVERS" "BENCH_PORT" "BENCH_SERVER_CPUS" "BENCH_CLIENT_CPUS"
+                                 "BENCH_SERVERS" "BENCH_PORT" "BENCH_SETUPS" "BENCH_SERVER_CPUS" "BENCH_CLIENT_CPUS"
                                  "BENCH_WRK_THREADS" "BENCH_MESSAGE_LOG")
                    when (env name) collect (format nil "~A=~A" name (shell-quote (env name))))))
     (with-output-to-string (out)
@@ -905,30 +1005,36 @@ generator takes CPU from the server it measures; nginx runs `worker_processes ~A
       (multiple-value-bind (program args)
           (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 100 nil (cfg-duration cfg)))
         (format out "~A~%" (uiop:frob-substrings (command-line program args) '("-c100") "-cC")))
+      (when (and (eq (cfg-setup cfg) :shared) (some (lambda (s) (getf s :hog)) (cfg-scenarios cfg)))
+        (format out "# CPU-hog scenarios (~{~A~^, ~}): for the whole wrk run, beside it:~%~A~%"
+                (mapcar #'scenario-key (remove-if-not (lambda (s) (getf s :hog)) (cfg-scenarios cfg)))
+                (multiple-value-call #'command-line (hog-command))))
       (when (plusp (cfg-warmup cfg))
         (format out "# warm-up after each server start (not recorded):~%")
         (multiple-value-bind (program args)
             (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 10 nil (cfg-warmup cfg)))
           (format out "~A~%" (command-line program args))))
-      (format out "# idle connections: N = ~D (~D for stock Hunchentoot), held open during the -c100 keep-alive run:~%"
-              (cfg-idle-n cfg) (min (cfg-idle-n cfg) (cfg-idle-stock-max cfg)))
-      (multiple-value-bind (program args)
-          (pin (cfg-client-cpus cfg) "scripts/lisp.sh"
-               (list "--load" "bench/idle.lisp" "--end-toplevel-options" "PORT" "N" "TIMEOUT-S"
-                     (princ-to-string *idle-batch*)))
-        (format out "~A" (command-line program args))))))
+      (when (eq (cfg-setup cfg) (first (cfg-setups cfg)))
+        (format out "# idle connections: N = ~D (~D for stock Hunchentoot), held open during the -c100 keep-alive run:~%"
+                (cfg-idle-n cfg) (min (cfg-idle-n cfg) (cfg-idle-stock-max cfg)))
+        (multiple-value-bind (program args)
+            (pin (cfg-client-cpus cfg) "scripts/lisp.sh"
+                 (list "--load" "bench/idle.lisp" "--end-toplevel-options" "PORT" "N" "TIMEOUT-S"
+                       (princ-to-string *idle-batch*)))
+          (format out "~A" (command-line program args)))))))
 
 (defun pin-self (cfg)
-  "Move this harness (every thread) to the client CPUs."
-  (when (cfg-client-cpus cfg)
-    (run-capture "taskset" (list "-a" "-p" "-c" (cfg-client-cpus cfg)
+  "Move this harness (every thread) to the client CPUs, or let it run on
+every CPU when there are none."
+  (when (find-program "taskset")
+    (run-capture "taskset" (list "-a" "-p" "-c" (or (cfg-client-cpus cfg)
+                                                    (format nil "0-~D" (1- (cpu-count))))
                                  (princ-to-string (sb-unix:unix-getpid))))))
 
 (defun check-tools (cfg)
   (let ((missing (append (unless (find-program "wrk") '("wrk"))
                          (unless (find-program "curl") '("curl"))
-                         (unless (or (null (or (cfg-server-cpus cfg) (cfg-client-cpus cfg)))
-                                     (find-program "taskset"))
+                         (unless (find-program "taskset")
                            '("taskset (util-linux)"))
                          (unless (or (not (member "nginx" (cfg-servers cfg) :test #'string=))
                                      (nginx-program))
@@ -954,11 +1060,28 @@ generator takes CPU from the server it measures; nginx runs `worker_processes ~A
         (error "Port ~D on 127.0.0.1 is in use (another benchmark running?); ~
                 set BENCH_PORT to another base port." port)))))
 
+(defun setups-meta-lines (cfg)
+  "The TSV's meta lines for each setup: its CPUs, wrk threads, CPU policy,
+commands and nginx.conf, under keys suffixed _pinned or _shared."
+  (loop for setup in (cfg-setups cfg)
+        append (progn
+                 (apply-setup cfg setup)
+                 (mapcar (lambda (entry)
+                           (cons (format nil "~A_~(~A~)" (car entry) setup) (cdr entry)))
+                         (list (cons "server_cpus" (or (cfg-server-cpus cfg) "any"))
+                               (cons "client_cpus" (or (cfg-client-cpus cfg) "any"))
+                               (cons "wrk_threads" (cfg-wrk-threads cfg))
+                               (cons "cpu_policy" (cpu-policy cfg))
+                               (cons "commands" (commands-meta cfg))
+                               (cons "nginx_conf" (nginx-conf cfg "DIR/" "PORT")))))))
+
 (defun run-all (cfg)
-  (let* ((matrix-sleeps (remove-duplicates (mapcar (lambda (s) (getf s :sleep)) (cfg-scenarios cfg))
-                                           :from-end t))
-         (nservers (length (cfg-servers cfg))))
-    (setf *steps-total* (* (cfg-reps cfg) (+ (* nservers (length (cfg-scenarios cfg))) nservers))
+  (let* ((nservers (length (cfg-servers cfg)))
+         (per-rep (loop for setup in (cfg-setups cfg)
+                        sum (* nservers
+                               (+ (length (setup-scenarios (apply-setup cfg setup)))
+                                  (if (eq setup (first (cfg-setups cfg))) 1 0))))))
+    (setf *steps-total* (* (cfg-reps cfg) per-rep)
           *steps-done* 0
           *failures* 0)
     (with-open-file (tsv (ensure-directories-exist (cfg-tsv cfg))
@@ -971,23 +1094,27 @@ generator takes CPU from the server it measures; nginx runs `worker_processes ~A
                                         (cons "warmup_s" (cfg-warmup cfg))
                                         (cons "idle_n" (cfg-idle-n cfg))
                                         (cons "idle_batch" *idle-batch*)
-                                        (cons "server_cpus" (or (cfg-server-cpus cfg) "any"))
-                                        (cons "client_cpus" (or (cfg-client-cpus cfg) "any"))
-                                        (cons "wrk_threads" (cfg-wrk-threads cfg)))
+                                        (cons "setups" (format nil "~(~{~A~^,~}~)" (cfg-setups cfg))))
                                   (machine-meta)
                                   (software-meta cfg)
-                                  (list (cons "cpu_policy" (cpu-policy cfg))
-                                        (cons "commands" (commands-meta cfg))
-                                        (cons "nginx_conf" (nginx-conf cfg "DIR/" "PORT")))))
+                                  (setups-meta-lines cfg)))
       (write-tsv-header tsv)
       (finish-output tsv)
+      ;; Each repetition runs every setup, so that slow drifts of the machine
+      ;; spread over both; the idle-connections scenario runs in the first.
       (loop for rep from 1 to (cfg-reps cfg)
-            do (dolist (sleep-ms matrix-sleeps)
-                 (run-matrix-group cfg tsv rep sleep-ms
-                                   (remove-if-not (lambda (s) (eql (getf s :sleep) sleep-ms))
-                                                  (cfg-scenarios cfg))))
-               (dolist (name (rotate (cfg-servers cfg) rep))
-                 (run-idle cfg tsv rep name)))
+            do (dolist (setup (cfg-setups cfg))
+                 (apply-setup cfg setup)
+                 (pin-self cfg)
+                 (let ((scenarios (setup-scenarios cfg)))
+                   (dolist (sleep-ms (remove-duplicates (mapcar (lambda (s) (getf s :sleep)) scenarios)
+                                                        :from-end t))
+                     (run-matrix-group cfg tsv rep sleep-ms
+                                       (remove-if-not (lambda (s) (eql (getf s :sleep) sleep-ms))
+                                                      scenarios))))
+                 (when (eq setup (first (cfg-setups cfg)))
+                   (dolist (name (rotate (cfg-servers cfg) rep))
+                     (run-idle cfg tsv rep name)))))
       (write-tsv-meta tsv (list (cons "elapsed" (clock (elapsed))))))))
 
 (defun main (&optional (mode :full))
@@ -999,16 +1126,17 @@ exit: 0 when everything ran, 1 when anything failed."
     (unwind-protect
          (handler-case
              (progn
-               (pin-self cfg)
+               (apply-setup cfg (first (cfg-setups cfg)))
                (check-tools cfg)
                (check-ports cfg)
                (precompile cfg)
-               (format t "~&~A: ~D repetition~:P x ~D scenarios x ~D servers + idle connections (N=~D), ~D s per run~%"
+               (format t "~&~A: ~D repetition~:P x ~D scenarios x ~D servers x setups ~(~{~A~^, ~}~) + idle connections (N=~D), ~D s per run~%"
                        (make-target cfg) (cfg-reps cfg) (length (cfg-scenarios cfg))
-                       (length (cfg-servers cfg)) (cfg-idle-n cfg) (cfg-duration cfg))
-               (format t "Servers on CPU ~A, wrk -t~D on CPU ~A; results: ~A~%"
-                       (or (cfg-server-cpus cfg) "any") (cfg-wrk-threads cfg)
-                       (or (cfg-client-cpus cfg) "any") (enough-namestring (cfg-tsv cfg) *repo*))
+                       (length (cfg-servers cfg)) (cfg-setups cfg) (cfg-idle-n cfg) (cfg-duration cfg))
+               (format t "Pinned: servers on CPU ~A, wrk -t~D on CPU ~A; shared: nothing pinned, wrk -t~D; results: ~A~%"
+                       (or (cfg-pinned-server-cpus cfg) "any") (cfg-pinned-wrk-threads cfg)
+                       (or (cfg-pinned-client-cpus cfg) "any") (cpu-count)
+                       (enough-namestring (cfg-tsv cfg) *repo*))
                (finish-output)
                (run-all cfg)
                (format t "~&~%")

@@ -26,6 +26,8 @@
 ;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
 ;;;; measures the server's memory while clients upload to them.
 ;;;;
+;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
+;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
 ;;;; head-budget benchmark, bench/heads.lisp, lowers it to 65536).
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
@@ -45,6 +47,10 @@
 ;;;;              samples do not depend on when the last collection ran);
 ;;;;   "heap"  -> "HEAP <dynamic usage> <dynamic space size>" in bytes, without
 ;;;;              collecting (garbage included: what the heap holds now);
+;;;;   "gc-stats" -> "GC-STATS <ms spent in GC> <bytes allocated>", both since
+;;;;              the start (per request: the difference over a run);
+;;;;   "perf-map" -> writes /tmp/perf-PID.map (bench/perf-map.lisp), so that
+;;;;              `perf report` names Lisp functions; "PERF-MAP <lines>";
 ;;;;   "quit" or end of file -> exit at once.  End of file means the harness is
 ;;;;   gone, so a crashed harness never leaves a server behind.
 ;;;; Everything else the process prints (compiler chatter, errors) goes to
@@ -203,11 +209,20 @@ header and idle timeouts (default: 20 s).")
     (and v (plusp (length v)) (parse-integer v)))
   "Gallop's :MAX-HEAD-BYTES (default: its own, 1 MiB).")
 
+(defparameter *extra-options*
+  (let ((v (uiop:getenv "BENCH_GALLOP_OPTIONS")))
+    (and v (plusp (length v))
+         (let ((*read-eval* nil) (*package* (find-package :keyword)))
+           (read-from-string v))))
+  "More settings for Gallop, a property list read from BENCH_GALLOP_OPTIONS
+\(e.g. \"(:max-thread-count 2 :standby-thread-count 2)\"), for experiments.")
+
 (defun gallop-options ()
   "The pool and keep-alive timeouts and the head limit set from the
 environment, as initargs of GALLOP:TASKMASTER and keywords of GALLOP:START
-alike."
-  (append (and *idle-timeout* (list :idle-timeout *idle-timeout*))
+alike, then BENCH_GALLOP_OPTIONS."
+  (append *extra-options*
+          (and *idle-timeout* (list :idle-timeout *idle-timeout*))
           (and *thread-idle-timeout* (list :thread-idle-timeout *thread-idle-timeout*))
           (and *max-head-bytes* (list :max-head-bytes *max-head-bytes*))))
 
@@ -276,6 +291,15 @@ alike."
                      ((string= command "heap")
                       (reply "HEAP ~D ~D" (sb-kernel:dynamic-usage)
                              (sb-ext:dynamic-space-size)))
+                     ((string= command "gc-stats")
+                      (reply "GC-STATS ~D ~D" (round (* 1000 sb-ext:*gc-run-time*)
+                                                     internal-time-units-per-second)
+                             (sb-ext:get-bytes-consed)))
+                     ((string= command "perf-map")
+                      ;; perf(1) names Lisp functions from /tmp/perf-PID.map.
+                      (require :sb-posix)
+                      (load (merge-pathnames "perf-map.lisp" *load-truename*))
+                      (reply "PERF-MAP ~D" (funcall (intern "WRITE-PERF-MAP" *package*))))
                      ((string= command "quit")
                       (return)))))
   (sb-sys:interactive-interrupt () nil)

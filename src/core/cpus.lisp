@@ -140,13 +140,3 @@ into.  NIL if its stat file can't be read (the thread has just exited)."
           (let ((paren (position 41 buffer :end n :from-end t))) ; #\)
             (and paren (< (+ paren +proc-stat-state-offset+) n)
                  (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))))) ; #\R
-
-(defun runnable-threads (threads limit buffer)
-  "How many of THREADS (Lisp threads) are running or waiting for a CPU,
-counting no further than LIMIT."
-  (let ((count 0))
-    (dolist (thread threads count)
-      (let ((tid (ignore-errors (sb-thread:thread-os-tid thread))))
-        (when (and tid (thread-runnable-p tid buffer))
-          (when (>= (incf count) limit)
-            (return count)))))))

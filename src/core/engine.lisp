@@ -195,8 +195,9 @@ connections parked with a partial head, and those grown for a long head),
 the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
 (their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
 the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
-connection while a handler read or answered), and the pool's :THREADS and
-:IDLE-THREADS."
+connection while a handler read or answered), and the pool's :THREADS,
+:IDLE-THREADS and :RUN-PERMITS (how many workers may serve at once, see
+pool.lisp)."
   (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
   (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
         (table (engine-table engine)))
@@ -224,4 +225,5 @@ connection while a handler read or answered), and the pool's :THREADS and
             :write-timeouts (engine-write-timeouts engine)
             :aborted (engine-aborted engine)
             :threads (if pool (pool-thread-count pool) 0)
-            :idle-threads (if pool (pool-idle pool) 0)))))
+            :idle-threads (if pool (pool-idle pool) 0)
+            :run-permits (if pool (pool-allowed pool) 0)))))

@@ -26,17 +26,26 @@
 ;;;; serve from epoll at once (ALLOWED); the other threads wait for a permit.
 ;;;; ALLOWED starts at the number of CPUs this process may run on, because
 ;;;; for work that computes, more runnable workers than CPUs only add
-;;;; preemption in mid-request (tail latency) and no throughput.  Every 5 ms
-;;;; the maker thread samples the process's CPU use: when no permit holder is
-;;;; free (all busy), the CPUs are under +GROWTH-CPU-LIMIT+, and permit
-;;;; holders are blocked (sleeping, waiting on a database): fewer of them
-;;;; run or wait for a CPU (the kernel's thread state, cpus.lisp) than there
-;;;; are CPUs or than half of them, in two samples in a row, it adds a
-;;;; permit, and a thread when none is waiting for one (up to MAX-THREADS).  The thread states matter on a
-;;;; machine shared with other processes: there the process stays under its
-;;;; CPUs while its workers compute and wait for CPUs others hold, and more
-;;;; threads would only add to the wait.  Samples during which a garbage
-;;;; collection ran are skipped: it stops every thread but one.
+;;;; preemption in mid-request (tail latency) and no throughput.  A permit
+;;;; is added for a worker that blocks in a handler (sleeping, waiting on a
+;;;; database), so that as many workers as there are CPUs can still run.
+;;;; Blocking is seen directly, not inferred from the process's CPU use: each
+;;;; worker counts the events it begins and ends serving (its WORKER record;
+;;;; odd while serving, one store each, to a line no other thread writes), and
+;;;; every 5 ms the maker reads, for each serving worker, its thread's state
+;;;; from the kernel (cpus.lisp): R (running, or runnable and waiting for a
+;;;; CPU) or not.  A worker serving the same event before and after its
+;;;; state read, and not R, is blocked.  On a machine shared with other
+;;;; processes the workers wait for CPUs others hold, in state R: that is
+;;;; contention, not blocking, and more threads would only add to the wait.
+;;;; When no permit holder is free (all busy), the process uses under
+;;;; +GROWTH-CPU-LIMIT+ of its CPUs, and the permits not held by blocked
+;;;; workers are fewer than the CPUs, or than half the permits (with many
+;;;; workers blocked most of the time, those waking up at once may outnumber
+;;;; the CPUs), in two samples in a row, it adds a permit, and a thread when
+;;;; there are fewer threads than permits (up to MAX-THREADS).  Samples
+;;;; during which a garbage collection ran are skipped: it stops every
+;;;; thread but one.
 ;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
 ;;;; permit back (down to the CPU count); the holder that notices gives it up.
 ;;;; "CPUs" means the ones the process may use: its affinity mask, lowered by
@@ -47,6 +56,8 @@
 ;;;;
 ;;;; Invariants:
 ;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK.
+;;;;    WORKERS holds the WORKER record of each thread in THREADS that has
+;;;;    begun its loop, also under LOCK.
 ;;;;  - IDLE counts the workers inside epoll_wait; it only changes atomically.
 ;;;;  - HOLDERS counts the workers holding a run permit, free permits are the
 ;;;;    count of the PERMITS semaphore, and HOLDERS + free permits = ALLOWED
@@ -73,6 +84,13 @@
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
 
+(defstruct (worker (:constructor make-worker (thread tid)) (:copier nil))
+  "What the maker thread reads of one worker.  Written by that worker only."
+  (thread nil :read-only t)
+  (tid 0 :type fixnum :read-only t)
+  ;; Events begun plus events ended: odd while the worker serves one.
+  (serving 0 :type sb-ext:word))
+
 (defstruct (pool (:constructor %make-pool) (:copier nil))
   (name "gallop" :type string)
   (epfd -1 :type fixnum)
@@ -88,6 +106,7 @@
   (permits (sb-thread:make-semaphore :name "gallop run permits"))
   (lock (sb-thread:make-mutex :name "gallop pool"))
   (threads '() :type list)
+  (workers '() :type list)
   (thread-count 0 :type fixnum)
   (retired '() :type list)
   (maker nil)
@@ -225,24 +244,23 @@ gives its up."
               (setf blocked-samples
                     (if (and (zerop (pool-idle pool))
                              (< load +growth-cpu-limit+)
-                             (< (pool-allowed pool) (pool-max-threads pool))
-                             ;; Permit holders are blocked: fewer of them
-                             ;; run or wait for a CPU than there are CPUs,
-                             ;; or than half of them (with many workers
-                             ;; blocked most of the time, those waking up
-                             ;; at once may outnumber the CPUs).
-                             (let ((enough (max floor (ceiling (pool-holders pool) 2))))
-                               (< (runnable-threads (sb-thread:with-mutex ((pool-lock pool))
-                                                      (copy-list (pool-threads pool)))
-                                                    enough stat-buffer)
-                                  enough)))
+                             (or (< (pool-allowed pool) (pool-max-threads pool))
+                                 (< (pool-thread-count pool) (pool-allowed pool)))
+                             ;; The permits not held by blocked workers are
+                             ;; fewer than the CPUs, or than half the permits.
+                             (let* ((allowed (pool-allowed pool))
+                                    (enough (max floor (ceiling allowed 2))))
+                               (> (blocked-workers pool (- allowed enough -1) stat-buffer)
+                                  (- allowed enough))))
                         (1+ blocked-samples)
                         0))
               ;; Growth starts after two such samples in a row (a thread's
               ;; state is a snapshot) and goes on one permit a sample while
-              ;; they last.
+              ;; they last; a thread is added when fewer threads than
+              ;; permits remain (idle ones left since the permits were added).
               (cond ((>= blocked-samples 2)
-                     (add-permit pool)
+                     (when (< (pool-allowed pool) (pool-max-threads pool))
+                       (add-permit pool))
                      (when (< (pool-thread-count pool) (pool-allowed pool))
                        (spawn-worker pool)))
                     ((and (> (pool-allowed pool) floor)
@@ -250,9 +268,30 @@ gives its up."
                      (setf idle-samples 0)
                      (remove-permit pool))))))))))
 
-(defun leave-pool (pool already-counted-out)
+(defun blocked-workers (pool limit buffer)
+  "How many of POOL's workers are blocked while serving an event (see the
+header), counting no further than LIMIT.  BUFFER is for THREAD-RUNNABLE-P."
+  (let ((count 0))
+    (declare (type fixnum count))
+    (when (plusp limit)
+      (dolist (worker (sb-thread:with-mutex ((pool-lock pool))
+                        (copy-list (pool-workers pool))))
+        (let ((before (worker-serving worker)))
+          (when (and (oddp before)
+                     (not (thread-runnable-p (worker-tid worker) buffer))
+                     (= before (worker-serving worker)))
+            (when (>= (incf count) limit)
+              (return))))))
+    count))
+
+(defun join-workers (pool worker)
+  (sb-thread:with-mutex ((pool-lock pool))
+    (push worker (pool-workers pool))))
+
+(defun leave-pool (pool already-counted-out worker)
   (let ((self sb-thread:*current-thread*))
     (sb-thread:with-mutex ((pool-lock pool))
+      (setf (pool-workers pool) (delete worker (pool-workers pool)))
       (when (member self (pool-threads pool))
         (setf (pool-threads pool) (delete self (pool-threads pool)))
         (unless already-counted-out
@@ -304,13 +343,18 @@ than ALLOWED."
         (dispatch (pool-dispatch pool))
         (timeout (pool-idle-timeout-ms pool))
         (counted-out nil)
-        (holding nil))
+        (holding nil)
+        (worker (make-worker sb-thread:*current-thread*
+                             (sb-thread:thread-os-tid sb-thread:*current-thread*))))
     (declare (type function dispatch) (type fixnum epfd timeout))
+    (join-workers pool worker)
     (flet ((serve (data flags)
+             (incf (worker-serving worker))
              (handler-case (funcall dispatch data flags)
                (serious-condition (e)
                  (let ((log (pool-log-error pool)))
-                   (when log (ignore-errors (funcall log e)))))))
+                   (when log (ignore-errors (funcall log e))))))
+             (incf (worker-serving worker)))
            (take-events (n keep-first)
              ;; Queue the N events epoll_wait left in EVENTS, but the first
              ;; connection's when KEEP-FIRST: that one is returned (with its
@@ -399,7 +443,7 @@ than ALLOWED."
         (when holding
           (release-permit pool))
         (free-event-buffer events)
-        (leave-pool pool counted-out)))))
+        (leave-pool pool counted-out worker)))))
 
 (defun pool-requeue (pool data)
   "Queue DATA for a worker as if epoll had just reported it readable, behind

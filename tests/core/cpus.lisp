@@ -106,10 +106,12 @@ controller, or v2); its directory, or NIL if this machine does not let us."
             (stop-limited-server server)
             (remove-cgroup cgroup))))))
 
-(test runnable-threads-are-told-from-blocked-ones
-  "The pool's growth looks at whether its busy workers want a CPU (state R in
-/proc/self/task/TID/stat) or are blocked: a spinning thread is runnable, a
-thread waiting on a semaphore is not, and the count stops at its limit."
+(test blocked-workers-are-told-from-running-and-free-ones
+  "The pool's growth counts the workers that are blocked while serving an
+event: serving (an odd count in their WORKER record) and not wanting a CPU
+\(state R in /proc/self/task/TID/stat).  A spinning thread is runnable, a
+thread waiting on a semaphore is not, a worker not serving is never blocked,
+and the count stops at its limit."
   (let* ((stop nil)
          (gate (sb-thread:make-semaphore))
          (buffer (make-array 128 :element-type '(unsigned-byte 8)))
@@ -117,22 +119,38 @@ thread waiting on a semaphore is not, and the count stops at its limit."
          (waiters (loop repeat 3 collect (sb-thread:make-thread
                                           (lambda () (sb-thread:wait-on-semaphore gate))
                                           :name "waiting (test)"))))
-    (unwind-protect
-         (progn
-           ;; Until each is where the test put it (a thread just started
-           ;; may still be running on its way to the semaphore).
-           (is-true (wait-until (lambda ()
-                                  (notany (lambda (w) (gallop.core::thread-runnable-p
-                                                       (sb-thread:thread-os-tid w) buffer))
-                                          waiters))))
-           (is-true (wait-until (lambda ()
-                                  (gallop.core::thread-runnable-p
-                                   (sb-thread:thread-os-tid spinner) buffer))))
-           (is (= 0 (gallop.core::runnable-threads waiters 10 buffer)))
-           (is (= 1 (gallop.core::runnable-threads (cons spinner waiters) 10 buffer)))
-           (is (= 1 (gallop.core::runnable-threads (list spinner spinner spinner) 1 buffer)))
-           (is (null (gallop.core::thread-runnable-p 999999999 buffer))
-               "a thread that does not exist"))
-      (setf stop t)
-      (sb-thread:signal-semaphore gate 3)
-      (mapc #'sb-thread:join-thread (cons spinner waiters)))))
+    (flet ((worker (thread serving)
+             (let ((w (gallop.core::make-worker thread (sb-thread:thread-os-tid thread))))
+               (setf (gallop.core::worker-serving w) serving)
+               w))
+           (pool (&rest workers)
+             (let ((pool (gallop.core::make-pool)))
+               (setf (gallop.core::pool-workers pool) workers)
+               pool)))
+      (unwind-protect
+           (progn
+             ;; Until each is where the test put it (a thread just started
+             ;; may still be running on its way to the semaphore).
+             (is-true (wait-until (lambda ()
+                                    (notany (lambda (w) (gallop.core::thread-runnable-p
+                                                         (sb-thread:thread-os-tid w) buffer))
+                                            waiters))))
+             (is-true (wait-until (lambda ()
+                                    (gallop.core::thread-runnable-p
+                                     (sb-thread:thread-os-tid spinner) buffer))))
+             (flet ((blocked (pool limit) (gallop.core::blocked-workers pool limit buffer)))
+               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
+                 (is (= 3 (blocked (apply #'pool serving) 10)))
+                 (is (= 2 (blocked (apply #'pool serving) 2)) "the count stops at its limit")
+                 (is (= 0 (blocked (apply #'pool serving) 0))))
+               (is (= 0 (blocked (pool (worker spinner 1)) 10)) "a running worker is not blocked")
+               (is (= 0 (blocked (apply #'pool (mapcar (lambda (w) (worker w 8)) waiters)) 10))
+                   "a waiting worker that is not serving is not blocked")
+               (is (= 1 (blocked (pool (worker spinner 3) (worker (first waiters) 5)
+                                       (worker (second waiters) 6))
+                                 10))))
+             (is (null (gallop.core::thread-runnable-p 999999999 buffer))
+                 "a thread that does not exist"))
+        (setf stop t)
+        (sb-thread:signal-semaphore gate 3)
+        (mapc #'sb-thread:join-thread (cons spinner waiters))))))

@@ -1,0 +1,193 @@
+;;;; every-core.lisp -- the pool on a machine it shares (issue 15), as a
+;;;; client sees it, on both front ends (GALLOP:START and GALLOP:EASY-ACCEPTOR):
+;;;;  - under load, unpinned, with a busy loop holding one CPU, a handler that
+;;;;    never blocks never makes the pool grow past the CPUs plus 2 workers
+;;;;    (contention is not blocking);
+;;;;  - handlers that do block (more of them than there are CPUs) stall no
+;;;;    other connection: the pool adds run permits and threads for them, and
+;;;;    gives them back once they are done.
+;;;; Nothing here measures time: the blocked handlers wait on a gate that only
+;;;; opens once the other clients got their answers.
+
+(in-package #:gallop-tests)
+
+(in-suite core)
+
+(defun cpu-count-usable ()
+  "The CPUs Gallop's pool sizes itself by (its affinity and cgroup quota)."
+  (ceiling (gallop.core::usable-cpus)))
+
+(defun strict-get (port path)
+  "GET PATH on a fresh connection, Connection: close; the response read
+strictly (READ-WIRE), or the WIRE-ERROR."
+  (let ((socket (connect port)))
+    (unwind-protect
+         (progn (send socket (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x" "Connection: close"))
+                (read-wire-or-error socket :close t))
+      (usocket:socket-close socket))))
+
+(defun exact-answer-p (response body)
+  "RESPONSE is a 200 whose Content-Length names exactly BODY, which follows."
+  (and (wire-response-p response)
+       (= 200 (wire-status response))
+       (eq :content-length (wire-framing response))
+       (equal (princ-to-string (length body)) (wire-header response "Content-Length"))
+       (string= body (wire-body-string response))))
+
+;;; A CPU hog beside an unpinned server under load
+
+(defun start-bench-server (kind port)
+  "bench/server.lisp serving KIND on PORT in a process of its own (its pool
+sees its own CPU use, not this test's), unpinned; the process, once READY."
+  (let* ((process (sb-ext:run-program
+                   "/bin/sh" (list "scripts/lisp.sh" "--load" "bench/server.lisp"
+                                   "--end-toplevel-options" kind (princ-to-string port) "0")
+                   :wait nil :input :stream :output :stream :error nil
+                   :directory (asdf:system-source-directory "gallop")))
+         (ready (read-line (sb-ext:process-output process) nil "")))
+    (unless (uiop:string-prefix-p "READY " ready)
+      (stop-limited-server process)
+      (error "The ~A server did not start: ~S" kind ready))
+    process))
+
+(defun wrk-report (output)
+  "From wrk's OUTPUT: the requests it completed, and whether any socket error
+or non-2xx answer was reported."
+  (let ((completed (let ((at (search " requests in" output)))
+                     (and at (parse-integer output :start (1+ (or (position #\Space output :end at :from-end t) -1))
+                                                   :end at :junk-allowed t)))))
+    (values completed
+            (or (search "Socket errors" output) (search "Non-2xx" output)))))
+
+(defun hog-beside-load (kind)
+  "Serve KIND unpinned, run wrk -t2 -c100 for 10 s against it with a busy
+loop pinned to the last CPU, sampling the pool every 100 ms.  Returns the
+most workers and run permits seen, wrk's completed requests, whether wrk
+saw errors, the pool after the load, and a fresh client's answer after it."
+  (let* ((port (free-port))
+         (server (start-bench-server kind port))
+         (hog nil))
+    (unwind-protect
+         (let* ((most-threads 0) (most-permits 0) (done nil)
+                (sampler (sb-thread:make-thread
+                          (lambda ()
+                            (loop until done
+                                  do (let ((stats (limited-server-stats server)))
+                                       (setf most-threads (max most-threads (getf stats :threads 0))
+                                             most-permits (max most-permits (getf stats :run-permits 0))))
+                                     (sleep 0.1)))
+                          :name "pool sampler (test)")))
+           (setf hog (sb-ext:run-program "taskset" (list "-c" (princ-to-string (1- (cpu-count-usable)))
+                                                         "sh" "-c" "while :; do :; done")
+                                         :search t :wait nil))
+           (let ((output (with-output-to-string (out)
+                           (sb-ext:run-program "wrk" (list "-t2" "-c100" "-d10s" "--timeout" "5s"
+                                                           (format nil "http://127.0.0.1:~D/yo" port))
+                                               :search t :output out :error out))))
+             (setf done t)
+             (sb-thread:join-thread sampler)
+             (sb-ext:process-kill hog 9)
+             (sb-ext:process-wait hog)
+             (multiple-value-bind (completed errors) (wrk-report output)
+               (values most-threads most-permits completed errors
+                       (limited-server-stats server) (strict-get port "/yo")
+                       output))))
+      (when (and hog (sb-ext:process-alive-p hog))
+        (sb-ext:process-kill hog 9)
+        (sb-ext:process-wait hog))
+      (stop-limited-server server))))
+
+(test non-blocking-handlers-beside-a-cpu-hog-do-not-grow-the-pool
+  "10 s of unpinned wrk load with a busy loop on one CPU: the workers wait
+for CPUs another process holds, which is contention, not blocking; the pool
+stays within the CPU count plus 2 workers, on both front ends, and serves
+every request."
+  (let ((cpus (cpu-count-usable)))
+    (dolist (kind '("native" "gallop"))
+      (multiple-value-bind (threads permits completed errors after answer output)
+          (hog-beside-load kind)
+        ;; Gallop's standby count (4) is the floor of the pool's threads.
+        (is (<= threads (max 4 (+ cpus 2)))
+            "~A: the pool grew to ~D workers beside a CPU hog (~D CPUs)" kind threads cpus)
+        (is (<= permits (+ cpus 2))
+            "~A: the pool took ~D run permits beside a CPU hog (~D CPUs)" kind permits cpus)
+        (is (and completed (plusp completed)) "~A: wrk completed nothing: ~A" kind output)
+        (is (not errors) "~A: wrk saw errors: ~A" kind output)
+        (is (<= (getf after :threads 0) (max 4 (+ cpus 2))))
+        (is (exact-answer-p answer "Hey!") "~A: after the load: ~A" kind answer)))))
+
+;;; Blocking handlers
+
+(defvar *gate* nil "The semaphore blocking handlers wait on.")
+(defvar *gate-entered* (list 0) "How many blocking handlers are inside.")
+(defvar *gate-timeouts* (list 0) "How many gave up waiting (the test failed).")
+
+(defun wait-at-gate ()
+  "Wait for the test to open *GATE* (at most 30 s, counted in *GATE-TIMEOUTS*)."
+  (sb-ext:atomic-incf (car *gate-entered*))
+  (unless (sb-thread:wait-on-semaphore *gate* :timeout 30)
+    (sb-ext:atomic-incf (car *gate-timeouts*)))
+  "unblocked")
+
+(hunchentoot:define-easy-handler (handle-gate :uri "/gate") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (wait-at-gate))
+
+(defun gate-app (env)
+  (if (string= (getf env :path-info) "/gate")
+      (list 200 '(:content-type "text/plain") (list (wait-at-gate)))
+      (list 200 '(:content-type "text/plain") (list "Hey!"))))
+
+(defun blocked-handlers-case (port stats)
+  "With STATS a function of no argument returning the server's GALLOP:STATS:
+block more handlers than there are CPUs (and so run permits), serve 20 other
+clients while they block, then let them go.  Checks the answers, and that
+the pool grew for the blocked ones and shrank back after."
+  (let* ((cpus (cpu-count-usable))
+         (blocked-count (+ cpus 2))
+         (permits-before (getf (funcall stats) :run-permits)))
+    (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+          *gate-entered* (list 0)
+          *gate-timeouts* (list 0))
+    (let ((blocked (loop repeat blocked-count
+                         collect (let ((s (connect port :timeout 40)))
+                                   (send s (crlf "GET /gate HTTP/1.1" "Host: x" "Connection: close"))
+                                   s))))
+      (unwind-protect
+           (progn
+             (is (= cpus permits-before) "run permits before: ~D, CPUs: ~D" permits-before cpus)
+             ;; More handlers blocked than run permits at first: each got a
+             ;; worker, because the pool saw its workers blocked.
+             (is-true (wait-until (lambda () (= blocked-count (car *gate-entered*))) :timeout 20)
+                      "~D of ~D blocking handlers began" (car *gate-entered*) blocked-count)
+             (is (> (getf (funcall stats) :run-permits) cpus))
+             ;; Other clients are served while they block.
+             (let ((answers (loop repeat 20 collect (strict-get port "/yo"))))
+               (is (every (lambda (a) (exact-answer-p a "Hey!")) answers)
+                   "answers while handlers blocked: ~A" answers))
+             (is (= blocked-count (car *gate-entered*))))
+        (sb-thread:signal-semaphore *gate* blocked-count)
+        (let ((answers (mapcar (lambda (s)
+                                 (prog1 (read-wire-or-error s :close t)
+                                   (usocket:socket-close s)))
+                               blocked)))
+          (is (every (lambda (a) (exact-answer-p a "unblocked")) answers)
+              "the blocked handlers' answers: ~A" answers)))
+      (is (zerop (car *gate-timeouts*)) "~D handlers were still blocked when the test gave up"
+          (car *gate-timeouts*))
+      ;; Back to one run permit per CPU, and to the standby workers.
+      (is-true (wait-until (lambda () (= cpus (getf (funcall stats) :run-permits))) :timeout 30)
+               "run permits stayed at ~D" (getf (funcall stats) :run-permits))
+      (is-true (wait-until (lambda () (= 2 (getf (funcall stats) :threads))) :timeout 30)
+               "threads stayed at ~D" (getf (funcall stats) :threads)))))
+
+(test blocked-handlers-stall-no-other-connection-native
+  (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 1)
+    (blocked-handlers-case (native-port server) (lambda () (gallop:stats server)))))
+
+(test blocked-handlers-stall-no-other-connection-easy-acceptor
+  (with-server (server 'gallop:easy-acceptor
+                       :taskmaster (make-instance 'gallop:taskmaster
+                                                  :standby-thread-count 2
+                                                  :thread-idle-timeout 1))
+    (blocked-handlers-case (port-of server) (lambda () (gallop:stats server)))))
