@@ -55,11 +55,11 @@ clean:
 	rm -rf ~/.cache/common-lisp/sbcl-*$(CURDIR)
 
 # Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
-#   make bench        the full matrix, 3 repetitions, ~17 min; writes bench/results/RUN.tsv,
+#   make bench        the full matrix in both setups (pinned, shared), 3 repetitions, ~50 min; writes bench/results/RUN.tsv,
 #                     BENCHMARKS.md and BENCHMARKS.svg; then bench-uploads and bench-heads
 #                     (memory under large uploads and partial heads, ~2 min, below)
 #                     and bench-slow-readers
-#   make bench-quick  one repetition of 1 s runs, under 2 min; writes bench/results/tmp/
+#   make bench-quick  one repetition of 1 s runs, both setups, ~4 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.
 BENCH = $(LISP) --load bench/run.lisp --eval

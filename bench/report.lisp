@@ -599,8 +599,8 @@ Debian's nginx as the reference for what the machine can do, on the seed's
 benchmark matrix (handler sleep 0 and 1 ms, keep-alive and `Connection: close`,
 10, 100 and 400 connections, plus thousands of idle keep-alive connections).
 
-Reproduce with `make bench` (about 17 minutes; installs `wrk` and `nginx-light`
-when missing). `make bench-quick` (one short repetition, under 2 minutes) and
+Reproduce with `make bench` (about 50 minutes; installs `wrk` and `nginx-light`
+when missing). `make bench-quick` (one short repetition, about 4 minutes) and
 `make bench-smoke` (seconds; what CI runs) write to `bench/results/tmp/`
 instead. Raw results: `bench/results/*.tsv`, one file per run. Everything
 between the two markers below is generated from the latest full run by

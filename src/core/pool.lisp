@@ -39,11 +39,12 @@
 ;;;; processes the workers wait for CPUs others hold, in state R: that is
 ;;;; contention, not blocking, and more threads would only add to the wait.
 ;;;; When no permit holder is free (all busy), the process uses under
-;;;; +GROWTH-CPU-LIMIT+ of its CPUs, and the permits not held by blocked
-;;;; workers are fewer than the CPUs, or than half the permits (with many
+;;;; +GROWTH-CPU-LIMIT+ of its CPUs, and the permit holders that are not
+;;;; blocked are fewer than the CPUs, or than half the holders (with many
 ;;;; workers blocked most of the time, those waking up at once may outnumber
-;;;; the CPUs), in two samples in a row, it adds a permit, and a thread when
-;;;; there are fewer threads than permits (up to MAX-THREADS).  Samples
+;;;; the CPUs), in two samples in a row, it adds a thread when permits are
+;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
+;;;; behind), else a permit and a thread for it (up to MAX-THREADS).  Samples
 ;;;; during which a garbage collection ran are skipped: it stops every
 ;;;; thread but one.
 ;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
@@ -88,8 +89,15 @@
   "What the maker thread reads of one worker.  Written by that worker only."
   (thread nil :read-only t)
   (tid 0 :type fixnum :read-only t)
+  ;; Seven words either side of SERVING, so that no other object (a garbage
+  ;; collection may move another worker's record next to this one) shares
+  ;; its 64-octet cache line: its worker writes it twice per event.
+  (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
+  (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
   ;; Events begun plus events ended: odd while the worker serves one.
-  (serving 0 :type sb-ext:word))
+  (serving 0 :type sb-ext:word)
+  (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
+  (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
 (defstruct (pool (:constructor %make-pool) (:copier nil))
   (name "gallop" :type string)
@@ -246,12 +254,14 @@ gives its up."
                              (< load +growth-cpu-limit+)
                              (or (< (pool-allowed pool) (pool-max-threads pool))
                                  (< (pool-thread-count pool) (pool-allowed pool)))
-                             ;; The permits not held by blocked workers are
-                             ;; fewer than the CPUs, or than half the permits.
-                             (let* ((allowed (pool-allowed pool))
-                                    (enough (max floor (ceiling allowed 2))))
-                               (> (blocked-workers pool (- allowed enough -1) stat-buffer)
-                                  (- allowed enough))))
+                             ;; The permit holders not blocked are fewer
+                             ;; than the CPUs, or than half the holders.
+                             ;; (Holders, not permits: threads that left
+                             ;; idle may have left permits nobody holds.)
+                             (let* ((holders (pool-holders pool))
+                                    (enough (max floor (ceiling holders 2))))
+                               (> (blocked-workers pool (- holders enough -1) stat-buffer)
+                                  (- holders enough))))
                         (1+ blocked-samples)
                         0))
               ;; Growth starts after two such samples in a row (a thread's
@@ -259,7 +269,10 @@ gives its up."
               ;; they last; a thread is added when fewer threads than
               ;; permits remain (idle ones left since the permits were added).
               (cond ((>= blocked-samples 2)
-                     (when (< (pool-allowed pool) (pool-max-threads pool))
+                     ;; A free permit with no thread to take it: a thread.
+                     ;; Else a permit, and a thread for it.
+                     (when (and (>= (pool-thread-count pool) (pool-allowed pool))
+                                (< (pool-allowed pool) (pool-max-threads pool)))
                        (add-permit pool))
                      (when (< (pool-thread-count pool) (pool-allowed pool))
                        (spawn-worker pool)))
