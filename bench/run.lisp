@@ -653,7 +653,7 @@ see CPU-SECONDS), and the most threads they had meanwhile."
   (multiple-value-bind (r out code command cpu threads)
       (run-wrk cfg (srv-port server) (gethash "connections" row)
                (string= (gethash "connection" row) "close") (cfg-duration cfg)
-               (srv-pid server) (uiop:string-suffix-p (gethash "scenario" row) "-hog"))
+               (srv-pid server) (hog-scenario-p (gethash "scenario" row)))
     (setf (gethash "command" row) command
           (gethash "threads_max" row) threads)
     (cond ((null r)

@@ -69,13 +69,8 @@ controller, or v2); its directory, or NIL if this machine does not let us."
   (let ((cgroup (make-quota-cgroup (format nil "gallop-test-~D" (sb-posix:getpid)) 1/5)))
     (if (null cgroup)
         (skip "No writable cgroup cpu controller on this machine.")
-        (let* ((port (free-port))
-               (server (sb-ext:run-program
-                        "/bin/sh" (list "scripts/lisp.sh" "--load" "bench/server.lisp" "--end-toplevel-options"
-                                                "native" (princ-to-string port) "0")
-                        :wait nil :input :stream :output :stream :error nil
-                        :directory (asdf:system-source-directory "gallop")))
-               (ready (read-line (sb-ext:process-output server) nil "")))
+        (let ((port (free-port)))
+         (multiple-value-bind (server ready) (start-bench-server "native" port)
           (unwind-protect
                (let ((pid (ignore-errors (parse-integer ready :start (length "READY ")))))
                  (is (integerp pid) "the server said ~S" ready)
@@ -104,7 +99,7 @@ controller, or v2); its directory, or NIL if this machine does not let us."
                    (is (<= peak (+ before 1))
                        "the pool grew from ~D to ~D threads under a CPU quota" before peak)))
             (stop-limited-server server)
-            (remove-cgroup cgroup))))))
+            (remove-cgroup cgroup)))))))
 
 (test blocked-workers-are-told-from-running-and-free-ones
   "The pool's growth counts the workers that are blocked while serving an

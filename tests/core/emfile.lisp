@@ -7,17 +7,26 @@
 
 (in-suite core)
 
+(defun start-bench-server (kind port &key fd-limit)
+  "bench/server.lisp serving KIND (\"native\", \"gallop\", ...) on PORT, in a
+process of its own (its pool sees its own CPU use, not this test's), under
+an fd limit of FD-LIMIT when given.  Returns the process and its first line
+of output, \"READY <pid>\" once it listens (see bench/server.lisp)."
+  (let* ((command (list "scripts/lisp.sh" "--load" "bench/server.lisp"
+                        "--end-toplevel-options" kind (princ-to-string port) "0"))
+         (process (sb-ext:run-program
+                   (if fd-limit "prlimit" "/bin/sh")
+                   (if fd-limit
+                       (cons (format nil "--nofile=~D:~D" fd-limit fd-limit) command)
+                       command)
+                   :search t :wait nil :input :stream :output :stream :error nil
+                   :directory (asdf:system-source-directory "gallop"))))
+    (values process (read-line (sb-ext:process-output process) nil ""))))
+
 (defun start-limited-server (port fd-limit)
   "A native Gallop server (bench/server.lisp) on PORT in a child process
 whose fd limit is FD-LIMIT.  Returns the process once it answers."
-  (let ((process (sb-ext:run-program
-                  "prlimit" (list (format nil "--nofile=~D:~D" fd-limit fd-limit)
-                                  "scripts/lisp.sh" "--load" "bench/server.lisp"
-                                  "--end-toplevel-options" "native" (princ-to-string port) "0")
-                  :search t :wait nil :input :stream :output :stream :error nil
-                  :directory (asdf:system-source-directory "gallop"))))
-    (read-line (sb-ext:process-output process) nil) ; READY <pid>
-    process))
+  (values (start-bench-server "native" port :fd-limit fd-limit)))
 
 (defun limited-server-stats (process)
   "GALLOP:STATS of the child server (bench/server.lisp's \"stats\" command)."

@@ -36,20 +36,6 @@ strictly (READ-WIRE), or the WIRE-ERROR."
 
 ;;; A CPU hog beside an unpinned server under load
 
-(defun start-bench-server (kind port)
-  "bench/server.lisp serving KIND on PORT in a process of its own (its pool
-sees its own CPU use, not this test's), unpinned; the process, once READY."
-  (let* ((process (sb-ext:run-program
-                   "/bin/sh" (list "scripts/lisp.sh" "--load" "bench/server.lisp"
-                                   "--end-toplevel-options" kind (princ-to-string port) "0")
-                   :wait nil :input :stream :output :stream :error nil
-                   :directory (asdf:system-source-directory "gallop")))
-         (ready (read-line (sb-ext:process-output process) nil "")))
-    (unless (uiop:string-prefix-p "READY " ready)
-      (stop-limited-server process)
-      (error "The ~A server did not start: ~S" kind ready))
-    process))
-
 (defun wrk-report (output)
   "From wrk's OUTPUT: the requests it completed, and whether any socket error
 or non-2xx answer was reported."
@@ -65,7 +51,11 @@ loop pinned to the last CPU, sampling the pool every 100 ms.  Returns the
 most workers and run permits seen, wrk's completed requests, whether wrk
 saw errors, the pool after the load, and a fresh client's answer after it."
   (let* ((port (free-port))
-         (server (start-bench-server kind port))
+         (server (multiple-value-bind (process ready) (start-bench-server kind port)
+                   (unless (uiop:string-prefix-p "READY " ready)
+                     (stop-limited-server process)
+                     (error "The ~A server did not start: ~S" kind ready))
+                   process))
          (hog nil))
     (unwind-protect
          (let* ((most-threads 0) (most-permits 0) (done nil)
