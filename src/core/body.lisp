@@ -106,6 +106,10 @@ buffer no longer counts against the head budget."
     (uncharge-head c)
     c))
 
+(defun connection-detached-p (c)
+  "True once the layer above kept C's stream (CONNECTION-DETACH)."
+  (conn-slot c detaching))
+
 (defun connection-head-pending-p (c)
   "True if the layer above has not read the checked request head yet."
   (plusp (the fixnum (conn-slot c head-left))))

@@ -27,7 +27,8 @@
    #:request-host-start #:request-host-end #:request-content-length #:request-chunked
    #:request-expect-continue #:request-keep-alive #:parse-head #:make-request
    #:connection-take-head #:connection-write-continue
-   #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:make-body-stream #:body-stream
+   #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:connection-detached-p
+   #:make-body-stream #:body-stream
    #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
    #:put-latin1 #:put-decimal

@@ -1,10 +1,12 @@
 ;;;; socket.lisp -- the usocket that Hunchentoot's PROCESS-CONNECTION sees for
-;;;; a connection Gallop accepted itself.
+;;;; a connection Gallop serves.
 ;;;;
 ;;;; PROCESS-CONNECTION takes a usocket: it reads USOCKET:SOCKET-STREAM and asks
 ;;;; for the peer and local names.  A CONNECTION-USOCKET answers from what
-;;;; accept4(2) returned, so no getpeername(2) per request, and its stream is
-;;;; the Gallop connection itself.
+;;;; accept returned (Gallop's accept4(2), or Hunchentoot's own accept on a
+;;;; stock acceptor), so no getpeername(2) per request, none that fails for a
+;;;; client that already hung up, and its stream is the Gallop connection
+;;;; itself.
 
 (in-package #:gallop)
 

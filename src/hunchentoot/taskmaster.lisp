@@ -109,16 +109,21 @@ new connections get 503.")
     (and tm (stats tm))))
 
 (defun serve-connection (acceptor connection)
-  "The engine's handler: run Hunchentoot's request loop on CONNECTION."
+  "The engine's handler: run Hunchentoot's request loop on CONNECTION.  It
+gets a CONNECTION-USOCKET (socket.lisp), also for a socket Hunchentoot's own
+ACCEPT-CONNECTIONS accepted: the peer's address is the one accept gave, so
+no getpeername(2) can fail for a client that already reset (Hunchentoot
+1.3.x asks for it before the UNWIND-PROTECT that closes its stream).
+Whatever way PROCESS-CONNECTION returns, the connection is closed unless a
+handler kept it (HUNCHENTOOT:DETACH-SOCKET): otherwise the engine would take
+it for detached and keep it open for good."
   (let ((*connection* connection)
         (socket (or (connection-user-data connection)
                     (setf (connection-user-data connection)
                           (make-connection-usocket connection)))))
-    (unless (eq (usocket:socket-stream socket) connection)
-      ;; A usocket accepted by Hunchentoot's own ACCEPT-CONNECTIONS: it reads
-      ;; through the connection while Gallop serves it.
-      (setf (usocket:socket-stream socket) connection))
-    (hunchentoot:process-connection acceptor socket)))
+    (unwind-protect (hunchentoot:process-connection acceptor socket)
+      (unless (gallop.core:connection-detached-p (request-connection))
+        (close connection :abort t)))))
 
 (defun make-taskmaster-engine (tm acceptor)
   (let ((read-timeout (or (slot-value tm 'read-timeout)
@@ -173,19 +178,18 @@ new connections get 503.")
 
 (defmethod hunchentoot:handle-incoming-connection ((tm taskmaster) socket)
   ;; Called by Hunchentoot's ACCEPT-CONNECTIONS in the listener thread.
+  ;; SOCKET only holds the fd for the engine now (and closes it): Hunchentoot
+  ;; reads through a CONNECTION-USOCKET (SERVE-CONNECTION).
   (let* ((engine (taskmaster-engine tm))
          (fd (gallop.core:listen-socket-fd (usocket:socket socket)))
-         (original-stream (usocket:socket-stream socket))
-         (close-hook (lambda ()
-                       (setf (usocket:socket-stream socket) original-stream)
-                       (usocket:socket-close socket))))
+         (close-hook (lambda () (usocket:socket-close socket))))
     (cond ((null engine) (funcall close-hook))
           ((gallop.core:engine-overloaded-p engine)
            (gallop.core:engine-shed-fd engine fd :close-hook close-hook))
           (t
            (multiple-value-bind (address port)
                (ignore-errors (usocket:get-peer-name socket))
-             (gallop.core:engine-adopt-fd engine fd :close-hook close-hook :user-data socket
+             (gallop.core:engine-adopt-fd engine fd :close-hook close-hook
                                                     :remote-address address
                                                     :remote-port port))))))
 
