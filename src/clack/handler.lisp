@@ -35,13 +35,21 @@ is still seen whole."
 ;; Fail when this file is loaded, not at the first clackup.
 (start-keywords)
 
+(defparameter *clack-tls-options*
+  '((:ssl-cert-file . :ssl-certificate-file)
+    (:ssl-key-file . :ssl-privatekey-file)
+    (:ssl-key-password . :ssl-privatekey-password))
+  "Clack's names for the TLS options (clackup :SSL T ...), and START's.")
+
 (defun start-options (options)
   "The options of the property list OPTIONS that GALLOP:START accepts, in
-their order (so the first of a repeated key still wins).  Clack's own
-options (:SERVER, :USE-THREAD, :USE-DEFAULT-MIDDLEWARES, :SILENT,
-:ALLOW-OTHER-KEYS ...) and any other key are left out."
+their order (so the first of a repeated key still wins), Clack's names of
+the TLS options read as START's.  Clack's own options (:SERVER, :USE-THREAD,
+:USE-DEFAULT-MIDDLEWARES, :SILENT, :SSL, :ALLOW-OTHER-KEYS ...) and any
+other key are left out."
   (loop with keywords = (start-keywords)
-        for (key value) on options by #'cddr
+        for (clack-key value) on options by #'cddr
+        for key = (or (cdr (assoc clack-key *clack-tls-options*)) clack-key)
         when (member key keywords)
           append (list key value)))
 

@@ -263,12 +263,12 @@ Returns the index after the last octet read into VECTOR[START,END)."
     ;; TLS: whether the TLS stream has more can't be asked without blocking
     ;; (see FILL-FROM-SOURCE); what was not read yet closes the connection.
     (return-from read-available-now nil))
-  (with-connection-slots (fd inbuf in-start in-end scan) c
+  (with-connection-slots (inbuf in-start in-end scan) c
     (let ((buffer (ensure-inbuf c)))
       (when (= in-start in-end)
         (setf in-start 0 in-end 0 scan 0))
       (and (< in-end (length buffer))
-           (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+           (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
              (declare (ignore errno))
              (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
              (when (plusp n)

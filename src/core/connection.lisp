@@ -99,7 +99,15 @@ raises an event.")
                  :documentation "True while C is queued for a worker with its next
 pipelined request buffered (YIELD-TURN), until a worker serves it.")
    (raw :initarg :raw :initform nil
-        :documentation "Dispatch on the first bytes instead of on a complete head (TLS).")
+        :documentation "Dispatch on the first bytes instead of on a complete head (TLS
+through a library above the engine, see tls.lisp).")
+   (tls :initarg :tls :initform 0 :type fixnum
+        :documentation "0 on a plain socket.  On the engine's own TLS (openssl.lisp): the
+address of the connection's SSL object, or -1 until a worker makes it on the
+first read.")
+   (tls-phase :initform :handshake :type (member :handshake :open :over)
+              :documentation "On TLS: :HANDSHAKE until it is done, then :OPEN; :OVER once
+close_notify was sent or the TLS stream failed (nothing more is sent).")
    (request :initform (make-request) :type request
             :documentation "The request being served: its head as PARSE-HEAD read it
 and the state of reading its body (request.lisp).")
@@ -181,7 +189,7 @@ read requests from and write responses to."))
 
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (defparameter *connection-slot-types*
-    '((fd . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
+    '((fd . fixnum) (tls . fixnum) (in-start . fixnum) (in-end . fixnum) (scan . fixnum)
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (sent . fixnum) (handler-serial . fixnum)
       (budgeted . fixnum) (read-deadline . fixnum) (blank-lines . fixnum)
@@ -432,17 +440,137 @@ READ-DEADLINE (0 once it passed)."
         (max 0 (min timeout (- deadline (now-ms))))
         timeout)))
 
+;;; Reading and sending on the socket, or through the connection's TLS
+;;; (openssl.lisp).  Every read and send of a connection goes through these
+;;; three, which answer as recv(2), send(2) and sendfile(2) do (a count, 0 at
+;;; the end of the stream, or -1 and an errno), so everything above them is
+;;; the same on both.  (A draining connection is read raw: what it sends is
+;;; discarded, TLS or not.)
+
+(declaim (inline connection-recv connection-send))
+(defun connection-recv (c buffer start end)
+  "Read into BUFFER[START,END) from C without waiting (see above).  On TLS,
+the handshake moves on first; a count short of END-START means the socket
+is drained, as on a plain socket."
+  (if (zerop (the fixnum (conn-slot c tls)))
+      (read-into (conn-slot c fd) buffer start end)
+      (tls-recv c buffer start end)))
+
+(defun connection-send (c buffer start end)
+  "Send BUFFER[START,END) on C without waiting (see above).  On TLS, what
+returned EAGAIN must be sent again with the same octets first."
+  (if (zerop (the fixnum (conn-slot c tls)))
+      (send-from (conn-slot c fd) buffer start end)
+      (tls-send c buffer start end)))
+
+(defun connection-send-file-chunk (c file-fd offset count)
+  "Send up to COUNT bytes of the file open on FILE-FD from OFFSET on C
+without waiting (see above).  TLS reads the file into a buffer first, and on
+EAGAIN reads the same octets again the next time."
+  (if (zerop (the fixnum (conn-slot c tls)))
+      (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024)))
+      (let ((scratch (if (eq (conn-slot c tls-phase) :open)
+                         (acquire-buffer)
+                         (return-from connection-send-file-chunk (values -1 +econnreset+)))))
+        (multiple-value-prog1 (multiple-value-call #'tls-outcome c
+                                (ssl-send-file (connection-ssl c) file-fd offset count scratch))
+          (release-buffer scratch)))))
+
+(defun connection-ssl (c)
+  "The address of C's SSL object, made now if it is not yet (the first read
+is a worker's: a connection that never sends costs no SSL object); 0 when
+C's TLS is over or OpenSSL could not make one."
+  (with-connection-slots (tls tls-phase fd engine) c
+    (cond ((eq tls-phase :over) 0)
+          ((plusp tls) tls)
+          (t (let ((address (ssl-make (engine-tls engine) fd)))
+               (if (zerop address)
+                   (progn (setf tls-phase :over) 0)
+                   (setf tls address)))))))
+
+(defun tls-outcome (c n errno)
+  "Pass on a TLS read's or send's answer; a failure means the TLS stream is
+over (no close_notify can follow it)."
+  (declare (type fixnum n errno))
+  (when (and (minusp n) (/= errno +eagain+))
+    (setf (conn-slot c tls-phase) :over))
+  (values n errno))
+
+(defun tls-recv (c buffer start end)
+  "CONNECTION-RECV on TLS: the handshake, a step a call while it lasts, then
+SSL-RECV.  A step that must write waits for the socket (bounded by the write
+timeout): a handshake message is a few KiB, which a fresh socket takes."
+  (loop
+    (let ((address (connection-ssl c)))
+      (when (zerop address)
+        (return (values -1 +econnreset+)))
+      (if (eq (conn-slot c tls-phase) :open)
+          (multiple-value-bind (n errno) (ssl-recv address buffer start end)
+            (if (and (minusp n) (= errno +want-write+))
+                (unless (wait-for-socket c +pollout+ "TLS write")
+                  (return (tls-outcome c -1 +econnreset+)))
+                (return (tls-outcome c n errno))))
+          (ecase (ssl-handshake address)
+            (:done (setf (conn-slot c tls-phase) :open))
+            (:want-read
+             ;; The handshake counts as part of the first request's head:
+             ;; the header timeout bounds both (see PARK).
+             (unless (conn-slot c head-started)
+               (setf (conn-slot c head-started) (now-ms)))
+             (return (values -1 +eagain+)))
+            (:want-write
+             (unless (wait-for-socket c +pollout+ "TLS handshake")
+               (return (tls-outcome c -1 +econnreset+))))
+            (:failed (return (tls-outcome c -1 +econnreset+))))))))
+
+(defun wait-for-socket (c events operation)
+  "Wait (bounded by the write timeout) until C's socket is ready for EVENTS;
+NIL when it timed out."
+  (handler-case (progn (wait-for-fd c events (engine-write-timeout-ms (connection-engine c))
+                                    operation)
+                       t)
+    (connection-error () nil)))
+
+(defun tls-send (c buffer start end)
+  "CONNECTION-SEND on TLS: nothing goes out before the handshake is done."
+  (if (eq (conn-slot c tls-phase) :open)
+      (multiple-value-call #'tls-outcome c (ssl-send (connection-ssl c) buffer start end))
+      (values -1 +econnreset+)))
+
+(defun connection-tls-p (c)
+  "True when C speaks TLS on the engine's own event loop (openssl.lisp)."
+  (/= 0 (the fixnum (conn-slot c tls))))
+
+(defun tls-handshaking-p (c)
+  "True while C's TLS handshake is not done."
+  (and (/= 0 (the fixnum (conn-slot c tls))) (eq (conn-slot c tls-phase) :handshake)))
+
+(defun end-tls (c &key (notify t))
+  "C's TLS is over: send close_notify first when NOTIFY and it is open (one
+non-blocking send).  The SSL object stays until CLOSE-CONNECTION frees it."
+  (when (and notify (eq (conn-slot c tls-phase) :open) (plusp (conn-slot c tls)))
+    (ssl-close-notify (conn-slot c tls)))
+  (setf (conn-slot c tls-phase) :over))
+
+(defun free-tls (c)
+  "Free C's SSL object (C is closing), after its close_notify when still open."
+  (when (/= 0 (the fixnum (conn-slot c tls)))
+    (end-tls c)
+    (when (plusp (conn-slot c tls))
+      (ssl-free (conn-slot c tls)))
+    (setf (conn-slot c tls) -1)))
+
 (defun fill-input (c)
   "Read more input into the empty buffer of C, blocking (bounded by the read
 timeout) until some arrives.  Returns NIL at end of file."
   (when (conn-slot c source)
     (return-from fill-input (fill-from-source c)))
-  (with-connection-slots (fd inbuf in-start in-end scan engine) c
+  (with-connection-slots (inbuf in-start in-end scan engine) c
     (let ((buffer (ensure-inbuf c)))
       (when (= in-start in-end)
         (setf in-start 0 in-end 0 scan 0))
       (loop
-        (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+        (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
           (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
           (cond ((plusp n) (incf in-end n) (return t))
                 ((zerop n) (return nil))
@@ -614,7 +742,7 @@ handler returned.  Holds until the next request."
   "Send C's unsent output as far as the socket takes it now, without waiting.
 True when nothing is left, NIL when the socket is full.  Signals
 CONNECTION-ERROR when the client went away."
-  (with-connection-slots (fd unsent unsent-bytes) c
+  (with-connection-slots (unsent unsent-bytes) c
     (loop
       (let ((segment (car unsent)))
         (unless segment
@@ -624,9 +752,8 @@ CONNECTION-ERROR when the client went away."
               (end (segment-end segment)))
           (multiple-value-bind (n errno)
               (if (segment-octets segment)
-                  (send-from fd (segment-octets segment) start end)
-                  (send-file-chunk fd (segment-file-fd segment) start
-                                   (min (- end start) (* 1024 1024))))
+                  (connection-send c (segment-octets segment) start end)
+                  (connection-send-file-chunk c (segment-file-fd segment) start (- end start)))
             (declare (type fixnum n))
             (cond ((plusp n)
                    (setf (segment-start segment) (+ start n)
@@ -678,7 +805,7 @@ was queued.  On a RAW connection, blocks until all is sent."
       (loop while (< start end)
             do (if (or (null (conn-slot c unsent)) (send-unsent c))
                    ;; Nothing queued: straight to the socket.
-                   (multiple-value-bind (n errno) (send-from fd buffer start end)
+                   (multiple-value-bind (n errno) (connection-send c buffer start end)
                      (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
                            ((/= errno +eagain+) (client-went-away c errno "write"))
                            ((may-queue-p) (return))
@@ -845,13 +972,12 @@ duplicate of FILE-FD, so the caller may close FILE-FD when this returns."
   (flush-output c)
   (when (conn-slot c gone)
     (return-from connection-send-file))
-  (let ((fd (connection-fd c))
-        (timeout (engine-write-timeout-ms (connection-engine c))))
+  (let ((timeout (engine-write-timeout-ms (connection-engine c))))
     (loop while (plusp count)
           do (multiple-value-bind (n errno)
                  (if (and (conn-slot c unsent) (not (send-unsent c)))
                      (values -1 +eagain+) ; queued output waits: as if the socket were full
-                     (send-file-chunk fd file-fd offset (min count (* 1024 1024))))
+                     (connection-send-file-chunk c file-fd offset count))
                (cond ((plusp n) (incf offset n) (decf count n)
                       (incf (the fixnum (conn-slot c sent)) n))
                      ((and (minusp n) (= errno +eagain+))

@@ -52,6 +52,7 @@ client's upload, not the server's memory.")
   (pool nil)
   (handler nil :type (or null function))
   (raw-p nil)
+  (tls nil) ; a TLS-CONTEXT (openssl.lisp): every connection is TLS
   (table #() :type simple-vector)
   (generation 0 :type sb-ext:word)
   (listen-fd -1 :type fixnum)

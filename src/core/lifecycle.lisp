@@ -29,6 +29,7 @@ kept).")
 (defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
   (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
                              :raw (engine-raw-p engine)
+                             :tls (if (engine-tls engine) -1 0)
                              :remote-address remote-address :remote-port (or remote-port 0)
                              :close-hook close-hook :user-data user-data))
 
@@ -68,6 +69,7 @@ kept).")
             (epoll-ctl epfd +epoll-ctl-del+ fd 0 0))))
       (unfresh c)
       (uncharge-head c)
+      (free-tls c)
       (setf (connection-state c) :closed)
       (wheel-forget c)
       (setf (conn-slot c out-fill) 0
@@ -99,7 +101,7 @@ caller still owns C and must read (or send) again."
         (cond (output
                ;; The write timeout, from the last time the client read.
                (schedule c (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
-              ((= in-start in-end)
+              ((and (= in-start in-end) (not (tls-handshaking-p c)))
                (setf head-started nil)
                (schedule c (+ now (engine-idle-timeout-ms engine))))
               (t
@@ -173,8 +175,11 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
     (discard-unsent c)
     (when registered
       (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
-    (when response
-      (send-from fd response 0 (length response)))
+    ;; (On TLS, nothing before the handshake is done: no answer can be read
+    ;; then.  After the answer, close_notify.)
+    (when (and response (not (tls-handshaking-p c)))
+      (connection-send c response 0 (length response)))
+    (end-tls c)
     (shutdown-fd fd +shut-wr+)
     (with-connection-slots (in-start in-end out-fill) c
       (setf in-start 0 in-end 0 out-fill 0))

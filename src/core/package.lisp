@@ -44,6 +44,8 @@
    #:connection-unsent-bytes #:connection-give-body
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
+   ;; TLS on the event loop (openssl.lisp)
+   #:make-tls-context #:free-tls-context #:tls-context #:engine-tls #:connection-tls-p
    ;; settings (settings.lisp)
    #:+settings+ #:define-settings-function #:setting-arguments #:setting-slot-definitions
    #:setting-default

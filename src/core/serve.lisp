@@ -60,7 +60,7 @@ buffered (pipelining) waits its turn behind other ready connections
       (return-from serve-connection (close-after-answer c))))
   ;; C keeps its share of the head budget while this worker reads into its
   ;; buffer: buffers being read count as much as parked ones.
-  (with-connection-slots (fd in-end raw) c
+  (with-connection-slots (in-end raw) c
     (flet ((head-ready-p ()
              ;; A complete head is buffered; a head over a limit is refused
              ;; at once, complete or not.
@@ -81,7 +81,7 @@ buffered (pipelining) waits its turn behind other ready connections
                                  (reject-connection c (response-503 engine)))
                           (reject c +response-431+))))
             (let ((buffer (conn-slot c inbuf)))
-              (multiple-value-bind (n errno) (read-into fd buffer in-end (length buffer))
+              (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
                 (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
                 (cond ((plusp n)
                        (incf in-end n)
@@ -164,14 +164,15 @@ lets go of C), NIL when all of it is sent and the caller still owns C."
 in epoll, see OUTPUT-PARKED-P): at once when the client sent nothing more,
 else after reading and discarding what it still sends for a while (LINGER-MS:
 a close(2) with unread input sends a reset, which can destroy the answer
-before the client read it).  A raw (TLS) connection always lingers: what
-the client sent is not known here, and a TLS client sends its close_notify
-alert, data, as soon as it is done, often before the answer came."
+before the client read it).  A TLS connection always lingers, after its
+close_notify (REJECT-CONNECTION): a TLS client sends its own close_notify
+alert, data, as soon as it is done, often before the answer came (and on a
+raw connection what the client sent is not known here at all)."
   (when (conn-slot c unsent)
     (setf (conn-slot c after-write) :close)
     (when (output-parked-p c)
       (return-from close-after-answer)))
-  (if (and (not (conn-slot c raw))
+  (if (and (not (conn-slot c raw)) (zerop (conn-slot c tls))
            (finish-message c) (= (conn-slot c in-start) (conn-slot c in-end)))
       (close-connection c)
       (reject-connection c nil)))

@@ -12,10 +12,14 @@
 (in-package #:gallop.core)
 
 (define-settings-function make-engine ()
-    ((name "gallop") handler raw methods (retry-after 1) thread-starter log-error)
+    ((name "gallop") handler raw tls-context methods (retry-after 1) thread-starter log-error)
   "Make a stopped engine, with the settings of +SETTINGS+ (settings.lisp).  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
-RAW is true, once any bytes arrived: for TLS).  It reads the request from the
+RAW is true, once any bytes arrived: for TLS through a library above the
+engine).  TLS-CONTEXT (MAKE-TLS-CONTEXT) makes every connection TLS, on the
+engine's own event loop: the handshake, request heads and idle keep-alive
+connections wait in epoll as plain ones do, and the handler reads and writes
+plaintext.  It reads the request from the
 connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
 requests and CLOSE when done.  Timeouts are in seconds: HEADER-TIMEOUT for a
 whole request head, IDLE-TIMEOUT between keep-alive requests, READ-TIMEOUT and
@@ -37,7 +41,7 @@ RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
 input buffers of all connections parked with part of a request head, and
 every buffer grown for a long head; past it, such a connection gets 503."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
-    (let ((engine (%make-engine :name name :handler handler :raw-p raw
+    (let ((engine (%make-engine :name name :handler handler :raw-p raw :tls tls-context
                                 :header-timeout-ms (ms header-timeout)
                                 :idle-timeout-ms (ms idle-timeout)
                                 :read-timeout-ms (ms read-timeout)

@@ -25,8 +25,12 @@ handlers and the static file dispatcher, served by Gallop."))
 
 (defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor)
   ()
-  (:documentation "Gallop's HUNCHENTOOT:SSL-ACCEPTOR (TLS through cl+ssl).
-The TLS handshake runs in a worker; timeouts apply to TLS reads too."))
+  (:documentation "Gallop's HUNCHENTOOT:SSL-ACCEPTOR: the same initargs
+\(:SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE, :SSL-PRIVATEKEY-PASSWORD).
+Gallop's engine speaks TLS itself (OpenSSL on its event loop): the
+handshake, request heads and idle keep-alive connections wait in epoll and
+hold no thread, as on a plain socket, and handlers read and write
+plaintext."))
 
 (defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
   ()

@@ -125,20 +125,34 @@ it for detached and keep it open for good."
       (unless (gallop.core:connection-detached-p (request-connection))
         (close connection :abort t)))))
 
+(defun acceptor-tls-context (acceptor)
+  "A TLS context for ACCEPTOR when it is a HUNCHENTOOT:SSL-ACCEPTOR (its
+certificate, key and password): Gallop's engine then speaks TLS itself, on
+its event loop, and Hunchentoot reads and writes plaintext.  NIL otherwise;
+another acceptor whose ACCEPTOR-SSL-P is true wraps the stream itself (the
+engine is raw then, see gallop.core's tls.lisp)."
+  (when (typep acceptor 'hunchentoot:ssl-acceptor)
+    (gallop.core:make-tls-context
+     :certificate-file (hunchentoot:acceptor-ssl-certificate-file acceptor)
+     :private-key-file (hunchentoot:acceptor-ssl-privatekey-file acceptor)
+     :password (hunchentoot:acceptor-ssl-privatekey-password acceptor))))
+
 (defun make-taskmaster-engine (tm acceptor)
   (let ((read-timeout (or (slot-value tm 'read-timeout)
                           (hunchentoot:acceptor-read-timeout acceptor)
                           (gallop.core:setting-default read-timeout)))
         (write-timeout (or (slot-value tm 'write-timeout)
                            (hunchentoot:acceptor-write-timeout acceptor)
-                           (gallop.core:setting-default write-timeout))))
+                           (gallop.core:setting-default write-timeout)))
+        (tls (acceptor-tls-context acceptor)))
     (macrolet ((setting-of (name) `(slot-value tm ',name)))
       ;; The first of a repeated keyword counts: the acceptor's timeouts
       ;; and the queue length first, then every setting as given.
       (apply #'gallop.core:make-engine
              :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
              :handler (lambda (connection) (serve-connection acceptor connection))
-             :raw (hunchentoot:acceptor-ssl-p acceptor)
+             :tls-context tls
+             :raw (and (null tls) (hunchentoot:acceptor-ssl-p acceptor))
              :methods (hunchentoot-request-methods)
              :thread-starter (lambda (thunk name)
                                (hunchentoot:start-thread tm thunk :name name))
@@ -200,6 +214,8 @@ it for detached and keep it open for good."
       (setf listener nil))
     (when engine
       (gallop.core:engine-stop engine :soft (taskmaster-soft-stop tm))
+      (let ((tls (gallop.core:engine-tls engine)))
+        (when tls (gallop.core:free-tls-context tls)))
       (setf engine nil))
     (remhash (hunchentoot:taskmaster-acceptor tm) *taskmasters*))
   tm)
@@ -315,6 +331,10 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.
 
 (defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
+  (when (and *connection* (gallop.core:connection-tls-p *connection*))
+    ;; The engine speaks TLS itself (ACCEPTOR-TLS-CONTEXT): Hunchentoot's
+    ;; SSL-ACCEPTOR would wrap the plaintext in cl+ssl once more.
+    (return-from hunchentoot:initialize-connection-stream stream))
   (let ((result (if (and *connection* (eq stream *connection*) (hunchentoot:acceptor-ssl-p acceptor))
                     ;; the TLS handshake: within the header timeout, as a head
                     (gallop.core:call-with-header-deadline *connection* #'call-next-method)

@@ -199,7 +199,7 @@ it is HTTP/1.0, and whether it expects 100-continue."
                         :query-string (and (< query-start target-end)
                                            (latin1-string buffer (1+ query-start) target-end))
                         :request-uri (latin1-string buffer target-start target-end)
-                        :url-scheme "http"
+                        :url-scheme (server-url-scheme server)
                         :server-name (if host (server-name peer host) (server-address server))
                         :server-port (server-port server)
                         :server-protocol (if http-1.0 :http/1.0 :http/1.1)

@@ -258,7 +258,8 @@ write its response, and tell the engine what to do with C next."
     socket))
 
 (gallop.core:define-settings-function start (app)
-    ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*))
+    ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*)
+     ssl-certificate-file ssl-privatekey-file ssl-privatekey-password)
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
 it.  The other keywords are the settings every Gallop server takes, with
@@ -269,15 +270,30 @@ when idle; timeouts are in seconds.  Errors in APP are logged to LOG and answere
 by default) bounds how long APP may run on one request in its worker: past
 it, GALLOP:HANDLER-TIMEOUT is signalled in APP's thread, the client gets 503
 and the connection is closed.  A delayed response (APP returned a function)
-is bounded only while that function runs in the worker."
+is bounded only while that function runs in the worker.
+With SSL-CERTIFICATE-FILE (PEM: the certificate, then any chain) and
+SSL-PRIVATEKEY-FILE (PEM; default: the certificate file; encrypted with
+SSL-PRIVATEKEY-PASSWORD if given), SERVER speaks HTTPS only (OpenSSL on the
+event loop: a TLS connection waits in epoll as a plain one does), and the
+environment's :URL-SCHEME is \"https\"."
   (check-type app function)
-  (let* ((socket (make-listen-socket address port backlog))
+  (let* ((tls (and ssl-certificate-file
+                   (gallop.core:make-tls-context :certificate-file ssl-certificate-file
+                                                 :private-key-file ssl-privatekey-file
+                                                 :password ssl-privatekey-password)))
+         (socket (handler-bind ((error (lambda (e) (declare (ignore e))
+                                         (when tls (gallop.core:free-tls-context tls)))))
+                   (make-listen-socket address port backlog)))
          (server (%make-server :app app :socket socket :address (or address "0.0.0.0")
                                :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
-                               :max-body-bytes max-body-bytes :debug debug :log log)))
-    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
+                               :max-body-bytes max-body-bytes :debug debug :log log
+                               :tls tls :url-scheme (if tls "https" "http"))))
+    (handler-bind ((error (lambda (e) (declare (ignore e))
+                            (sb-bsd-sockets:socket-close socket)
+                            (when tls (gallop.core:free-tls-context tls)))))
       (let ((engine (apply #'gallop.core:make-engine
                            :name (format nil "gallop-~D" (server-port server))
+                           :tls-context tls
                            :handler (lambda (c) (serve-request server c))
                            :log-error (lambda (format-control &rest args)
                                         (apply #'log-error server format-control args))
@@ -295,6 +311,8 @@ finish when SOFT, join every thread, and free the port."
   (when (server-socket server)
     (sb-bsd-sockets:socket-close (server-socket server))
     (setf (server-socket server) nil))
+  (when (server-tls server)
+    (gallop.core:free-tls-context (shiftf (server-tls server) nil)))
   server)
 
 (defgeneric stats (thing)
