@@ -108,6 +108,7 @@
                (:file "hunchentoot/ssl")
                (:file "hunchentoot/tls")
                (:file "hunchentoot/connections")
+               (:file "core/tls")
                (:file "native/app")
                (:file "native/parser")
                (:file "native/bodies")

@@ -484,6 +484,10 @@ C's TLS is over or OpenSSL could not make one."
     (cond ((eq tls-phase :over) 0)
           ((plusp tls) tls)
           (t (let ((address (ssl-make (engine-tls engine) fd)))
+               ;; A handshake is several small writes in turn (a flight,
+               ;; then session tickets, then the answer): Nagle would hold
+               ;; each back until the client's delayed ACK, 40 ms.
+               (set-nodelay fd)
                (if (zerop address)
                    (progn (setf tls-phase :over) 0)
                    (setf tls address)))))))

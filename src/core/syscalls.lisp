@@ -194,6 +194,15 @@ number whatever close returns, and another thread may already have it."
 (defconstant +ipproto-tcp+ 6)
 (defconstant +tcp-notsent-lowat+ 25)
 
+(defconstant +tcp-nodelay+ 1)
+
+(defun set-nodelay (fd)
+  "Send small writes on FD at once (TCP_NODELAY): no Nagle wait for the
+peer's acknowledgement, which a delayed ACK holds back 40 ms."
+  (sb-alien:with-alien ((value sb-alien:int 1))
+    (zerop (%setsockopt fd +ipproto-tcp+ +tcp-nodelay+
+                        (sb-alien:alien-sap (sb-alien:addr value)) 4))))
+
 (defun set-notsent-lowat (fd octets)
   "Let the kernel keep at most about OCTETS of FD's output not yet sent to the
 peer (TCP_NOTSENT_LOWAT): past that, send(2) takes nothing more and epoll

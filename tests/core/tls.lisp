@@ -1,0 +1,331 @@
+;;;; tls.lisp -- TLS on the engine's event loop (src/core/openssl.lisp), on
+;;;; both front ends: GALLOP:START with a certificate, and
+;;;; GALLOP:EASY-SSL-ACCEPTOR.  Through hunchentoot/tls.lisp's client (cl+ssl
+;;;; over a real socket to 127.0.0.1), answers read strictly:
+;;;;   - answers are exact over TLS: string, file (sent from a file through
+;;;;     OpenSSL) and streamed bodies, keep-alive, :URL-SCHEME "https";
+;;;;   - a 2 MiB file and a 1 MiB body to a client that does not read at
+;;;;     first: the answer waits in epoll (:WRITING), OpenSSL's retried
+;;;;     writes lose and repeat no octet;
+;;;;   - 2,000 idle TLS keep-alive connections hold no thread;
+;;;;   - a stalled handshake is closed at the header timeout, without a
+;;;;     plaintext 408; a dribbled head after a handshake gets 408 over TLS;
+;;;;   - TLS clients that hang up anywhere cost no log line and no fd.
+
+(in-package #:gallop-tests)
+
+(in-suite ssl)
+
+;;; The native server over TLS
+
+(defparameter *tls-file-size* (* 2 1024 1024))
+
+(defvar *tls-test-file* nil)
+
+(defun tls-test-file ()
+  "A file of *TLS-FILE-SIZE* octets, octet I being (mod (* 7 I) 253), made
+once per run."
+  (or *tls-test-file*
+      (let ((path (merge-pathnames "tls-body.bin" (directory-namestring (first (test-certificate))))))
+        (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)
+                                  :if-exists :supersede)
+          (write-sequence (expected-tls-file) out))
+        (setf *tls-test-file* path))))
+
+(defun expected-tls-file ()
+  (let ((octets (make-array *tls-file-size* :element-type '(unsigned-byte 8))))
+    (dotimes (i *tls-file-size* octets)
+      (setf (aref octets i) (mod (* 7 i) 253)))))
+
+(defun tls-app (env)
+  (let ((path (getf env :path-info)))
+    (cond ((string= path "/file") (list 200 '(:content-type "application/octet-stream")
+                                        (tls-test-file)))
+          ((string= path "/big")
+           (list 200 '(:content-type "application/octet-stream")
+                 (let ((data (make-array *big-size* :element-type '(unsigned-byte 8))))
+                   (dotimes (i *big-size* data) (setf (aref data i) (mod i 251))))))
+          ((string= path "/stream")
+           (lambda (responder)
+             (let ((writer (funcall responder '(200 (:content-type "text/plain")))))
+               (funcall writer "one,")
+               (funcall writer "two," )
+               (funcall writer "three" :close t))))
+          ((string= path "/scheme")
+           (list 200 '(:content-type "text/plain")
+                 (list (format nil "~A ~A" (getf env :url-scheme) (getf env :server-protocol)))))
+          (t '(200 (:content-type "text/plain") ("Hey!"))))))
+
+(defmacro with-tls-app ((server app &rest options) &body body)
+  "WITH-APP over TLS, with the tests' certificate."
+  `(with-app (,server ,app :ssl-certificate-file (first (test-certificate))
+                           :ssl-privatekey-file (second (test-certificate)) ,@options)
+     ,@body))
+
+(defun tls-get (client path &key close)
+  "Send GET PATH on CLIENT and read the answer strictly (a WIRE-RESPONSE, or
+the WIRE-ERROR)."
+  (tls-send client (octets (if close
+                               (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x" "Connection: close")
+                               (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))))
+  (tls-read-wire client :close close :timeout 20))
+
+(defun check-exact-tls-answer (what response body &key (framing :content-length))
+  "RESPONSE is a 200 whose body is exactly BODY (a string or octets), framed
+as FRAMING says (Content-Length equal to the body, or chunked)."
+  (is (wire-response-p response) "~A: ~A" what response)
+  (when (wire-response-p response)
+    (is (= 200 (wire-status response)) "~A: status ~D" what (wire-status response))
+    (let ((expected (if (stringp body) (octets body) body)))
+      (ecase framing
+        (:content-length
+         (is (equal (princ-to-string (length expected)) (wire-header response "Content-Length"))
+             "~A: Content-Length ~S for ~D octets" what (wire-header response "Content-Length")
+             (length expected)))
+        (:chunked
+         (is (equal "chunked" (wire-header response "Transfer-Encoding")) "~A: not chunked" what)))
+      (is (equalp expected (wire-body response))
+          "~A: the body differs (~D octets, ~D expected~@[, first difference at ~D~])" what
+          (length (wire-body response)) (length expected)
+          (mismatch expected (wire-body response))))))
+
+(test native-tls-answers-are-exact
+  (with-tls-app (server #'tls-app)
+    (let ((client (tls-connect (native-port server))))
+      (unwind-protect
+           (progn
+             ;; Keep-alive: four answers on one TLS connection.
+             (check-exact-tls-answer "string" (tls-get client "/") "Hey!")
+             (check-exact-tls-answer "scheme" (tls-get client "/scheme") "https HTTP/1.1")
+             (check-exact-tls-answer "streamed" (tls-get client "/stream") "one,two,three"
+                                     :framing :chunked)
+             (check-exact-tls-answer "file" (tls-get client "/file") (expected-tls-file))
+             (check-exact-tls-answer "last" (tls-get client "/" :close t) "Hey!"))
+        (tls-close client)))
+    (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))
+
+(test native-start-refuses-a-key-that-is-not-the-certificates
+  (destructuring-bind (cert key) (test-certificate)
+    (declare (ignore key))
+    ;; The certificate file has no private key in it.
+    (signals error (gallop:start #'tls-app :port 0 :ssl-certificate-file cert
+                                           :ssl-privatekey-file cert :log nil))))
+
+;;; Answers the client does not read at once: they wait in epoll, and what
+;;; OpenSSL could not write is written again, the same octets.
+
+(defun tls-connect-slow-reader (port)
+  "A TLS client whose socket has a 4 KiB receive buffer: what it does not
+read fills the server's socket after a few KiB."
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (sb-alien:with-alien ((size sb-alien:int 4096))
+      ;; SOL_SOCKET, SO_RCVBUF: before connect, so the window is small from the start.
+      (sb-alien:alien-funcall
+       (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int
+                                                     sb-alien:int (* t) sb-alien:unsigned))
+       (sb-bsd-sockets:socket-file-descriptor socket) 1 8
+       (sb-alien:cast (sb-alien:addr size) (* t)) 4))
+    (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port)
+    (make-tls-client
+     :socket socket
+     :stream (sb-sys:with-deadline (:seconds 10)
+               (cl+ssl:make-ssl-client-stream
+                (sb-bsd-sockets:socket-make-stream socket :input t :output t
+                                                          :element-type '(unsigned-byte 8))
+                :verify nil)))))
+
+(defun check-unread-tls-answer (port stats path expected)
+  "Ask PATH on a slow-reading TLS client and read nothing until the answer
+waits in epoll (STATS: :WRITING 1), then read it all: exactly EXPECTED.
+Twice on one connection."
+  (let ((client (tls-connect-slow-reader port)))
+    (unwind-protect
+         (dotimes (i 2)
+           (tls-send client (octets (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x")))
+           (is (wait-until (lambda () (eql 1 (getf (funcall stats) :writing))) :timeout 10)
+               "~A: the answer does not wait in epoll: ~S" path (funcall stats))
+           (check-exact-tls-answer (format nil "~A, unread at first" path)
+                                   (tls-read-wire client :timeout 20) expected))
+      (tls-close client))))
+
+(test tls-answers-a-client-does-not-read-wait-in-epoll-and-arrive-exact
+  (with-tls-app (server #'tls-app)
+    (let ((stats (lambda () (gallop:stats server))))
+      (check-unread-tls-answer (native-port server) stats "/file" (expected-tls-file))
+      (check-unread-tls-answer (native-port server) stats "/big"
+                               (let ((data (make-array *big-size* :element-type '(unsigned-byte 8))))
+                                 (dotimes (i *big-size* data) (setf (aref data i) (mod i 251)))))))
+  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor)))
+    (hunchentoot:start server)
+    (unwind-protect
+         (check-unread-tls-answer (port-of server) (lambda () (gallop:stats server)) "/big"
+                                  (let ((data (make-array *big-size* :element-type '(unsigned-byte 8))))
+                                    (dotimes (i *big-size* data) (setf (aref data i) (mod i 251)))))
+      (hunchentoot:stop server))))
+
+;;; Idle TLS connections hold no thread
+
+(defparameter *idle-tls-connections* 2000)
+
+(defun check-idle-tls-connections (port stats standby)
+  "Open *IDLE-TLS-CONNECTIONS* TLS connections to PORT, each answered once
+\(read strictly) and then left idle: all stay open, parked in epoll, while
+the pool keeps its STANDBY threads; a fresh client is served meanwhile.
+Then they go away and every one is closed."
+  (let ((clients '())
+        (good 0))
+    (unwind-protect
+         (progn
+           (dotimes (i *idle-tls-connections*)
+             (let ((client (tls-connect port)))
+               (push client clients)
+               (let ((response (tls-get client "/yo")))
+                 (when (and (wire-response-p response) (= 200 (wire-status response))
+                            (equal "Hey!" (wire-body-string response)))
+                   (incf good)))))
+           (is (= *idle-tls-connections* good) "~D of ~D answered" good *idle-tls-connections*)
+           (is (wait-until (lambda () (= *idle-tls-connections* (getf (funcall stats) :idle))))
+               "not all parked: ~S" (funcall stats))
+           (let ((s (funcall stats)))
+             (is (= *idle-tls-connections* (getf s :open)) "~S" s)
+             (is (<= (getf s :threads) (+ standby 4)) "threads: ~S" s)
+             (is (zerop (getf s :in-flight)) "~S" s))
+           (let ((client (tls-connect port)))
+             (unwind-protect (check-exact-tls-answer "a fresh client" (tls-get client "/yo" :close t)
+                                                     "Hey!")
+               (tls-close client))))
+      (mapc #'tls-close clients))
+    (is (wait-until (lambda () (zerop (getf (funcall stats) :open))) :timeout 20)
+        "left open: ~S" (funcall stats))))
+
+(test idle-tls-connections-hold-no-thread
+  (gallop.core:raise-fd-limit (+ 1000 (* 3 *idle-tls-connections*)))
+  (flet ((yo-app (env) (declare (ignore env)) '(200 (:content-type "text/plain") ("Hey!"))))
+    (with-tls-app (server #'yo-app :standby-thread-count 2)
+      (check-idle-tls-connections (native-port server) (lambda () (gallop:stats server)) 2)))
+  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor
+                                 :taskmaster (make-instance 'gallop:taskmaster
+                                                            :standby-thread-count 2))))
+    (hunchentoot:start server)
+    (unwind-protect
+         (check-idle-tls-connections (port-of server) (lambda () (gallop:stats server)) 2)
+      (hunchentoot:stop server))))
+
+;;; The handshake and the head are bounded by the header timeout
+
+(test a-stalled-tls-handshake-is-closed-at-the-header-timeout-without-an-answer
+  (with-tls-app (server #'tls-app :header-timeout 1)
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (let ((stream (usocket:socket-stream socket)))
+             (write-sequence (tls-client-hello-start) stream)
+             (force-output stream)
+             ;; No plaintext 408 to a client that speaks TLS: only the end.
+             (multiple-value-bind (octets end) (read-all-with-timeout stream 8)
+               (is (eq :eof end) "the stalled handshake was not closed: ~S" end)
+               (is (zerop (length octets)) "sent ~D octets: ~S" (length octets) octets)))
+        (usocket:socket-close socket)))
+    (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))
+    (is (plusp (getf (gallop:stats server) :timeouts)))))
+
+(test a-dribbled-head-after-the-tls-handshake-gets-408
+  (with-tls-app (server #'tls-app :header-timeout 1)
+    (let ((client (tls-connect (native-port server))))
+      (unwind-protect
+           (progn
+             (tls-send client (octets (format nil "GET / HTTP/1.1~C~CHost: x~C~C" #\Return #\Linefeed
+                                              #\Return #\Linefeed)))
+             (let ((response (tls-read-wire client :close t :timeout 8)))
+               (is (and (wire-response-p response) (= 408 (wire-status response))) "~A" response)))
+        (tls-close client)))))
+
+(defun read-all-with-timeout (stream seconds)
+  "Read STREAM to its end within SECONDS: the octets, and :EOF or :TIMEOUT
+\(or :RESET when the read failed)."
+  (let ((out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (values out
+            (handler-case
+                (sb-sys:with-deadline (:seconds seconds)
+                  (loop for b = (read-byte stream nil nil)
+                        while b do (vector-push-extend b out))
+                  :eof)
+              (sb-sys:deadline-timeout () :timeout)
+              (error () :reset)))))
+
+;;; TLS clients that hang up
+
+(defun tls-abort (client how)
+  "Give up on CLIENT: HOW is :CLOSE (FIN, no close_notify) or :RESET (RST)."
+  (let ((socket (tls-socket client)))
+    (when (eq how :reset)
+      (sb-alien:with-alien ((linger (array (sb-alien:signed 32) 2)))
+        (setf (sb-alien:deref linger 0) 1 (sb-alien:deref linger 1) 0)
+        (sb-alien:alien-funcall
+         (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int
+                                                       sb-alien:int (* t) sb-alien:unsigned))
+         (sb-bsd-sockets:socket-file-descriptor socket) 1 13
+         (sb-alien:cast (sb-alien:addr linger) (* t)) 8)))
+    (ignore-errors (sb-bsd-sockets:socket-close socket))
+    (ignore-errors (close (tls-stream client) :abort t))))
+
+(defun check-tls-aborts (port stats log-text)
+  "TLS clients giving up in the handshake, in a head, in a body and in a
+1 MiB answer, each with FIN and with RST: every connection is closed, no
+fd is left, nothing is logged, and the server serves on."
+  (let ((fds (fd-count)))
+    (dolist (how '(:close :reset :close :reset))
+      ;; half a ClientHello
+      (let ((socket (connect port)))
+        (write-sequence (tls-client-hello-start) (usocket:socket-stream socket))
+        (force-output (usocket:socket-stream socket))
+        (sleep 0.02)
+        (abort-connection socket how))
+      ;; half a head, part of a body, part of an answer
+      (dolist (text (list (format nil "GET /yo HTTP/1.1~C~CHo" #\Return #\Linefeed)
+                          (concatenate 'string (crlf "POST /body HTTP/1.1" "Host: x"
+                                                     "Content-Length: 100000")
+                                       (make-string 1000 :initial-element #\a))
+                          :big))
+        (let ((client (tls-connect port)))
+          (if (eq text :big)
+              (progn (tls-send client (octets (crlf "GET /big HTTP/1.1" "Host: x")))
+                     (let ((buffer (make-array 4000 :element-type '(unsigned-byte 8))))
+                       (read-sequence buffer (tls-stream client))))
+              (tls-send client (octets text)))
+          (sleep 0.02)
+          (tls-abort client how))))
+    (let ((client (tls-connect port)))
+      (unwind-protect (check-exact-tls-answer "after the aborts" (tls-get client "/yo" :close t)
+                                              "Hey!")
+        (tls-close client)))
+    (is (wait-until (lambda () (let ((s (funcall stats)))
+                                 (and (zerop (getf s :open)) (zerop (getf s :in-flight)))))
+                    :timeout 15)
+        "connections left: ~S" (funcall stats))
+    (is (wait-until (lambda () (<= (fd-count) fds)) :timeout 5)
+        "fds: ~D before, ~D after" fds (fd-count))
+    (let ((text (funcall log-text)))
+      (is (zerop (length text)) "logged:~%~A" (subseq text 0 (min 3000 (length text)))))))
+
+(defun tls-abort-app (env)
+  "TLS-APP, with /yo and /body as the easy handlers answer them."
+  (let ((path (getf env :path-info)))
+    (cond ((string= path "/body")
+           (let ((body (read-all-octets (getf env :raw-body))))
+             (list 200 '(:content-type "text/plain")
+                   (list (format nil "~D" (length body))))))
+          ((string= path "/yo") '(200 (:content-type "text/plain") ("Hey!")))
+          (t (tls-app env)))))
+
+(test tls-clients-that-hang-up-cost-no-log-line-and-leak-nothing
+  (let ((log (make-string-output-stream)))
+    (with-tls-app (server #'tls-abort-app :log log)
+      (check-tls-aborts (native-port server) (lambda () (gallop:stats server))
+                        (lambda () (get-output-stream-string log)))))
+  (let* ((log (make-string-output-stream))
+         (server (make-ssl-server 'gallop:easy-ssl-acceptor :message-log-destination log)))
+    (hunchentoot:start server)
+    (unwind-protect
+         (check-tls-aborts (port-of server) (lambda () (gallop:stats server))
+                           (lambda () (get-output-stream-string log)))
+      (hunchentoot:stop server))))
