@@ -64,7 +64,7 @@ clean:
 # All install wrk and nginx-light first when missing.
 BENCH = $(LISP) --load bench/run.lisp --eval
 
-.PHONY: bench bench-quick bench-smoke
+.PHONY: bench bench-quick bench-smoke bench-tls
 
 bench:
 	@scripts/deps.sh wrk nginx-light
@@ -78,6 +78,24 @@ bench-quick:
 bench-smoke:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :smoke)'
+
+# TLS (results in BENCHMARKS.md, "TLS on the event loop"): every server answers HTTPS
+# with one self-signed RSA-2048 certificate (nginx with ssl on the same one): wrk
+# keep-alive at 10/100/400 connections and Connection: close at 100 (a full handshake
+# per request), both setups, 3 repetitions of 5 s (~15 min; writes
+# bench/results/RUN.{tsv,md,svg}); then bench/tls-hold.lisp: 10,000 idle TLS
+# connections (threads, memory per connection) and 1,000 TLS slowloris clients
+# beside a fresh client every 200 ms.
+bench-tls:
+	@scripts/deps.sh wrk nginx-light
+	@$(BENCH) '(gallop-bench:main :tls)'
+	@$(MAKE) --no-print-directory bench-tls-hold
+
+.PHONY: bench-tls-hold
+bench-tls-hold:
+	@set -o pipefail; \
+	 $(LISP) --load bench/tls-hold.lisp --eval '(gallop-bench-tls-hold:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
 
 # Soak test (bench/soak.lisp): millions of requests mixing keep-alive, close, slow and
 # aborted clients against Gallop's two server kinds; fails when the server's RSS, fds or

@@ -105,6 +105,32 @@ holds for a blocked handler (0 ms: it must not grow), and does it still grow
 when handlers do block beside the hog (1 ms)?"
   (list (scenario 0 nil 100 :hog t) (scenario 1 nil 100 :hog t)))
 
+(defun tls-matrix ()
+  "The TLS scenarios (make bench-tls): keep-alive at 10, 100 and 400
+connections, and Connection: close at 100, where every request is a new TLS
+connection, so a full handshake (wrk resumes no session)."
+  (list (scenario 0 nil 10) (scenario 0 nil 100) (scenario 0 nil 400) (scenario 0 t 100)))
+
+(defvar *tls* nil
+  "In :TLS mode, the certificate and key files (PEM) every server answers
+HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
+
+(defun url (port path)
+  (format nil "~:[http~;https~]://127.0.0.1:~D~A" *tls* port path))
+
+(defun make-tls-certificate (dir)
+  "A self-signed RSA-2048 certificate for 127.0.0.1 and its key in DIR (made
+once per run with openssl): the list of their two namestrings."
+  (let ((cert (namestring (merge-pathnames "cert.pem" dir)))
+        (key (namestring (merge-pathnames "key.pem" dir))))
+    (ensure-directories-exist dir)
+    (multiple-value-bind (out code)
+        (run-capture "openssl" (list "req" "-x509" "-newkey" "rsa:2048" "-nodes" "-keyout" key
+                                     "-out" cert "-days" "2" "-subj" "/CN=127.0.0.1"))
+      (unless (eql code 0)
+        (error "openssl could not make a certificate: ~A" out)))
+    (list cert key)))
+
 (defun full-matrix ()
   (append (loop for sleep in '(0 1)
                 append (loop for close in '(nil t)
@@ -129,11 +155,12 @@ when handlers do block beside the hog (1 ms)?"
          (run-id (format nil "~A-~(~A~)" (timestamp) mode))
          (results (merge-pathnames "results/" *bench-dir*))
          (tmp (merge-pathnames "tmp/" results))
-         (out (if (eq mode :full) results tmp)))
+         (out (if (member mode '(:full :tls)) results tmp)))
     (multiple-value-bind (reps duration idle-n warmup scenarios)
         (ecase mode
           (:full (values 3 5 10000 1 (full-matrix)))
           (:quick (values 1 1 1000 1 (full-matrix)))
+          (:tls (values 3 5 0 1 (tls-matrix)))
           (:smoke (values 1 1 100 0 (list (scenario 0 nil 10) (scenario 1 t 100)
                                           (scenario 0 nil 100 :hog t)))))
       (make-config
@@ -362,8 +389,8 @@ took its time with it)."
 (defun http-ok-p (port &optional (timeout 3))
   "True when GET /yo on 127.0.0.1:PORT answers 200 with \"Hey...\"."
   (multiple-value-bind (out code)
-      (run-capture "curl" (list "-s" "-m" (princ-to-string timeout) "-w" "\\n%{http_code}"
-                                (format nil "http://127.0.0.1:~D/yo?name=bench" port)))
+      (run-capture "curl" (list "-s" "-k" "-m" (princ-to-string timeout) "-w" "\\n%{http_code}"
+                                (url port "/yo?name=bench")))
     (and (eql code 0)
          (search "Hey" out)
          (let ((nl (position #\Newline out :from-end t)))
@@ -421,14 +448,19 @@ http {
     uwsgi_temp_path ~Auwsgi;
     scgi_temp_path ~Ascgi;
     server {
-        listen 127.0.0.1:~A;
+        listen 127.0.0.1:~A~:[;~; ssl;
+        ssl_certificate ~A;
+        ssl_certificate_key ~A;
+        # nginx 1.22 leaves TLS 1.3 out by default (1.23.4 and later have it);
+        # the Lisp servers speak it (OpenSSL's default), so the same protocol.
+        ssl_protocols TLSv1.2 TLSv1.3;~]
         location = /yo {
             default_type text/plain;
             return 200 \"Hey!\";
         }
     }
 }
-" (nginx-workers cfg) dir dir dir dir dir dir dir port))
+" (nginx-workers cfg) dir dir dir dir dir dir dir port *tls* (first *tls*) (second *tls*)))
 
 (defun nginx-command (cfg dir)
   (pin (cfg-server-cpus cfg) (or (nginx-program) "nginx")
@@ -436,9 +468,15 @@ http {
              "-c" (format nil "~Anginx.conf" dir) "-g" "daemon off;")))
 
 (defun server-command (cfg name port sleep-ms)
-  (pin (cfg-server-cpus cfg) (lisp-sh)
-       (list "--load" "bench/server.lisp" "--end-toplevel-options"
-             name (princ-to-string port) (princ-to-string sleep-ms))))
+  (let ((args (list "--load" "bench/server.lisp" "--end-toplevel-options"
+                    name (princ-to-string port) (princ-to-string sleep-ms))))
+    (if *tls*
+        ;; bench/server.lisp answers HTTPS with these (see its header).
+        (pin (cfg-server-cpus cfg) "env"
+             (list* (format nil "BENCH_TLS_CERT=~A" (first *tls*))
+                    (format nil "BENCH_TLS_KEY=~A" (second *tls*))
+                    (lisp-sh) args))
+        (pin (cfg-server-cpus cfg) (lisp-sh) args))))
 
 (defun start-server (cfg name sleep-ms)
   "Start server NAME; it is not ready yet (see WAIT-READY)."
@@ -567,7 +605,7 @@ any of requests, duration, Requests/sec and the 50% and 99% latencies."
                 "--timeout" (format nil "~Ds" (cfg-wrk-timeout cfg))
                 "--latency")
           (when close-p (list "-H" "Connection: close"))
-          (list (format nil "http://127.0.0.1:~D/yo" port))))
+          (list (url port "/yo"))))
 
 (defun hog-command ()
   "A busy loop on the machine's last CPU: another process's work beside the
@@ -978,7 +1016,8 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
              (>= (cpu-count) 2) (cfg-wrk-threads cfg) (cpu-count) (nginx-workers cfg)))))
 
 (defun make-target (cfg)
-  (ecase (cfg-mode cfg) (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke")))
+  (ecase (cfg-mode cfg)
+    (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke") (:tls "make bench-tls")))
 
 (defun commands-meta (cfg)
   "The exact commands of CFG's current setup, for BENCHMARKS.md."
@@ -1080,7 +1119,9 @@ commands and nginx.conf, under keys suffixed _pinned or _shared."
          (per-rep (loop for setup in (cfg-setups cfg)
                         sum (* nservers
                                (+ (length (setup-scenarios (apply-setup cfg setup)))
-                                  (if (eq setup (first (cfg-setups cfg))) 1 0))))))
+                                  (if (and (eq setup (first (cfg-setups cfg)))
+                                           (plusp (cfg-idle-n cfg)))
+                                      1 0))))))
     (setf *steps-total* (* (cfg-reps cfg) per-rep)
           *steps-done* 0
           *failures* 0)
@@ -1112,7 +1153,7 @@ commands and nginx.conf, under keys suffixed _pinned or _shared."
                      (run-matrix-group cfg tsv rep sleep-ms
                                        (remove-if-not (lambda (s) (eql (getf s :sleep) sleep-ms))
                                                       scenarios))))
-                 (when (eq setup (first (cfg-setups cfg)))
+                 (when (and (eq setup (first (cfg-setups cfg))) (plusp (cfg-idle-n cfg)))
                    (dolist (name (rotate (cfg-servers cfg) rep))
                      (run-idle cfg tsv rep name)))))
       (write-tsv-meta tsv (list (cons "elapsed" (clock (elapsed))))))))
@@ -1126,6 +1167,8 @@ exit: 0 when everything ran, 1 when anything failed."
     (unwind-protect
          (handler-case
              (progn
+               (setf *tls* (and (eq mode :tls)
+                                (make-tls-certificate (merge-pathnames "tls/" (cfg-tmp-dir cfg)))))
                (apply-setup cfg (first (cfg-setups cfg)))
                (check-tools cfg)
                (check-ports cfg)

@@ -26,6 +26,11 @@
 ;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
 ;;;; measures the server's memory while clients upload to them.
 ;;;;
+;;;; BENCH_TLS_CERT and BENCH_TLS_KEY (PEM files; `make bench-tls`) make
+;;;; every kind answer HTTPS only: stock HUNCHENTOOT:EASY-SSL-ACCEPTOR,
+;;;; GALLOP:EASY-SSL-ACCEPTOR, HUNCHENTOOT:EASY-SSL-ACCEPTOR with
+;;;; GALLOP:TASKMASTER, and GALLOP:START with the certificate.
+;;;;
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
@@ -236,23 +241,34 @@ alike, then BENCH_GALLOP_OPTIONS."
   (and *timeout* (list :read-timeout *timeout* :write-timeout *timeout*
                        :header-timeout *timeout* :idle-timeout *timeout*)))
 
+(defparameter *tls*
+  (let ((cert (uiop:getenv "BENCH_TLS_CERT"))
+        (key (uiop:getenv "BENCH_TLS_KEY")))
+    (and cert (plusp (length cert)) (list cert key)))
+  "The certificate and key files to answer HTTPS with, or NIL.")
+
+(defun tls-initargs ()
+  "A Hunchentoot SSL acceptor's certificate initargs, from *TLS*."
+  (list :ssl-certificate-file (first *tls*) :ssl-privatekey-file (second *tls*)))
+
 (defun gallop-taskmaster ()
   (apply #'make-instance (gallop-symbol "TASKMASTER") (gallop-options)))
 
 (defparameter *acceptor*
   (case *kind*
     (:stock
-     (apply #'make-instance 'hunchentoot:easy-acceptor
-            :address "127.0.0.1" :port *port* (append (acceptor-timeout-args) *log-args*)))
+     (apply #'make-instance (if *tls* 'hunchentoot:easy-ssl-acceptor 'hunchentoot:easy-acceptor)
+            :address "127.0.0.1" :port *port*
+            (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))
     (:gallop
-     (apply #'make-instance (gallop-symbol "EASY-ACCEPTOR")
+     (apply #'make-instance (gallop-symbol (if *tls* "EASY-SSL-ACCEPTOR" "EASY-ACCEPTOR"))
             :address "127.0.0.1" :port *port* :taskmaster (gallop-taskmaster)
-            (append (acceptor-timeout-args) *log-args*)))
+            (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))
     (:gallop-tm
      (setf *taskmaster* (gallop-taskmaster))
-     (apply #'make-instance 'hunchentoot:easy-acceptor
+     (apply #'make-instance (if *tls* 'hunchentoot:easy-ssl-acceptor 'hunchentoot:easy-acceptor)
             :address "127.0.0.1" :port *port* :taskmaster *taskmaster*
-            (append (acceptor-timeout-args) *log-args*)))))
+            (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))))
 
 (defvar *native-server* nil)
 
@@ -273,7 +289,9 @@ alike, then BENCH_GALLOP_OPTIONS."
                   (setf *native-server*
                         (apply (gallop-symbol "START") #'native-app
                                :address "127.0.0.1" :port *port* :log *message-log*
-                               (append (gallop-options) (native-timeout-args))))
+                               (append (gallop-options) (native-timeout-args)
+                                       (and *tls* (list :ssl-certificate-file (first *tls*)
+                                                        :ssl-privatekey-file (second *tls*))))))
                   (funcall (find-symbol "START" "HUNCHENTOOT") *acceptor*))
   (error (e) (die "cannot start ~(~A~) on port ~D: ~A" *kind* *port* e)))
 

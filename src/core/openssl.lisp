@@ -33,6 +33,9 @@
 ;;;;  - SSL_OP_IGNORE_UNEXPECTED_EOF: a client that closes without
 ;;;;    close_notify ends the stream (0), as most HTTP clients do, instead of
 ;;;;    an error per connection.  HTTP's own framing tells a cut answer.
+;;;;  - Read-ahead: one read(2) takes what the socket has, where OpenSSL
+;;;;    would read each record's header and then its body; what it reads
+;;;;    ahead is decrypted by the next SSL_read of the same SSL-RECV.
 ;;;;  - Renegotiation is refused (SSL_OP_NO_RENEGOTIATION): it would make a
 ;;;;    read want to write in the middle of a request.
 ;;;; SIGPIPE is ignored by SBCL's runtime, so OpenSSL's write(2) to a socket
@@ -58,6 +61,7 @@
 
 (defconstant +ssl-filetype-pem+ 1)
 (defconstant +ssl-ctrl-mode+ 33)
+(defconstant +ssl-ctrl-set-read-ahead+ 41)
 (defconstant +ssl-mode-enable-partial-write+ #x1)
 (defconstant +ssl-mode-accept-moving-write-buffer+ #x2)
 (defconstant +ssl-mode-release-buffers+ #x10)
@@ -163,6 +167,10 @@ PASSWORD if given).  Free it with FREE-TLS-CONTEXT once no server uses it."
                              +ssl-mode-accept-moving-write-buffer+
                              +ssl-mode-release-buffers+)
                      (sb-sys:int-sap 0))
+      ;; Read as much as the socket has in one read(2), not each record's
+      ;; header and then its body: SSL-RECV reads until OpenSSL wants more
+      ;; anyway, so nothing read ahead is left unseen.
+      (%ssl-ctx-ctrl ctx +ssl-ctrl-set-read-ahead+ 1 (sb-sys:int-sap 0))
       (%ssl-ctx-set-options ctx (logior +ssl-op-ignore-unexpected-eof+
                                         +ssl-op-no-renegotiation+))
       (%make-tls-context (sb-sys:sap-int ctx) certificate))))
