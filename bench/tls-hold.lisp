@@ -68,7 +68,7 @@ certificate not verified), or NIL."
                           (sb-bsd-sockets:socket-make-stream socket :input t :output t
                                                                     :element-type '(unsigned-byte 8))
                           :verify nil))))
-      (error () (ignore-errors (sb-bsd-sockets:socket-close socket)) nil))))
+      (serious-condition () (ignore-errors (sb-bsd-sockets:socket-close socket)) nil))))
 
 (defun tls-shut (client)
   (ignore-errors (close (client-stream client) :abort t))
@@ -109,7 +109,8 @@ NIL when it is not a well-formed answer with a Content-Length."
           (force-output stream)
           (multiple-value-bind (status body) (read-answer stream)
             (and (eql status 200) (equal body "Hey!")))))
-    (error () nil)))
+    ;; A reset, or the deadline (a SERIOUS-CONDITION, not an ERROR).
+    (serious-condition () nil)))
 
 ;;; The server
 

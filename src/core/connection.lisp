@@ -467,14 +467,13 @@ returned EAGAIN must be sent again with the same octets first."
   "Send up to COUNT bytes of the file open on FILE-FD from OFFSET on C
 without waiting (see above).  TLS reads the file into a buffer first, and on
 EAGAIN reads the same octets again the next time."
-  (if (zerop (the fixnum (conn-slot c tls)))
-      (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024)))
-      (let ((scratch (if (eq (conn-slot c tls-phase) :open)
-                         (acquire-buffer)
-                         (return-from connection-send-file-chunk (values -1 +econnreset+)))))
-        (multiple-value-prog1 (multiple-value-call #'tls-outcome c
-                                (ssl-send-file (connection-ssl c) file-fd offset count scratch))
-          (release-buffer scratch)))))
+  (cond ((zerop (the fixnum (conn-slot c tls)))
+         (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024))))
+        ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
+        (t (let ((scratch (acquire-buffer)))
+             (multiple-value-prog1 (multiple-value-call #'tls-outcome c
+                                     (ssl-send-file (connection-ssl c) file-fd offset count scratch))
+               (release-buffer scratch))))))
 
 (defun connection-ssl (c)
   "The address of C's SSL object, made now if it is not yet (the first read
@@ -549,16 +548,17 @@ NIL when it timed out."
   "True while C's TLS handshake is not done."
   (and (/= 0 (the fixnum (conn-slot c tls))) (eq (conn-slot c tls-phase) :handshake)))
 
-(defun end-tls (c &key (notify t))
-  "C's TLS is over: send close_notify first when NOTIFY and it is open (one
+(defun end-tls (c)
+  "C's TLS, if any, is over: send close_notify first if it is open (one
 non-blocking send).  The SSL object stays until CLOSE-CONNECTION frees it."
-  (when (and notify (eq (conn-slot c tls-phase) :open) (plusp (conn-slot c tls)))
-    (ssl-close-notify (conn-slot c tls)))
-  (setf (conn-slot c tls-phase) :over))
+  (unless (zerop (the fixnum (conn-slot c tls)))
+    (when (and (eq (conn-slot c tls-phase) :open) (plusp (conn-slot c tls)))
+      (ssl-close-notify (conn-slot c tls)))
+    (setf (conn-slot c tls-phase) :over)))
 
 (defun free-tls (c)
   "Free C's SSL object (C is closing), after its close_notify when still open."
-  (when (/= 0 (the fixnum (conn-slot c tls)))
+  (unless (zerop (the fixnum (conn-slot c tls)))
     (end-tls c)
     (when (plusp (conn-slot c tls))
       (ssl-free (conn-slot c tls)))

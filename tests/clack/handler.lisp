@@ -159,3 +159,18 @@ then the connection closes with nothing after the body."
         ;; (a failure must not print 96,000 characters)
         (is (string= value (body-string r))
             "the body is not the header's value (~D bytes)" (length (response-body r)))))))
+
+(test clack-handler-serves-https-with-clacks-tls-options
+  ;; clackup's :ssl-cert-file and :ssl-key-file (as woo and Hunchentoot's
+  ;; Clack handlers take them) make GALLOP:START serve HTTPS.
+  (destructuring-bind (cert key) (test-certificate)
+    (let ((app (lambda (env)
+                 (list 200 '(:content-type "text/plain")
+                       (list (format nil "clack ~A" (getf env :url-scheme)))))))
+      (with-clack-handler (port app :address "127.0.0.1" :use-default-middlewares nil
+                                    :ssl-cert-file (namestring cert) :ssl-key-file (namestring key))
+        (let ((client (tls-connect port)))
+          (unwind-protect
+               (check-exact-tls-answer "clackup over TLS" (tls-get client "/" :close t)
+                                       "clack https")
+            (tls-close client)))))))
