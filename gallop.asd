@@ -25,7 +25,8 @@
                (:file "cpus" :depends-on ("syscalls"))
                (:file "buffers" :depends-on ("syscalls"))
                (:file "pool" :depends-on ("cpus" "buffers"))
-               (:file "engine" :depends-on ("pool"))
+               (:file "timers" :depends-on ("pool"))
+               (:file "engine" :depends-on ("pool" "timers"))
                (:file "settings" :depends-on ("engine"))
                (:file "chunks" :depends-on ("buffers"))
                (:file "request" :depends-on ("chunks"))
@@ -39,8 +40,8 @@
                (:file "handler" :depends-on ("lifecycle"))
                (:file "serve" :depends-on ("handler" "head" "body"))
                (:file "tls" :depends-on ("body"))
-               (:file "housekeeper" :depends-on ("accept" "serve"))
-               (:file "server" :depends-on ("housekeeper" "tls" "settings"))))
+               (:file "housekeeper" :depends-on ("accept" "serve" "timers"))
+               (:file "server" :depends-on ("housekeeper" "tls" "settings" "timers"))))
 
 (defsystem "gallop/native"
   :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."
@@ -93,6 +94,7 @@
                (:file "core/octets")
                (:file "core/decimal")
                (:file "core/wheel")
+               (:file "core/timers")
                (:file "core/budget")
                (:file "core/shutdown")
                (:file "core/cpus")
@@ -110,6 +112,7 @@
                (:file "hunchentoot/connections")
                (:file "core/tls")
                (:file "native/app")
+               (:file "native/timers")
                (:file "native/parser")
                (:file "native/bodies")
                (:file "hunchentoot/bodies")

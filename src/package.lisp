@@ -24,4 +24,8 @@
    #:server-port
    #:server-address
    ;; both front ends: a server's or a taskmaster's statistics
-   #:stats))
+   #:stats
+   ;; both front ends: a thunk run on a worker later, with no thread waiting
+   #:after
+   #:cancel-timer
+   #:server-pool))

@@ -24,6 +24,8 @@
   "epoll data of the listen socket in the housekeeper's epoll set.")
 (defconstant +stop-data+ (- (expt 2 64) 3)
   "epoll data of the stop eventfd in the housekeeper's epoll set.")
+(defconstant +timer-data+ (- (expt 2 64) 5)
+  "epoll data of the application timers' timerfd in the housekeeper's epoll set.")
 
 ;;; Default limits (the README compares them with other servers').
 (defconstant +default-max-head-bytes+ (* 1024 1024)
@@ -196,7 +198,8 @@ connections parked with a partial head, and those grown for a long head),
 the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
 (their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
 the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
-connection while a handler read or answered), and the pool's :THREADS,
+connection while a handler read or answered), :TIMERS (application timers
+pending, see timers.lisp), and the pool's :THREADS,
 :IDLE-THREADS and :RUN-PERMITS (how many workers may serve at once, see
 pool.lisp)."
   (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
@@ -225,6 +228,7 @@ pool.lisp)."
             :timeouts (engine-timeouts engine)
             :write-timeouts (engine-write-timeouts engine)
             :aborted (engine-aborted engine)
+            :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle pool) 0)
             :run-permits (if pool (pool-allowed pool) 0)))))

@@ -2,7 +2,8 @@
 ;;;; drains rejected connections before closing them (so a client reads its
 ;;;; error answer instead of a reset), and every tick closes parked
 ;;;; connections whose deadline passed (408 when part of a head had arrived,
-;;;; a write timeout when the client read nothing of its answer).
+;;;; a write timeout when the client read nothing of its answer).  When an
+;;;; application timer comes due (timers.lisp) it hands its thunk to the pool.
 
 (in-package #:gallop.core)
 
@@ -103,6 +104,12 @@ on idle keep-alive connections when it began.")
                (let ((data (event-data events i)))
                  (cond ((= data +stop-data+)
                         (return-from housekeeper-loop))
+                       ((= data +timer-data+)
+                        (handler-case
+                            (timers-fire (pool-timers (engine-pool engine))
+                                         (let ((pool (engine-pool engine)))
+                                           (lambda (thunk) (pool-submit pool thunk))))
+                          (error (e) (log-engine-error engine "Timer error: ~A" e))))
                        ((= data +listen-data+)
                         (when (eq (accept-pending engine) :paused)
                           (setf accept-paused t)))

@@ -46,6 +46,8 @@
    #:engine #:make-engine #:engine-start #:engine-stop
    ;; TLS on the event loop (openssl.lisp)
    #:make-tls-context #:free-tls-context #:tls-context #:engine-tls #:connection-tls-p
+   ;; application timers (timers.lisp)
+   #:schedule-timer #:cancel-timer #:timer #:*worker-pool*
    ;; settings (settings.lisp)
    #:+settings+ #:define-settings-function #:setting-arguments #:setting-slot-definitions
    #:setting-default

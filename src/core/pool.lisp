@@ -20,6 +20,10 @@
 ;;;; one of them through the NUDGE eventfd (registered edge-triggered, so
 ;;;; each nudge wakes one waiter).
 ;;;;
+;;;; The READY queue also takes the thunks of application timers that came
+;;;; due (POOL-SUBMIT, from the housekeeper, see timers.lisp): a worker runs
+;;;; one as it serves an event, counted as serving.
+;;;;
 ;;;; Elasticity has two levels, both decided by the maker thread, which
 ;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
 ;;;; per request).  RUN PERMITS bound how many workers wait in or
@@ -121,8 +125,13 @@
   (maker-semaphore (sb-thread:make-semaphore :name "gallop thread maker"))
   (stopping nil)
   (dispatch nil :type (or null function))
+  (timers nil) ; the engine's application timers (timers.lisp), while it runs
   (thread-starter nil :type (or null function))
   (log-error nil :type (or null function)))
+
+(defvar *worker-pool* nil
+  "In a pool's worker thread, that pool: GALLOP:AFTER without :SERVER
+schedules on it.")
 
 (defun make-pool (&key (name "gallop") (min-threads 4) (max-threads 100)
                     (idle-timeout 10) dispatch thread-starter log-error)
@@ -350,7 +359,8 @@ than ALLOWED."
   (sb-thread:signal-semaphore (pool-permits pool)))
 
 (defun worker-loop (pool)
-  (let ((events (make-event-buffer +batch+))
+  (let ((*worker-pool* pool)
+        (events (make-event-buffer +batch+))
         (epfd (pool-epfd pool))
         (ready (pool-ready pool))
         (dispatch (pool-dispatch pool))
@@ -364,6 +374,14 @@ than ALLOWED."
     (flet ((serve (data flags)
              (incf (worker-serving worker))
              (handler-case (funcall dispatch data flags)
+               (serious-condition (e)
+                 (let ((log (pool-log-error pool)))
+                   (when log (ignore-errors (funcall log e))))))
+             (incf (worker-serving worker)))
+           (serve-thunk (thunk)
+             ;; Counted as serving: a thunk that blocks is seen as blocked.
+             (incf (worker-serving worker))
+             (handler-case (funcall (the function thunk))
                (serious-condition (e)
                  (let ((log (pool-log-error pool)))
                    (when log (ignore-errors (funcall log e))))))
@@ -422,7 +440,10 @@ than ALLOWED."
                  (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
                  (when found
                    (sb-ext:atomic-decf (pool-idle pool))))
-               (cond ((consp queued)
+               (cond ((functionp queued)
+                      ;; A timer's thunk (POOL-SUBMIT).
+                      (serve-thunk queued))
+                     ((consp queued)
                       ;; A connection that served its turn (POOL-REQUEUE).
                       ;; The queue may never empty while clients pipeline:
                       ;; look at epoll first, without waiting, so that new
@@ -463,6 +484,13 @@ than ALLOWED."
 the events already queued (a connection that has served its turn, see
 SERVE-CONNECTION).  The caller has given the connection up."
   (sb-concurrency:enqueue (list data) (pool-ready pool)) ; a list: see WORKER-LOOP
+  (when (plusp (pool-idle pool))
+    (signal-eventfd (pool-nudge-fd pool))))
+
+(defun pool-submit (pool thunk)
+  "Queue THUNK for the next free worker (a timer that came due, see
+timers.lisp), behind the events already queued."
+  (sb-concurrency:enqueue thunk (pool-ready pool)) ; a function: see WORKER-LOOP
   (when (plusp (pool-idle pool))
     (signal-eventfd (pool-nudge-fd pool))))
 

@@ -93,6 +93,10 @@ calls ENGINE-ADOPT-FD."
     (set-notsent-lowat listen-fd +kernel-unsent-bytes+)
     (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ listen-fd
                +epollin+ +listen-data+))
+  (let ((timers (make-timers)))
+    (setf (pool-timers (engine-pool engine)) timers)
+    (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ (timers-fd timers)
+               +epollin+ +timer-data+))
   (pool-start (engine-pool engine))
   (setf (engine-state engine) :running)
   (setf (engine-housekeeper engine)
@@ -163,6 +167,9 @@ belongs to the caller, who closes it afterwards."
            (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
              (interrupt-running-handlers engine))))
     (pool-stop (engine-pool engine))
+    ;; Timers still pending are dropped: their server is gone.
+    (let ((timers (shiftf (pool-timers (engine-pool engine)) nil)))
+      (when timers (free-timers timers)))
     ;; Workers that finished after the first pass closed their connections
     ;; instead of parking them; catch any that raced with it.
     (close-idle-connections engine)

@@ -59,6 +59,7 @@
 ;;; than GET-INTERNAL-REAL-TIME (a precise read, then generic arithmetic).
 ;;; Their resolution, one tick (1 to 10 ms), is far below any timeout's.
 
+(defconstant +clock-monotonic+ 1)
 (defconstant +clock-realtime-coarse+ 5)
 (defconstant +clock-monotonic-coarse+ 6)
 
@@ -106,6 +107,8 @@
 (sb-alien:define-alien-routine ("send" %send) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
   (flags sb-alien:int))
+(sb-alien:define-alien-routine ("read" %read) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("write" %write) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("sendfile" %sendfile) sb-alien:long
@@ -219,6 +222,38 @@ accepted from a listening socket inherit it.  True if it was set."
   (let ((fd (%eventfd 0 (logior +efd-nonblock+ +efd-cloexec+))))
     (when (< fd 0) (error "eventfd failed: errno ~D" (%errno)))
     fd))
+
+;;; timerfd: the application timers' clock (timers.lisp)
+
+(defconstant +tfd-nonblock+ #o4000)
+(defconstant +tfd-cloexec+ #o2000000)
+(defconstant +tfd-timer-abstime+ 1)
+
+(sb-alien:define-alien-routine ("timerfd_create" %timerfd-create) sb-alien:int
+  (clock sb-alien:int) (flags sb-alien:int))
+(sb-alien:define-alien-routine ("timerfd_settime" %timerfd-settime) sb-alien:int
+  (fd sb-alien:int) (flags sb-alien:int) (new sb-sys:system-area-pointer)
+  (old sb-sys:system-area-pointer))
+
+(defun make-timerfd ()
+  "A non-blocking timerfd on CLOCK_MONOTONIC, not armed."
+  (let ((fd (%timerfd-create +clock-monotonic+ (logior +tfd-nonblock+ +tfd-cloexec+))))
+    (when (< fd 0) (error "timerfd_create failed: errno ~D" (%errno)))
+    fd))
+
+(defun set-timerfd (fd deadline-us)
+  "Arm the timerfd FD to expire once at DEADLINE-US (CLOCK_MONOTONIC, µs);
+one already past expires at once."
+  (sb-alien:with-alien ((spec (array (sb-alien:signed 64) 4)))
+    (multiple-value-bind (seconds us) (floor (max deadline-us 1) 1000000)
+      (setf (sb-alien:deref spec 0) 0 (sb-alien:deref spec 1) 0 ; no interval
+            (sb-alien:deref spec 2) seconds (sb-alien:deref spec 3) (* us 1000)))
+    (%timerfd-settime fd +tfd-timer-abstime+ (sb-alien:alien-sap spec) (sb-sys:int-sap 0))))
+
+(defun read-timerfd (fd)
+  "Consume the timerfd FD's expirations, if any."
+  (sb-alien:with-alien ((count (sb-alien:unsigned 64)))
+    (%read fd (sb-alien:alien-sap (sb-alien:addr count)) 8)))
 
 (defun signal-eventfd (fd)
   "Make the eventfd FD readable (it stays readable: nobody consumes it)."

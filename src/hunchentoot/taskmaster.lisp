@@ -104,6 +104,14 @@ new connections get 503.")
   (let ((engine (taskmaster-engine tm)))
     (and engine (gallop.core:engine-stats engine))))
 
+(defmethod server-pool ((tm taskmaster))
+  (let ((engine (taskmaster-engine tm)))
+    (and engine (gallop.core:engine-pool engine))))
+
+(defmethod server-pool ((acceptor hunchentoot:acceptor))
+  (let ((tm (acceptor-gallop-taskmaster acceptor)))
+    (and tm (server-pool tm))))
+
 (defmethod stats ((acceptor hunchentoot:acceptor))
   (let ((tm (acceptor-gallop-taskmaster acceptor)))
     (and tm (stats tm))))

@@ -315,6 +315,38 @@ finish when SOFT, join every thread, and free the port."
     (gallop.core:free-tls-context (shiftf (server-tls server) nil)))
   server)
 
+;;; Timers
+
+(defgeneric server-pool (server)
+  (:documentation "The worker pool of SERVER (a running GALLOP:START server, or
+a Hunchentoot acceptor or GALLOP:TASKMASTER on Gallop), whose workers run
+its timers; NIL when it is not running.")
+  (:method ((server server))
+    (let ((engine (server-engine server)))
+      (and engine (gallop.core:engine-pool engine)))))
+
+(defun after (seconds thunk &key server)
+  "Call THUNK with no arguments on a worker of SERVER's pool once SECONDS (a
+non-negative real; resolution: the kernel's timer, well under a millisecond)
+have passed, and return a timer for GALLOP:CANCEL-TIMER.  No thread waits
+meanwhile: a pending timer is a heap entry (timers.lisp), so a request
+answered later by a timer costs memory, not a thread.  In a handler, a
+native app or another timer's thunk (any worker of a Gallop server) SERVER
+may be left out: the server of that worker.  THUNK runs as a handler does:
+an error in it is logged and goes no further; a THUNK that blocks holds its
+worker, and the pool grows around it.  Timers still pending when the server
+stops are dropped."
+  (let ((pool (cond (server (or (server-pool server)
+                                (error "GALLOP:AFTER: ~A is not running." server)))
+                    (gallop.core:*worker-pool*)
+                    (t (error "GALLOP:AFTER outside a Gallop worker needs :SERVER.")))))
+    (gallop.core:schedule-timer pool seconds thunk)))
+
+(defun cancel-timer (timer)
+  "Cancel TIMER (from GALLOP:AFTER) if its thunk has not run yet: true if it
+was pending; NIL when it already ran, is running or was cancelled."
+  (gallop.core:cancel-timer timer))
+
 (defgeneric stats (thing)
   (:documentation "Connection and pool statistics of a running Gallop server,
 acceptor or taskmaster, as a property list (see GALLOP.CORE:ENGINE-STATS), or

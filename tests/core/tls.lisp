@@ -329,3 +329,42 @@ fd is left, nothing is logged, and the server serves on."
          (check-tls-aborts (port-of server) (lambda () (gallop:stats server))
                            (lambda () (get-output-stream-string log)))
       (hunchentoot:stop server))))
+
+;;; An acceptor that does TLS itself, in INITIALIZE-CONNECTION-STREAM, and is
+;;; not a HUNCHENTOOT:SSL-ACCEPTOR: Gallop cannot know its TLS, so its engine
+;;; is raw and the requests are read through that stream (src/core/tls.lisp),
+;;; with the same checks.
+
+(defclass stream-tls-acceptor (gallop:easy-acceptor)
+  ((certificate :initarg :certificate :reader stream-tls-certificate)
+   (key :initarg :key :reader stream-tls-key))
+  (:documentation "An easy acceptor wrapping each connection in cl+ssl itself."))
+
+(defmethod hunchentoot:acceptor-ssl-p ((acceptor stream-tls-acceptor))
+  t)
+
+(defmethod hunchentoot:initialize-connection-stream ((acceptor stream-tls-acceptor) stream)
+  (call-next-method acceptor
+                    (cl+ssl:make-ssl-server-stream
+                     stream :certificate (namestring (stream-tls-certificate acceptor))
+                            :key (namestring (stream-tls-key acceptor)))))
+
+(test an-acceptor-doing-its-own-tls-is-served-through-its-stream
+  (destructuring-bind (cert key) (test-certificate)
+    (let ((server (make-server 'stream-tls-acceptor :certificate cert :key key)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (let ((client (tls-connect (port-of server))))
+             (unwind-protect
+                  (progn
+                    (check-exact-tls-answer "own TLS, first" (tls-get client "/yo") "Hey!")
+                    (check-exact-tls-answer "own TLS, second" (tls-get client "/yo?name=x") "Hey x!")
+                    ;; A head over the limit is refused through that stream too.
+                    (tls-send client (octets (crlf (format nil "GET /~A HTTP/1.1"
+                                                           (make-string 70000 :initial-element #\a))
+                                                   "Host: x")))
+                    (let ((response (tls-read-wire client :close t :timeout 10)))
+                      (is (and (wire-response-p response) (= 414 (wire-status response)))
+                          "~A" response)))
+               (tls-close client)))
+        (hunchentoot:stop server)))))
