@@ -8,7 +8,8 @@
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
   (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit))
+           #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit
+           #:proc-status #:make-tls-certificate))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -124,3 +125,33 @@ soft limit."
             (setf (sb-sys:sap-ref-64 sap 0) target)
             (when (zerop (%setrlimit +rlimit-nofile+ sap))
               (return target))))))))
+
+;;; /proc, and TLS
+
+(defun proc-status (pid)
+  "VmRSS in KiB and the thread count of PID, from /proc/PID/status."
+  (let ((rss nil) (threads nil))
+    (ignore-errors
+     (with-open-file (in (format nil "/proc/~D/status" pid))
+       (loop for line = (read-line in nil)
+             while line
+             do (cond ((uiop:string-prefix-p "VmRSS:" line)
+                       (setf rss (parse-integer line :start 6 :junk-allowed t)))
+                      ((uiop:string-prefix-p "Threads:" line)
+                       (setf threads (parse-integer line :start 8 :junk-allowed t)))))))
+    (values rss threads)))
+
+(defun make-tls-certificate (dir)
+  "A self-signed RSA-2048 certificate for 127.0.0.1 and its key, made with
+openssl in DIR: the two namestrings, as a list."
+  (let ((cert (namestring (merge-pathnames "cert.pem" dir)))
+        (key (namestring (merge-pathnames "key.pem" dir))))
+    (ensure-directories-exist dir)
+    (multiple-value-bind (out error code)
+        (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes"
+                                "-keyout" key "-out" cert "-days" "2" "-subj" "/CN=127.0.0.1")
+                          :output :string :error-output :string :ignore-error-status t)
+      (declare (ignore out))
+      (unless (eql code 0)
+        (error "openssl could not make a certificate: ~A" error)))
+    (list cert key)))

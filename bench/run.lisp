@@ -118,19 +118,6 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
 (defun url (port path)
   (format nil "~:[http~;https~]://127.0.0.1:~D~A" *tls* port path))
 
-(defun make-tls-certificate (dir)
-  "A self-signed RSA-2048 certificate for 127.0.0.1 and its key in DIR (made
-once per run with openssl): the list of their two namestrings."
-  (let ((cert (namestring (merge-pathnames "cert.pem" dir)))
-        (key (namestring (merge-pathnames "key.pem" dir))))
-    (ensure-directories-exist dir)
-    (multiple-value-bind (out code)
-        (run-capture "openssl" (list "req" "-x509" "-newkey" "rsa:2048" "-nodes" "-keyout" key
-                                     "-out" cert "-days" "2" "-subj" "/CN=127.0.0.1"))
-      (unless (eql code 0)
-        (error "openssl could not make a certificate: ~A" out)))
-    (list cert key)))
-
 (defun full-matrix ()
   (append (loop for sleep in '(0 1)
                 append (loop for close in '(nil t)
@@ -307,19 +294,6 @@ closing one."
      (write-line line in)
      (finish-output in)
      t)))
-
-(defun proc-status (pid)
-  "VmRSS in KiB and the thread count of PID, from /proc/PID/status."
-  (let ((rss nil) (threads nil))
-    (ignore-errors
-     (with-open-file (in (format nil "/proc/~D/status" pid))
-       (loop for line = (read-line in nil)
-             while line
-             do (cond ((uiop:string-prefix-p "VmRSS:" line)
-                       (setf rss (parse-integer line :start 6 :junk-allowed t)))
-                      ((uiop:string-prefix-p "Threads:" line)
-                       (setf threads (parse-integer line :start 8 :junk-allowed t)))))))
-    (values rss threads)))
 
 (defun tree-status (pid)
   "PROC-STATUS summed over PID and its children (nginx: master and workers)."

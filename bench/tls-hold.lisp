@@ -120,19 +120,6 @@ NIL when it is not a well-formed answer with a Content-Length."
                 "BENCH_IDLE_TIMEOUT=600")
           (sb-ext:posix-environ)))
 
-(defun proc-status (pid)
-  "VmRSS (KiB) and threads of PID."
-  (let (rss threads)
-    (ignore-errors
-     (with-open-file (in (format nil "/proc/~D/status" pid))
-       (loop for line = (read-line in nil)
-             while line
-             do (cond ((uiop:string-prefix-p "VmRSS:" line)
-                       (setf rss (parse-integer line :start 6 :junk-allowed t)))
-                      ((uiop:string-prefix-p "Threads:" line)
-                       (setf threads (parse-integer line :start 8 :junk-allowed t)))))))
-    (values rss threads)))
-
 (defun stats (process)
   (let ((text (ask-process process "stats" "STATS ")))
     (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
@@ -248,21 +235,12 @@ NIL when it is not a well-formed answer with a Content-Length."
 
 ;;; Main
 
-(defun make-certificate (dir)
-  (let ((cert (namestring (merge-pathnames "cert.pem" dir)))
-        (key (namestring (merge-pathnames "key.pem" dir))))
-    (ensure-directories-exist dir)
-    (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes" "-keyout" key
-                            "-out" cert "-days" "2" "-subj" "/CN=127.0.0.1")
-                      :output nil :error-output nil)
-    (values cert key)))
-
 (defun main ()
   (raise-fd-limit)
   (let* ((dir (merge-pathnames "bench/results/tmp/tls-hold/" *repo*))
          (port (env-int "BENCH_PORT" 18380))
          (idle-rows '()) (loris-rows '()) (bad '()))
-    (multiple-value-bind (cert key) (make-certificate dir)
+    (destructuring-bind (cert key) (make-tls-certificate dir)
       (loop for kind in *kinds*
             for p from (1+ port)
             do (multiple-value-bind (process pid)
