@@ -372,16 +372,12 @@ than ALLOWED."
     (declare (type function dispatch) (type fixnum epfd timeout))
     (join-workers pool worker)
     (flet ((serve (data flags)
+             ;; DATA is an event's, or a timer's thunk (POOL-SUBMIT): both
+             ;; counted as serving, so that one that blocks is seen blocked.
              (incf (worker-serving worker))
-             (handler-case (funcall dispatch data flags)
-               (serious-condition (e)
-                 (let ((log (pool-log-error pool)))
-                   (when log (ignore-errors (funcall log e))))))
-             (incf (worker-serving worker)))
-           (serve-thunk (thunk)
-             ;; Counted as serving: a thunk that blocks is seen as blocked.
-             (incf (worker-serving worker))
-             (handler-case (funcall (the function thunk))
+             (handler-case (if (functionp data)
+                               (funcall data)
+                               (funcall dispatch data flags))
                (serious-condition (e)
                  (let ((log (pool-log-error pool)))
                    (when log (ignore-errors (funcall log e))))))
@@ -442,7 +438,7 @@ than ALLOWED."
                    (sb-ext:atomic-decf (pool-idle pool))))
                (cond ((functionp queued)
                       ;; A timer's thunk (POOL-SUBMIT).
-                      (serve-thunk queued))
+                      (serve queued 0))
                      ((consp queued)
                       ;; A connection that served its turn (POOL-REQUEUE).
                       ;; The queue may never empty while clients pipeline:

@@ -371,7 +371,8 @@ drop-in names are exported too, each with its definition."
                          (read-from-string output t nil :start (+ at (length "EXPORTS=")))))))))
     (let ((native (exports "gallop/native"))
           (full (exports "gallop")))
-      (is (equal '("HANDLER-TIMEOUT" "SERVER" "SERVER-ADDRESS" "SERVER-PORT" "START" "STATS" "STOP")
+      (is (equal '("AFTER" "CANCEL-TIMER" "HANDLER-TIMEOUT" "SERVER" "SERVER-ADDRESS" "SERVER-POOL"
+                   "SERVER-PORT" "START" "STATS" "STOP")
                  (mapcar #'first native)))
       (is (every #'second native) "exported without a definition: ~S"
           (remove-if #'second native))
