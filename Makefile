@@ -91,6 +91,16 @@ bench-tls:
 	@$(BENCH) '(gallop-bench:main :tls)'
 	@$(MAKE) --no-print-directory bench-tls-hold
 
+# Pending requests (bench/pending.lisp; BENCHMARKS.md, "Pending requests"): cl-async's
+# seed test, every request answered 5 s later by a timer (GALLOP:AFTER): wrk -c15000
+# against gallop:start; pending requests held, threads, KiB per pending request.
+.PHONY: bench-pending
+bench-pending:
+	@scripts/deps.sh wrk
+	@set -o pipefail; \
+	 $(LISP) --load bench/pending.lisp --eval '(gallop-bench-pending:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+
 .PHONY: bench-tls-hold
 bench-tls-hold:
 	@set -o pipefail; \

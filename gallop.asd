@@ -113,6 +113,7 @@
                (:file "core/tls")
                (:file "native/app")
                (:file "native/timers")
+               (:file "native/sse")
                (:file "native/parser")
                (:file "native/bodies")
                (:file "hunchentoot/bodies")

@@ -20,6 +20,8 @@
 ;;;; /big answers 1 MiB of octets (no sleep), for every kind: the soak test
 ;;;; (bench/soak.lisp) reads part of it and hangs up, so that the server's
 ;;;; writes fail in mid-response.  The benchmark itself only requests /yo.
+;;;; The native server also answers /later, 5 s (BENCH_LATER_SECONDS) after
+;;;; the request, from a timer (GALLOP:AFTER; bench/pending.lisp).
 ;;;; /upload reads the request body to its end in 64 KiB pieces and answers
 ;;;; the number of octets read (native: from :RAW-BODY; Hunchentoot: from
 ;;;; (HUNCHENTOOT:RAW-POST-DATA :WANT-STREAM T)); /ignore answers "ignored"
@@ -153,10 +155,22 @@ names are plain)."
             when (uiop:string-prefix-p prefix part)
               return (subseq part (length prefix))))))
 
+(defparameter *later-seconds*
+  (let ((v (uiop:getenv "BENCH_LATER_SECONDS")))
+    (if (and v (plusp (length v))) (parse-integer v) 5))
+  "How long /later waits before it answers (native only; bench/pending.lisp).")
+
 (defun native-app (env)
-  "The native counterpart of /yo, /big, /upload and /ignore."
+  "The native counterpart of /yo, /big, /upload and /ignore; and /later,
+answered \"Hey!\" *LATER-SECONDS* after the request by a timer
+\(GALLOP:AFTER), with no thread waiting: cl-async's seed test."
   (let ((path (getf env :path-info)))
-    (cond ((string= path "/yo")
+    (cond ((string= path "/later")
+           (lambda (responder)
+             (funcall (gallop-symbol "AFTER") *later-seconds*
+                      (lambda ()
+                        (funcall responder '(200 (:content-type "text/plain") ("Hey!")))))))
+          ((string= path "/yo")
            (when (plusp *handler-sleep-seconds*)
              (sleep *handler-sleep-seconds*))
            ;; The same answer as /yo, built the way a native app would:

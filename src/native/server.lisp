@@ -9,7 +9,9 @@
 ;;;; function of one argument, a responder, for delayed and streaming
 ;;;; responses.  The responder may be called from any thread: with (STATUS
 ;;;; HEADERS BODY) it answers; with (STATUS HEADERS) it returns a writer,
-;;;; (lambda (data &key close)), that streams the body in chunks.
+;;;; (lambda (data &key close)), that streams the body in chunks.  Both
+;;;; return quietly when the client is gone: the responder answers NIL
+;;;; instead of T, the writer NIL from then on, nothing is logged.
 ;;;;
 ;;;; The app runs in the pool worker that read the request: a fast app pays no
 ;;;; thread hand-off, and an app that blocks holds only its own worker while
@@ -73,7 +75,8 @@
          (keep-alive (and (exchange-keep-alive ex) (or length chunked)
                           (accepting-p (exchange-server ex))
                           (not (connection-token-p (header-value headers :connection) "close"))))
-         (closed nil))
+         (closed nil)
+         (gone nil))                    ; a write found the client gone
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t
           (exchange-streaming ex) t)
@@ -86,10 +89,12 @@
              (let ((suspended (eq (exchange-state ex) :suspended)))
                (if (and suspended (not (gallop.core:connection-acquire c)))
                    (setf closed t       ; the client went away meanwhile
+                         gone t
                          (exchange-keep-alive ex) nil)
                    (handler-case (funcall write)
                      (error (e)
                        (setf closed t
+                             gone t
                              (exchange-keep-alive ex) nil)
                        (unless (client-gone-p (exchange-server ex) e)
                          (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))))
@@ -114,7 +119,9 @@
                     (gallop.core:connection-write-octets c +last-chunk+))
                   (gallop.core:connection-flush c))
                 close))
-        nil))))
+        ;; True while the client takes what it is sent: a streamer (an
+        ;; event source) drops a writer that answers NIL.
+        (not gone)))))
 
 (defun complete (ex)
   "The response of EX is finished.  If the worker already left (the app
@@ -136,17 +143,20 @@ answered from another thread), finish the connection from this thread."
       (cond ((exchange-responded ex)
              (error "This request was already answered."))
             (body-p
-             (if (and (eq (exchange-state ex) :suspended)
-                      (not (gallop.core:connection-acquire (exchange-connection ex))))
-                 (setf (exchange-responded ex) t ; the client went away meanwhile
-                       (exchange-keep-alive ex) nil)
-                 (handler-case (respond ex status headers body)
-                   (error (e)
-                     (setf (exchange-keep-alive ex) nil)
-                     (unless (client-gone-p (exchange-server ex) e)
-                       (log-error (exchange-server ex) "Responding failed: ~A" e)))))
-             (complete ex)
-             nil)
+             (let ((delivered t))
+               (if (and (eq (exchange-state ex) :suspended)
+                        (not (gallop.core:connection-acquire (exchange-connection ex))))
+                   (setf delivered nil
+                         (exchange-responded ex) t ; the client went away meanwhile
+                         (exchange-keep-alive ex) nil)
+                   (handler-case (respond ex status headers body)
+                     (error (e)
+                       (setf delivered nil
+                             (exchange-keep-alive ex) nil)
+                       (unless (client-gone-p (exchange-server ex) e)
+                         (log-error (exchange-server ex) "Responding failed: ~A" e)))))
+               (complete ex)
+               delivered))
             (t (start-streaming ex status headers))))))
 
 (defun client-gone-p (server condition)

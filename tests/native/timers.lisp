@@ -11,13 +11,14 @@
 
 (defun delayed-app (env)
   "Answers every request 1 s later, from a timer: the body is the
-milliseconds that passed between the request and the answer."
+milliseconds that passed between the request and the answer, on the precise
+monotonic clock (GET-INTERNAL-REAL-TIME may be the coarse one, a few ms
+behind)."
   (declare (ignore env))
-  (let ((start (get-internal-real-time)))
+  (let ((start (gallop.core::now-us)))
     (lambda (responder)
       (gallop:after 1 (lambda ()
-                        (let ((ms (round (* 1000 (- (get-internal-real-time) start))
-                                         internal-time-units-per-second)))
+                        (let ((ms (floor (- (gallop.core::now-us) start) 1000)))
                           (funcall responder (list 200 '(:content-type "text/plain")
                                                    (list (princ-to-string ms))))))))))
 

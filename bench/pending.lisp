@@ -1,0 +1,122 @@
+;;;; pending.lisp -- `make bench-pending`: cl-async's seed test, reproduced.
+;;;; Every request is answered 5 s later by a timer (GALLOP:AFTER), so
+;;;; requests pile up pending for 5 s before the first answer; cl-async held
+;;;; about 40,000 that way on a 512 MB machine (about 13 KiB each).
+;;;;
+;;;; The server is bench/server.lisp's native kind (GALLOP:START, default
+;;;; pool) answering /later, in its own process; the load generator is wrk
+;;;; in another: `wrk -t2 -cN -d12s --timeout 10s --latency`, N =
+;;;; BENCH_PENDING_N (default 15,000: each process may have 20,000 fds), so
+;;;; every connection asks twice.  Sampled every 250 ms: requests in flight
+;;;; (pending), timers, pool and process threads, RSS; 4 s into the run (all
+;;;; N pending, none answered yet) a full GC in the server, then its RSS.
+;;;; Reported: pending held at the most, threads, KiB of RSS per pending
+;;;; request (after the GC, against the idle server after a GC), answers per
+;;;; second once the first timers fired (wrk's answers over the 7 s after
+;;;; them), wrk's errors and its slowest answer.  Exits non-zero when the
+;;;; goals are missed: at most 2 KiB per pending request, at most the
+;;;; standby threads + 4 in the pool, no error, every answer within 5.1 s.
+;;;; Traffic goes to 127.0.0.1 only.
+
+(load (merge-pathnames "process.lisp" (directory-namestring *load-truename*)))
+
+(defpackage #:gallop-bench-pending
+  (:use #:common-lisp #:gallop-bench-process)
+  (:export #:main))
+(in-package #:gallop-bench-pending)
+
+(defparameter *n* (env-int "BENCH_PENDING_N" 15000))
+(defparameter *seconds* 12 "wrk's run: two answers per connection.")
+(defparameter *delay* 5)
+(defparameter *standby* 4)
+
+(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
+
+(defun stats (process)
+  (let ((text (ask-process process "stats" "STATS ")))
+    (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
+                               (read-from-string text))))))
+
+(defun gc-rss (process pid)
+  "A full GC in the server, then its RSS (KiB)."
+  (ask-process process "gc" "GC " 60)
+  (sleep 0.2)
+  (values (proc-status pid)))
+
+(defun wrk-seconds (token)
+  "wrk's duration TOKEN (\"5.01s\", \"850.00ms\", \"3.2m\") in seconds."
+  (let* ((end (position-if #'alpha-char-p token))
+         (x (let ((*read-default-float-format* 'double-float))
+              (read-from-string (subseq token 0 end))))
+         (unit (subseq token end)))
+    (* x (cond ((string= unit "us") 1/1000000) ((string= unit "ms") 1/1000)
+               ((string= unit "s") 1) ((string= unit "m") 60) (t 1)))))
+
+(defun parse-wrk (text)
+  "Requests, the slowest answer (s), socket errors and non-2xx answers."
+  (let ((requests nil) (max nil) (errors 0) (non2xx 0))
+    (dolist (line (uiop:split-string text :separator '(#\Newline)))
+      (let ((words (remove "" (uiop:split-string (substitute #\Space #\, line)) :test #'string=)))
+        (cond ((and (>= (length words) 5) (string= (first words) "Latency"))
+               (setf max (wrk-seconds (fourth words))))
+              ((and (>= (length words) 3) (string= (second words) "requests"))
+               (setf requests (parse-integer (first words) :junk-allowed t)))
+              ((and words (string= (first words) "Socket"))
+               (loop for (nil v) on (cddr words) by #'cddr
+                     do (incf errors (or (parse-integer v :junk-allowed t) 0))))
+              ((search "Non-2xx" line)
+               (setf non2xx (parse-integer (car (last words)) :junk-allowed t))))))
+    (values requests max errors non2xx)))
+
+(defun main ()
+  (raise-fd-limit)
+  (let* ((dir (merge-pathnames "bench/results/tmp/pending/" *repo*))
+         (port (env-int "BENCH_PORT" 18480))
+         (bad '()))
+    (ensure-directories-exist dir)
+    (multiple-value-bind (process pid)
+        (start-bench-server "native" port :log (merge-pathnames "native.log" dir))
+      (unwind-protect
+           (let* ((rss-idle (gc-rss process pid))
+                  (out (merge-pathnames "wrk.txt" dir))
+                  (wrk (sb-ext:run-program "wrk" (list "-t2" (format nil "-c~D" *n*)
+                                                       (format nil "-d~Ds" *seconds*)
+                                                       "--timeout" "10s" "--latency"
+                                                       (format nil "http://127.0.0.1:~D/later" port))
+                                           :search t :wait nil :output out
+                                           :if-output-exists :supersede :error :output))
+                  (start (now-ms))
+                  (pending-max 0) (pool-max 0) (threads-max 0)
+                  (rss-pending nil) (pending-at-gc nil))
+             (loop while (alive-p wrk)
+                   do (let ((s (stats process)))
+                        (setf pending-max (max pending-max (or (getf s :in-flight) 0))
+                              pool-max (max pool-max (or (getf s :threads) 0))
+                              threads-max (max threads-max (or (nth-value 1 (proc-status pid)) 0)))
+                        (when (and (null rss-pending) (>= (- (now-ms) start) 4000))
+                          (setf pending-at-gc (getf s :in-flight)
+                                rss-pending (gc-rss process pid)))
+                        (when (> (- (now-ms) start) (* 1000 (+ *seconds* 30)))
+                          (sb-ext:process-kill wrk 9)))
+                      (sleep 0.25))
+             (let ((text (uiop:read-file-string out)))
+               (multiple-value-bind (requests max errors non2xx) (parse-wrk text)
+                 (let ((kib (and rss-pending pending-at-gc (plusp pending-at-gc)
+                                 (/ (- rss-pending rss-idle) pending-at-gc 1.0)))
+                       (rate (and requests (/ requests (- *seconds* *delay*) 1.0))))
+                   (format t "~&~A~%" text)
+                   (format t "~&| server | connections | pending at the most | pending at the GC | pool threads at the most | process threads | RSS idle → with them pending (MiB) | KiB per pending request | answers/s after the first timers | socket errors | non-2xx | slowest answer |~%|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+                   (format t "| gallop:start | ~:D | ~:D | ~:D | ~D | ~D | ~,1F → ~,1F | ~,2F | ~,0F | ~D | ~D | ~,2F s |~%"
+                           *n* pending-max (or pending-at-gc 0) pool-max threads-max
+                           (/ rss-idle 1024.0) (/ (or rss-pending 0) 1024.0) (or kib 0)
+                           (or rate 0) errors (or non2xx 0) (or max 0))
+                   (finish-output)
+                   (unless (and kib (<= kib 2)) (push (format nil "~,2F KiB per pending request" kib) bad))
+                   (unless (<= pool-max (+ *standby* 4)) (push (format nil "~D pool threads" pool-max) bad))
+                   (unless (and (zerop errors) (eql non2xx 0)) (push "errors" bad))
+                   (unless (and max (<= max 5.1)) (push (format nil "slowest answer ~A s" max) bad))
+                   (unless (and pending-at-gc (>= pending-at-gc (* 0.99 *n*)))
+                     (push (format nil "only ~A pending at once" pending-at-gc) bad))))))
+        (kill-and-reap process)))
+    (when bad (format t "~&FAILED: ~{~A~^; ~}~%" (reverse bad)))
+    (uiop:quit (if bad 1 0))))

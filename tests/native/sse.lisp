@@ -1,0 +1,67 @@
+;;;; sse.lisp -- examples/sse.lisp with 1,000 clients: every client receives
+;;;; every event, in order, in a well-formed chunked text/event-stream
+;;;; answer; the pool keeps its standby threads while they wait.
+
+(in-package #:gallop-tests)
+
+(in-suite native)
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (load (merge-pathnames "examples/sse.lisp" (asdf:system-source-directory "gallop"))))
+
+(defparameter *sse-clients* 1000)
+(defparameter *sse-events* 5)
+
+(test server-sent-events-reach-every-client-in-order
+  (gallop.core:raise-fd-limit (+ 1000 (* 3 *sse-clients*)))
+  (gallop-example-sse:forget-clients)
+  (with-app (server #'gallop-example-sse:events-app :standby-thread-count 4)
+    (let ((sockets '())
+          (expected (format nil "~{id: ~D~%data: tick ~:*~D~%~%~}"
+                            (loop for i from 1 to *sse-events* collect i))))
+      (unwind-protect
+           (progn
+             (dotimes (i *sse-clients*)
+               (let ((socket (connect (native-port server))))
+                 (push socket sockets)
+                 (send socket (crlf "GET /events HTTP/1.1" "Host: x"))))
+             (is (wait-until (lambda () (= *sse-clients* (gallop-example-sse:client-count))))
+                 "~D of ~D clients registered" (gallop-example-sse:client-count) *sse-clients*)
+             (is (<= (getf (gallop:stats server) :threads) 8) "~S" (gallop:stats server))
+             (gallop-example-sse:tick-every 0.1 server :count *sse-events*)
+             (let ((good 0) (first-bad nil))
+               (dolist (socket sockets)
+                 (let ((response (read-wire-or-error socket :persistent t)))
+                   (if (and (typep response 'wire-response)
+                            (= 200 (wire-status response))
+                            (equal "text/event-stream" (wire-header response "Content-Type"))
+                            (wire-flag-p response :chunked)
+                            (equal expected (wire-body-string response)))
+                       (incf good)
+                       (unless first-bad (setf first-bad response)))))
+               (is (= *sse-clients* good) "~D of ~D got every event in order; one: ~A"
+                   good *sse-clients* first-bad)))
+        (mapc #'usocket:socket-close sockets)))
+    (is (wait-until (lambda () (zerop (getf (gallop:stats server) :in-flight)))))))
+
+(test a-writer-of-a-client-that-went-away-answers-nil
+  ;; The client resets; the next writes find it gone: NIL, nothing logged.
+  (let ((log (make-string-output-stream))
+        (writers (sb-concurrency:make-mailbox)))
+    (flet ((app (env)
+             (declare (ignore env))
+             (lambda (responder)
+               (sb-concurrency:send-message
+                writers (funcall responder '(200 (:content-type "text/event-stream")))))))
+      (with-app (server #'app :log log)
+        (let ((socket (connect (native-port server))))
+          (send socket (crlf "GET /events HTTP/1.1" "Host: x"))
+          (let ((writer (sb-concurrency:receive-message writers :timeout 5)))
+            (is (eq t (funcall writer (format nil "data: one~%~%"))))
+            (abort-connection socket :reset)
+            (is (wait-until (lambda () (null (funcall writer (format nil "data: more~%~%"))))
+                            :timeout 5)
+                "the writer still answers T after the client reset")
+            (is (null (funcall writer (format nil "data: last~%~%") :close t)))))
+        (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open))))))
+      (is (zerop (length (get-output-stream-string log)))))))
