@@ -116,6 +116,9 @@ buffered (pipelining) waits its turn behind other ready connections
               (:detached (return))
               (:suspended
                ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
+               ;; Meanwhile C holds no empty buffer: a request answered later
+               ;; (a timer, a long poll) costs what its records cost, not 16 KiB.
+               (release-buffers c)
                (return (connection-release c))))))))))
 
 (defun park-if-quiet (c)
