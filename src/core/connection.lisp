@@ -175,6 +175,9 @@ next request) or :CLOSE.")
    (suspended :initform nil
               :documentation "True while a request on C is answered from another thread
 \(CONNECTION-SUSPEND to CONNECTION-RESUME).")
+   (abandoned :initform nil
+              :documentation "True once the client of a SUSPENDED request went away
+before the answer, and C was closed (ABANDON).")
    (out-parked :initform nil
                :documentation "While SUSPENDED: true while the engine, not the answering
 thread, owns C (its worker has not let go yet, or C waits in epoll for its

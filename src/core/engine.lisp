@@ -92,6 +92,8 @@ client's upload, not the server's memory.")
   (pending 0 :type sb-ext:word)
   (head-bytes 0 :type sb-ext:word)
   (in-flight 0 :type sb-ext:word)
+  (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
+  (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
@@ -198,8 +200,11 @@ connections parked with a partial head, and those grown for a long head),
 the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
 (their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
 the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
-connection while a handler read or answered), :TIMERS (application timers
-pending, see timers.lisp), and the pool's :THREADS,
+connection while a handler read or answered), :SUSPENDED (requests an app
+answers later from another thread, waiting for it: counted in :IN-FLIGHT
+too), :ABANDONED (such requests whose client went away before the answer:
+freed at once), :TIMERS (application timers pending, see timers.lisp), and
+the pool's :THREADS,
 :IDLE-THREADS and :RUN-PERMITS (how many workers may serve at once, see
 pool.lisp)."
   (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
@@ -228,6 +233,8 @@ pool.lisp)."
             :timeouts (engine-timeouts engine)
             :write-timeouts (engine-write-timeouts engine)
             :aborted (engine-aborted engine)
+            :suspended (engine-suspended engine)
+            :abandoned (engine-abandoned engine)
             :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle pool) 0)

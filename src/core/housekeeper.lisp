@@ -28,6 +28,9 @@ when part of a request head had arrived), else schedule it again."
       (:parked
        (cond ((not (due-p))
               (wheel-schedule (engine-wheel engine) c (connection-deadline c) :from-advance t))
+             ((and (conn-slot c suspended) (null (conn-slot c unsent)))
+              ;; Waiting for its answer from another thread: no deadline.
+              (wheel-schedule (engine-wheel engine) c (+ now +suspended-check-ms+) :from-advance t))
              ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
               (cond ((conn-slot c unsent)
                      ;; The client read nothing of its answer for the write
@@ -78,6 +81,7 @@ housekeeper has exited."
                  (:parked
                   (if (and keep-readable
                            (or (conn-slot c unsent) ; an answer the client is still reading
+                               (conn-slot c suspended) ; a request still to be answered
                                (conn-slot c waiting-turn) ; a request it sent, not served yet
                                (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)

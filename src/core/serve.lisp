@@ -52,9 +52,11 @@ buffered (pipelining) waits its turn behind other ready connections
     (when (output-parked-p c)
       (return-from serve-connection))
     (when (conn-slot c suspended)
-      ;; Sent for a request answered from another thread: C is that
-      ;; thread's again (CONNECTION-ACQUIRE).
-      (setf (conn-slot c out-parked) nil)
+      ;; A request answered later from another thread: C waits in epoll
+      ;; between its writes, and an event says the client sent more or went
+      ;; away.  Gone: C is freed now, not when the answer comes.
+      (unless (abandon-if-gone c)
+        (park-suspended c))
       (return-from serve-connection))
     (when (eq (shiftf (conn-slot c after-write) nil) :close)
       (return-from serve-connection (close-after-answer c))))
@@ -191,12 +193,14 @@ handing C over."
     (disarm-handler-deadline c)
     (setf (conn-slot c suspended) t
           (conn-slot c out-parked) t)   ; the worker's until it lets go
+    (sb-ext:atomic-incf (engine-suspended (connection-engine c)))
     (sb-ext:atomic-incf (engine-in-flight (connection-engine c)))))
 
 (defun connection-unsuspend (c)
   "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
   (setf (conn-slot c suspended) nil
         (conn-slot c out-parked) nil)
+  (sb-ext:atomic-decf (engine-suspended (connection-engine c)))
   (end-in-flight (connection-engine c)))
 
 ;;; A suspended request's connection changes hands between its answering
@@ -226,13 +230,64 @@ timeout): there is nobody to answer."
 
 (defun connection-release (c)
   "Called by the thread owning C while its request is suspended, after it
-wrote: what the client did not read yet is left to the engine, which sends
-it from epoll (OUTPUT-PARKED-P); C goes back to the answering thread at the
-next CONNECTION-ACQUIRE."
+wrote (and by the worker when the handler returned): C goes back to epoll,
+where the engine sends what the client did not read yet (OUTPUT-PARKED-P)
+and sees a client that goes away (ABANDON-IF-GONE); the answering thread
+takes C back at its next CONNECTION-ACQUIRE."
   (setf (conn-slot c out-parked) t)
   (unless (output-parked-p c)
-    (setf (conn-slot c out-parked) nil))
+    (park-suspended c))
   nil)
+
+(defconstant +suspended-check-ms+ (* 60 60 1000)
+  "How often the housekeeper looks at a suspended request's parked
+connection: never closes it (the app answers when it answers), so rarely.")
+
+(defun park-suspended (c)
+  "Park C, whose request waits for its answer from another thread (the
+caller owns C, :ACTIVE), with its empty buffers given back and no deadline;
+an event came meanwhile: look at it first (ABANDON-IF-GONE)."
+  (loop
+    (release-buffers c)
+    (schedule c (+ (now-ms) +suspended-check-ms+))
+    (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
+      (:active (return))
+      (:dirty (setf (connection-state c) :active)
+       (when (abandon-if-gone c)
+         (return)))
+      (t (error "PARK-SUSPENDED: ~A is not owned by this thread" c)))))
+
+(defun abandon-if-gone (c)
+  "C's request is suspended, and an event came: read what the client sent.
+True (C is closed, the request ABANDONED) when the connection failed: the
+client reset it, or it broke.  A client that only ended its side (FIN) may
+still read its answer (HTTP allows a half-close after the request, and
+every front end answers one, see the conformance corpus): its request
+waits on, and its answer finds out whether it is gone.  What a client sends
+meanwhile (its next request) stays buffered for after the answer."
+  (with-connection-slots (in-end) c
+    (loop
+      (let ((buffer (ensure-inbuf c)))
+        (when (>= in-end (length buffer))
+          (return nil))                 ; kept for after the answer
+        (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
+          (cond ((plusp n) (incf in-end n))
+                ((zerop n)
+                 ;; The end of its input: no event will say more.
+                 (setf (conn-slot c peer-closed) t)
+                 (return nil))
+                ((= errno +eagain+) (return nil))
+                (t (abandon c) (return t))))))))
+
+(defun abandon (c)
+  "The client of C's suspended request went away: close C now and end the
+request; its answer, when it comes, finds C closed (CONNECTION-ACQUIRE)."
+  (let ((engine (connection-engine c)))
+    (setf (conn-slot c abandoned) t)
+    (sb-ext:atomic-incf (engine-abandoned engine))
+    (sb-ext:atomic-decf (engine-suspended engine))
+    (end-in-flight engine)
+    (close-connection c)))
 
 (defun connection-resume (c keep-alive)
   "Finish a suspended request from the thread that answered it, which owns C
@@ -240,6 +295,10 @@ next CONNECTION-ACQUIRE."
 serves its next request, never this thread, which may be an application's
 timer or broadcaster), else close it (after the client read the answer)."
   (let ((engine (connection-engine c)))
+    (when (conn-slot c abandoned)
+      ;; Ended when the client went away (ABANDON).
+      (return-from connection-resume))
+    (sb-ext:atomic-decf (engine-suspended engine))
     (end-in-flight engine)
     (when (member (connection-state c) '(:closed :draining :detached))
       (return-from connection-resume))

@@ -105,3 +105,86 @@ behind)."
   (setf (hunchentoot:content-type*) "text/plain")
   (gallop:after 0.05 (lambda () (sb-concurrency:send-message *timer-mailbox* "from the handler")))
   "set")
+
+;;; A pending request whose client goes away is freed at once, not when its
+;;; answer comes; one whose client sends its next request meanwhile is
+;;; answered, then the next request is served.
+
+(test a-pending-request-whose-client-resets-is-freed-at-once
+  ;; (A client that only half-closes, FIN, may still read its answer: it
+  ;; stays pending, see ABANDON-IF-GONE and the next test.)
+  (dolist (how '(:reset))
+    (let ((responders (sb-concurrency:make-mailbox))
+          (log (make-string-output-stream)))
+      (flet ((app (env)
+               (declare (ignore env))
+               (lambda (responder) (sb-concurrency:send-message responders responder))))
+        (with-app (server #'app :log log)
+          (let ((socket (connect (native-port server))))
+            (send socket (crlf "GET /later HTTP/1.1" "Host: x"))
+            (let ((responder (sb-concurrency:receive-message responders :timeout 5)))
+              (is (wait-until (lambda () (eql 1 (getf (gallop:stats server) :suspended)))))
+              (abort-connection socket how)
+              (is (wait-until (lambda ()
+                                (let ((s (gallop:stats server)))
+                                  (and (zerop (getf s :open)) (eql 1 (getf s :abandoned))
+                                       (zerop (getf s :suspended)) (zerop (getf s :in-flight))))))
+                  "~A: not freed: ~S" how (gallop:stats server))
+              ;; The answer comes later: NIL, and nothing is counted twice.
+              (is (null (funcall responder '(200 (:content-type "text/plain") ("late")))))
+              (let ((s (gallop:stats server)))
+                (is (zerop (getf s :in-flight)) "~S" s)
+                (is (zerop (getf s :suspended)) "~S" s)))))
+        (is (zerop (length (get-output-stream-string log))))))))
+
+(test a-pending-request-whose-client-half-closes-still-gets-its-answer
+  (let ((responders (sb-concurrency:make-mailbox)))
+    (flet ((app (env)
+             (declare (ignore env))
+             (lambda (responder) (sb-concurrency:send-message responders responder))))
+      (with-app (server #'app)
+        (let ((socket (connect (native-port server))))
+          (unwind-protect
+               (progn
+                 (send socket (crlf "GET /later HTTP/1.1" "Host: x"))
+                 (let ((responder (sb-concurrency:receive-message responders :timeout 5)))
+                   (is (wait-until (lambda () (eql 1 (getf (gallop:stats server) :suspended)))))
+                   (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
+                   (sleep 0.2)          ; the end of input reaches the server
+                   (is (eql 1 (getf (gallop:stats server) :suspended)))
+                   (is (eq t (funcall responder '(200 (:content-type "text/plain") ("late")))))
+                   (let ((response (read-wire-or-error socket :close t)))
+                     (is (typep response 'wire-response) "~A" response)
+                     (when (typep response 'wire-response)
+                       (is (= 200 (wire-status response)))
+                       (is (equal "4" (wire-header response "Content-Length")))
+                       (is (equal "late" (wire-body-string response)))))
+                   (is (zerop (getf (gallop:stats server) :abandoned)))))
+            (usocket:socket-close socket)))
+        (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))))
+
+(test a-request-sent-while-another-is-pending-is-served-after-it
+  (flet ((app (env)
+           (if (string= (getf env :path-info) "/slow")
+               (lambda (responder)
+                 (gallop:after 0.3 (lambda ()
+                                     (funcall responder '(200 (:content-type "text/plain")
+                                                          ("slow"))))))
+               '(200 (:content-type "text/plain") ("fast")))))
+    (with-app (server #'app)
+      (let ((socket (connect (native-port server))))
+        (unwind-protect
+             (progn
+               (send socket (crlf "GET /slow HTTP/1.1" "Host: x"))
+               (is (wait-until (lambda () (eql 1 (getf (gallop:stats server) :suspended)))))
+               ;; Sent while the first waits for its timer: read, kept.
+               (send socket (crlf "GET /fast HTTP/1.1" "Host: x"))
+               (dolist (expected '("slow" "fast"))
+                 (let ((response (read-wire-or-error socket :persistent t)))
+                   (is (typep response 'wire-response) "~A" response)
+                   (when (typep response 'wire-response)
+                     (is (= 200 (wire-status response)))
+                     (is (equal "4" (wire-header response "Content-Length")))
+                     (is (equal expected (wire-body-string response))))))
+               (is (zerop (getf (gallop:stats server) :abandoned))))
+          (usocket:socket-close socket))))))
