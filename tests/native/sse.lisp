@@ -21,10 +21,7 @@
                             (loop for i from 1 to *sse-events* collect i))))
       (unwind-protect
            (progn
-             (dotimes (i *sse-clients*)
-               (let ((socket (connect (native-port server))))
-                 (push socket sockets)
-                 (send socket (crlf "GET /events HTTP/1.1" "Host: x"))))
+             (setf sockets (open-requests (native-port server) *sse-clients* "/events"))
              (is (wait-until (lambda () (= *sse-clients* (gallop-example-sse:client-count))))
                  "~D of ~D clients registered" (gallop-example-sse:client-count) *sse-clients*)
              (is (<= (getf (gallop:stats server) :threads) 8) "~S" (gallop:stats server))

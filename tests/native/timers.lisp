@@ -9,6 +9,14 @@
 
 (defparameter *pending-requests* 2000)
 
+(defun open-requests (port count path)
+  "COUNT connections to PORT, each with GET PATH sent (newest first)."
+  (let ((sockets '()))
+    (dotimes (i count sockets)
+      (let ((socket (connect port)))
+        (push socket sockets)
+        (send socket (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))))))
+
 (defun delayed-app (env)
   "Answers every request 1 s later, from a timer: the body is the
 milliseconds that passed between the request and the answer, on the precise
@@ -29,10 +37,7 @@ behind)."
           (most-threads 0))
       (unwind-protect
            (progn
-             (dotimes (i *pending-requests*)
-               (let ((socket (connect (native-port server))))
-                 (push socket sockets)
-                 (send socket (crlf "GET /later HTTP/1.1" "Host: x"))))
+             (setf sockets (open-requests (native-port server) *pending-requests* "/later"))
              ;; While they wait, the pool keeps its threads: sampled until
              ;; every request was answered.
              (is (wait-until (lambda ()
