@@ -117,10 +117,9 @@ buffered (pipelining) waits its turn behind other ready connections
               (:close (return (close-after-answer c)))
               (:detached (return))
               (:suspended
-               ;; Let go of C: its answering thread takes it (CONNECTION-ACQUIRE).
-               ;; Meanwhile C holds no empty buffer: a request answered later
-               ;; (a timer, a long poll) costs what its records cost, not 16 KiB.
-               (release-buffers c)
+               ;; Let go of C: it waits in epoll, holding no empty buffer
+               ;; (PARK-SUSPENDED), until its answering thread takes it
+               ;; (CONNECTION-ACQUIRE).
                (return (connection-release c))))))))))
 
 (defun park-if-quiet (c)
@@ -265,18 +264,21 @@ still read its answer (HTTP allows a half-close after the request, and
 every front end answers one, see the conformance corpus): its request
 waits on, and its answer finds out whether it is gone.  What a client sends
 meanwhile (its next request) stays buffered for after the answer."
-  (with-connection-slots (in-end) c
+  (with-connection-slots (in-end drained) c
     (loop
       (let ((buffer (ensure-inbuf c)))
         (when (>= in-end (length buffer))
-          (return nil))                 ; kept for after the answer
+          ;; Kept for after the answer; the rest is still in the socket,
+          ;; which raises no new event for it: read before parking then.
+          (setf drained nil)
+          (return nil))
         (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
           (cond ((plusp n) (incf in-end n))
                 ((zerop n)
                  ;; The end of its input: no event will say more.
                  (setf (conn-slot c peer-closed) t)
                  (return nil))
-                ((= errno +eagain+) (return nil))
+                ((= errno +eagain+) (setf drained t) (return nil))
                 (t (abandon c) (return t))))))))
 
 (defun abandon (c)
