@@ -72,6 +72,7 @@
                (:file "socket")
                (:file "wire")
                (:file "taskmaster")
+               (:file "defer")
                (:file "acceptor"))
   :in-order-to ((test-op (test-op "gallop/tests"))))
 

@@ -3,9 +3,12 @@
 ;;;; requests pile up pending for 5 s before the first answer; cl-async held
 ;;;; about 40,000 that way on a 512 MB machine (about 13 KiB each).
 ;;;;
-;;;; The server is bench/server.lisp's native kind (GALLOP:START, default
-;;;; pool, :MAX-QUEUE-LENGTH raised, see SERVER-ENVIRONMENT) answering
-;;;; /later, in its own process; the load generator is wrk
+;;;; The servers (BENCH_PENDING_KINDS, default both) are bench/server.lisp's
+;;;; native kind (GALLOP:START, its app returning a responder) and gallop
+;;;; kind (GALLOP:EASY-ACCEPTOR, an easy handler calling
+;;;; GALLOP:DEFER-REQUEST), default pool, :MAX-QUEUE-LENGTH raised (see
+;;;; SERVER-ENVIRONMENT), answering /later, each in its own process after
+;;;; one warm-up answer; the chart is the native run's.  The load generator is wrk
 ;;;; in another: `wrk -t2 -cN -d12s --timeout 10s --latency`, N =
 ;;;; BENCH_PENDING_N (default 15,000: each process may have 20,000 fds), so
 ;;;; every connection asks twice.  Sampled every 250 ms: requests in flight
@@ -109,69 +112,101 @@ seconds, and the server's pool threads."
                          (+ left plot-w -200) (+ top 8 (* 16 ly)) color (+ left plot-w -183) (+ top 12 (* 16 ly)) label))
         (format out "</svg>~%")))))
 
+(defparameter *kinds* (uiop:split-string (or (env "BENCH_PENDING_KINDS") "native gallop"))
+  "The servers to run: native = GALLOP:START, gallop = GALLOP:EASY-ACCEPTOR
+with a handler that calls GALLOP:DEFER-REQUEST.")
+
+(defparameter *labels* '(("native" . "gallop:start") ("gallop" . "gallop:easy-acceptor")))
+
+(defun run-kind (kind port dir)
+  "Run wrk against KIND's /later on PORT; a plist of what was measured, and
+the samples (MS PENDING ANSWERED THREADS), oldest first."
+  (multiple-value-bind (process pid)
+      (start-bench-server kind port :log (merge-pathnames (format nil "~A.log" kind) dir)
+                                    :environment (server-environment))
+    (unwind-protect
+         (let* ((rss-idle (progn
+                            ;; One answer first: the code paths are compiled.
+                            (uiop:run-program (list "curl" "-s" "-m" "10" "-o" "/dev/null"
+                                                    (format nil "http://127.0.0.1:~D/later" port))
+                                              :ignore-error-status t)
+                            (gc-rss process pid)))
+                (out (merge-pathnames (format nil "wrk-~A.txt" kind) dir))
+                (wrk (sb-ext:run-program "wrk" (list "-t2" (format nil "-c~D" *n*)
+                                                     (format nil "-d~Ds" *seconds*)
+                                                     "--timeout" "10s" "--latency"
+                                                     (format nil "http://127.0.0.1:~D/later" port))
+                                         :search t :wait nil :output out
+                                         :if-output-exists :supersede :error :output))
+                (start (now-ms))
+                (pending-max 0) (pool-max 0) (threads-max 0)
+                (rss-pending nil) (pending-at-gc nil)
+                (samples '()))
+           (loop while (alive-p wrk)
+                 do (let ((s (stats process)))
+                      (when s
+                        ;; Answered so far: requests begun, less those in flight.
+                        (push (list (- (now-ms) start) (getf s :in-flight)
+                                    (- (getf s :requests) (getf s :in-flight)) (getf s :threads))
+                              samples)
+                        (setf pending-max (max pending-max (or (getf s :in-flight) 0))
+                              pool-max (max pool-max (or (getf s :threads) 0))))
+                      (setf threads-max (max threads-max (or (nth-value 1 (proc-status pid)) 0)))
+                      (when (and (null rss-pending) (>= (- (now-ms) start) 4000))
+                        (setf pending-at-gc (getf s :in-flight)
+                              rss-pending (gc-rss process pid)))
+                      (when (> (- (now-ms) start) (* 1000 (+ *seconds* 30)))
+                        (sb-ext:process-kill wrk 9)))
+                    (sleep 0.25))
+           (let ((text (uiop:read-file-string out)))
+             (format t "~&~A: ~A~%" kind text)
+             (multiple-value-bind (requests max errors non2xx) (parse-wrk text)
+               (values (list :kind kind :pending-max pending-max :pending-at-gc pending-at-gc
+                             :pool-max pool-max :threads-max threads-max
+                             :rss-idle rss-idle :rss-pending rss-pending
+                             :kib (and rss-pending pending-at-gc (plusp pending-at-gc)
+                                       (/ (- rss-pending rss-idle) pending-at-gc 1.0))
+                             :rate (and requests (/ requests (- *seconds* *delay*) 1.0))
+                             :errors errors :non2xx (or non2xx 0) :max max)
+                       (reverse samples)))))
+      (kill-and-reap process))))
+
 (defun main ()
   (raise-fd-limit)
-  (let* ((dir (merge-pathnames "bench/results/tmp/pending/" *repo*))
-         (port (env-int "BENCH_PORT" 18480))
-         (bad '()))
+  (let ((dir (merge-pathnames "bench/results/tmp/pending/" *repo*))
+        (port (env-int "BENCH_PORT" 18480))
+        (rows '())
+        (bad '()))
     (ensure-directories-exist dir)
-    (multiple-value-bind (process pid)
-        (start-bench-server "native" port :log (merge-pathnames "native.log" dir)
-                                          :environment (server-environment))
-      (unwind-protect
-           (let* ((rss-idle (gc-rss process pid))
-                  (out (merge-pathnames "wrk.txt" dir))
-                  (wrk (sb-ext:run-program "wrk" (list "-t2" (format nil "-c~D" *n*)
-                                                       (format nil "-d~Ds" *seconds*)
-                                                       "--timeout" "10s" "--latency"
-                                                       (format nil "http://127.0.0.1:~D/later" port))
-                                           :search t :wait nil :output out
-                                           :if-output-exists :supersede :error :output))
-                  (start (now-ms))
-                  (pending-max 0) (pool-max 0) (threads-max 0)
-                  (rss-pending nil) (pending-at-gc nil)
-                  (samples '()))
-             (loop while (alive-p wrk)
-                   do (let ((s (stats process)))
-                        (when s
-                          ;; Answered so far: requests begun, less those in flight.
-                          (push (list (- (now-ms) start) (getf s :in-flight)
-                                      (- (getf s :requests) (getf s :in-flight)) (getf s :threads))
-                                samples))
-                        (setf pending-max (max pending-max (or (getf s :in-flight) 0))
-                              pool-max (max pool-max (or (getf s :threads) 0))
-                              threads-max (max threads-max (or (nth-value 1 (proc-status pid)) 0)))
-                        (when (and (null rss-pending) (>= (- (now-ms) start) 4000))
-                          (setf pending-at-gc (getf s :in-flight)
-                                rss-pending (gc-rss process pid)))
-                        (when (> (- (now-ms) start) (* 1000 (+ *seconds* 30)))
-                          (sb-ext:process-kill wrk 9)))
-                      (sleep 0.25))
-             (let ((text (uiop:read-file-string out)))
-               (multiple-value-bind (requests max errors non2xx) (parse-wrk text)
-                 (let ((kib (and rss-pending pending-at-gc (plusp pending-at-gc)
-                                 (/ (- rss-pending rss-idle) pending-at-gc 1.0)))
-                       (rate (and requests (/ requests (- *seconds* *delay*) 1.0))))
-                   (format t "~&~A~%" text)
-                   (let ((svg (merge-pathnames "bench/results/pending.svg" *repo*)))
-                     (write-timeline-svg
-                      svg (reverse samples)
-                      :title (format nil "~:D requests, each answered ~D s later by a timer (gallop:start)" *n* *delay*)
-                      :subtitle (format nil "wrk -c~D; pool threads at most ~D; ~,2F KiB of RSS per pending request; slowest answer ~,2F s"
-                                        *n* pool-max (or kib 0) (or max 0)))
-                     (format t "~&Chart: ~A~%" (enough-namestring svg *repo*)))
-                   (format t "~&| server | connections | pending at the most | pending at the GC | pool threads at the most | process threads | RSS idle → with them pending (MiB) | KiB per pending request | answers/s after the first timers | socket errors | non-2xx | slowest answer |~%|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
-                   (format t "| gallop:start | ~:D | ~:D | ~:D | ~D | ~D | ~,1F → ~,1F | ~,2F | ~,0F | ~D | ~D | ~,2F s |~%"
-                           *n* pending-max (or pending-at-gc 0) pool-max threads-max
-                           (/ rss-idle 1024.0) (/ (or rss-pending 0) 1024.0) (or kib 0)
-                           (or rate 0) errors (or non2xx 0) (or max 0))
-                   (finish-output)
-                   (unless (and kib (<= kib 2)) (push (format nil "~,2F KiB per pending request" kib) bad))
-                   (unless (<= pool-max (+ *standby* 4)) (push (format nil "~D pool threads" pool-max) bad))
-                   (unless (and (zerop errors) (eql non2xx 0)) (push "errors" bad))
-                   (unless (and max (<= max 51/10)) (push (format nil "slowest answer ~,2F s" max) bad))
+    (loop for kind in *kinds*
+          for p from port
+          do (multiple-value-bind (row samples) (run-kind kind p dir)
+               (push row rows)
+               (when (string= kind "native")
+                 (let ((svg (merge-pathnames "bench/results/pending.svg" *repo*)))
+                   (write-timeline-svg
+                    svg samples
+                    :title (format nil "~:D requests, each answered ~D s later by a timer (gallop:start)" *n* *delay*)
+                    :subtitle (format nil "wrk -c~D; pool threads at most ~D; ~,2F KiB of RSS per pending request; slowest answer ~,2F s"
+                                      *n* (getf row :pool-max) (or (getf row :kib) 0) (or (getf row :max) 0)))
+                   (format t "~&Chart: ~A~%" (enough-namestring svg *repo*))))
+               (destructuring-bind (&key kib pool-max errors non2xx max pending-at-gc &allow-other-keys) row
+                 (flet ((fail (control &rest args)
+                          (push (format nil "~A: ~?" kind control args) bad)))
+                   (unless (and kib (<= kib 2)) (fail "~,2F KiB per pending request" kib))
+                   (unless (<= pool-max (+ *standby* 4)) (fail "~D pool threads" pool-max))
+                   (unless (and (zerop errors) (zerop non2xx)) (fail "~D errors, ~D non-2xx" errors non2xx))
+                   (unless (and max (<= max 51/10)) (fail "slowest answer ~,2F s" max))
                    (unless (and pending-at-gc (>= pending-at-gc (* 0.99 *n*)))
-                     (push (format nil "only ~A pending at once" pending-at-gc) bad))))))
-        (kill-and-reap process)))
+                     (fail "only ~A pending at once" pending-at-gc))))))
+    (format t "~&| server | connections | pending at the most | pending at the GC | pool threads at the most | process threads | RSS idle → with them pending (MiB) | KiB per pending request | answers/s after the first timers | socket errors | non-2xx | slowest answer |~%|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+    (dolist (r (reverse rows))
+      (format t "| ~A | ~:D | ~:D | ~:D | ~D | ~D | ~,1F → ~,1F | ~,2F | ~,0F | ~D | ~D | ~,2F s |~%"
+              (cdr (assoc (getf r :kind) *labels* :test #'string=)) *n* (getf r :pending-max)
+              (or (getf r :pending-at-gc) 0) (getf r :pool-max) (getf r :threads-max)
+              (/ (getf r :rss-idle) 1024.0) (/ (or (getf r :rss-pending) 0) 1024.0)
+              (or (getf r :kib) 0) (or (getf r :rate) 0) (getf r :errors) (getf r :non2xx)
+              (or (getf r :max) 0)))
+    (finish-output)
     (when bad (format t "~&FAILED: ~{~A~^; ~}~%" (reverse bad)))
     (uiop:quit (if bad 1 0))))

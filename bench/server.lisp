@@ -116,6 +116,19 @@
       (setf (aref body i) (+ 97 (mod i 26)))))
   "The 1 MiB answer of /big: letters, built once.")
 
+(defparameter *later-seconds*
+  (let ((v (uiop:getenv "BENCH_LATER_SECONDS")))
+    (if (and v (plusp (length v))) (parse-integer v) 5))
+  "How long /later waits before it answers (native only; bench/pending.lisp).")
+
+(hunchentoot:define-easy-handler (later :uri "/later") ()
+  ;; Gallop's kinds only (bench/pending.lisp): answered *LATER-SECONDS*
+  ;; later by a timer, the worker let go (GALLOP:DEFER-REQUEST).
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((answer (funcall (gallop-symbol "DEFER-REQUEST"))))
+    (funcall (gallop-symbol "AFTER") *later-seconds* (lambda () (funcall answer "Hey!")))
+    nil))
+
 (hunchentoot:define-easy-handler (big :uri "/big") ()
   (setf (hunchentoot:content-type*) "application/octet-stream")
   *big-body*)
@@ -154,11 +167,6 @@ names are plain)."
       (loop for part in (uiop:split-string query :separator "&")
             when (uiop:string-prefix-p prefix part)
               return (subseq part (length prefix))))))
-
-(defparameter *later-seconds*
-  (let ((v (uiop:getenv "BENCH_LATER_SECONDS")))
-    (if (and v (plusp (length v))) (parse-integer v) 5))
-  "How long /later waits before it answers (native only; bench/pending.lisp).")
 
 (defun native-app (env)
   "The native counterpart of /yo, /big, /upload and /ignore; and /later,

@@ -146,3 +146,38 @@ stream was made over), as it does inside cl+ssl's own calls."
                                 (error "This Hunchentoot has no STRINGIFY-COOKIE."))
                             t)
            cookie))
+
+;;; A request answered later (defer.lisp) is answered by Hunchentoot's own
+;;; START-OUTPUT on another thread, with the specials PROCESS-CONNECTION and
+;;; PROCESS-REQUEST bind around a request bound again there.  All internal,
+;;; same names and meaning in 1.2.38 and 1.3.x; checked here.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (fboundp (find-symbol "START-OUTPUT" '#:hunchentoot))
+    (error "This Hunchentoot has no START-OUTPUT."))
+  (dolist (name '("*HUNCHENTOOT-STREAM*" "*HEADERS-SENT*" "*FINISH-PROCESSING-SOCKET*"
+                  "*CLOSE-HUNCHENTOOT-STREAM*"))
+    (let ((symbol (find-symbol name '#:hunchentoot)))
+      (unless (and symbol (eq :special (sb-int:info :variable :kind symbol)))
+        (error "This Hunchentoot has no special variable ~A." name)))))
+
+(defmacro with-hunchentoot-output-specials ((stream) &body body)
+  "BODY with Hunchentoot's output specials bound as PROCESS-CONNECTION and
+PROCESS-REQUEST bind them for a request on STREAM, before its answer."
+  `(progv (list (find-symbol "*HUNCHENTOOT-STREAM*" '#:hunchentoot)
+                (find-symbol "*HEADERS-SENT*" '#:hunchentoot)
+                (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot)
+                (find-symbol "*CLOSE-HUNCHENTOOT-STREAM*" '#:hunchentoot))
+       (list ,stream nil t t)
+     ,@body))
+
+(defun hunchentoot-start-output (code content)
+  (funcall (find-symbol "START-OUTPUT" '#:hunchentoot) code content))
+
+(defun hunchentoot-headers-sent ()
+  "Mark the current request's head as sent (PROCESS-REQUEST then writes no
+answer of its own)."
+  (setf (symbol-value (find-symbol "*HEADERS-SENT*" '#:hunchentoot)) t))
+
+(defun hunchentoot-keep-alive-p ()
+  "After START-OUTPUT: true when Hunchentoot decided to keep the connection."
+  (not (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot))))

@@ -11,5 +11,6 @@
             taskmaster
             taskmaster-standby-thread-count
             taskmaster-max-queue-length
-            taskmaster-engine)
+            taskmaster-engine
+            defer-request)
           '#:gallop))

@@ -11,8 +11,15 @@
 (in-package #:gallop)
 
 (defclass connection-usocket (usocket:stream-usocket)
-  ((connection :initarg :connection :reader usocket-connection))
+  ((connection :initarg :connection :reader usocket-connection)
+   (deferred :initform nil :accessor usocket-deferred
+             :documentation "The request deferred on this connection (defer.lisp), or NIL."))
   (:documentation "A usocket view of a Gallop connection."))
+
+(defun connection-deferred (c)
+  "The request deferred on the Gallop connection C (defer.lisp), or NIL."
+  (let ((socket (connection-user-data c)))
+    (and (typep socket 'connection-usocket) (usocket-deferred socket))))
 
 (defun make-connection-usocket (connection)
   (make-instance 'connection-usocket :socket nil :stream connection

@@ -130,8 +130,11 @@ it for detached and keep it open for good."
                     (setf (connection-user-data connection)
                           (make-connection-usocket connection)))))
     (unwind-protect (hunchentoot:process-connection acceptor socket)
-      (unless (gallop.core:connection-detached-p (request-connection))
-        (close connection :abort t)))))
+      (unless (or (usocket-deferred socket)
+                  (gallop.core:connection-detached-p (request-connection)))
+        (close connection :abort t)))
+    ;; A request answered later (defer.lisp): the engine lets go of it.
+    (and (usocket-deferred socket) :suspended)))
 
 (defun acceptor-tls-context (acceptor)
   "A TLS context for ACCEPTOR when it is a HUNCHENTOOT:SSL-ACCEPTOR (its

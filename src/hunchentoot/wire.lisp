@@ -90,7 +90,9 @@ values joined by a comma."
 when STREAM is a Gallop connection with a checked head not read yet, else
 through ORIGINAL, Hunchentoot's own."
   (if (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*))
-      (let ((request (gallop.core:connection-take-head stream)))
+      (let ((request (if (connection-deferred stream)
+                         :eof           ; no next request before its answer (defer.lisp)
+                         (gallop.core:connection-take-head stream))))
         (case request
           ((nil) (funcall original stream))
           (:eof nil)

@@ -9,13 +9,7 @@
 
 (defparameter *pending-requests* 2000)
 
-(defun open-requests (port count path)
-  "COUNT connections to PORT, each with GET PATH sent (newest first)."
-  (let ((sockets '()))
-    (dotimes (i count sockets)
-      (let ((socket (connect port)))
-        (push socket sockets)
-        (send socket (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))))))
+;;; (OPEN-REQUESTS: hunchentoot/pool.lisp.)
 
 (defun delayed-app (env)
   "Answers every request 1 s later, from a timer: the body is the
@@ -193,3 +187,69 @@ behind)."
                      (is (equal expected (wire-body-string response))))))
                (is (zerop (getf (gallop:stats server) :abandoned))))
           (usocket:socket-close socket))))))
+
+;;; A Hunchentoot handler that answers later (GALLOP:DEFER-REQUEST)
+
+(hunchentoot:define-easy-handler (handle-deferred :uri "/deferred") (delay)
+  (setf (hunchentoot:content-type*) "text/plain")
+  (setf (hunchentoot:header-out :x-deferred) "yes")
+  (let ((answer (gallop:defer-request)))
+    (gallop:after (if delay (parse-number delay) 0.2)
+                  (lambda () (funcall answer "answered later")))
+    "not this"))
+
+(defun parse-number (string)
+  (let ((*read-eval* nil)) (read-from-string string)))
+
+(defun check-deferred-answers (server)
+  (let ((socket (connect (port-of server))))
+    (unwind-protect
+         (progn
+           ;; Two on one connection: the second after the first's answer.
+           (dotimes (i 2)
+             (send socket (crlf "GET /deferred HTTP/1.1" "Host: x"))
+             (let ((response (read-wire-or-error socket :persistent t)))
+               (is (typep response 'wire-response) "~A" response)
+               (when (typep response 'wire-response)
+                 (is (= 200 (wire-status response)))
+                 (is (equal "yes" (wire-header response "X-Deferred")))
+                 (is (equal "text/plain; charset=utf-8" (wire-header response "Content-Type")))
+                 (is (equal "14" (wire-header response "Content-Length")))
+                 (is (equal "answered later" (wire-body-string response))))))
+           ;; A HEAD: the head only.
+           (send socket (crlf "HEAD /deferred HTTP/1.1" "Host: x"))
+           (let ((response (read-wire-or-error socket :persistent t :head-request t)))
+             (is (and (typep response 'wire-response) (= 200 (wire-status response))
+                      (zerop (length (wire-body response))))
+                 "~A" response)))
+      (usocket:socket-close socket))
+    (is (wait-until (lambda () (let ((s (gallop:stats server)))
+                                 (and (zerop (getf s :suspended)) (zerop (getf s :in-flight)))))))))
+
+(test hunchentoot-handlers-answer-later-with-defer-request
+  (with-server (server 'gallop:easy-acceptor)
+    (check-deferred-answers server))
+  (with-server (server 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster))
+    (check-deferred-answers server)))
+
+(test deferred-hunchentoot-requests-hold-no-thread
+  (gallop.core:raise-fd-limit (+ 1000 (* 3 *pending-requests*)))
+  (with-server (server 'gallop:easy-acceptor)
+    (let ((sockets '()) (most-threads 0))
+      (unwind-protect
+           (progn
+             (setf sockets (open-requests (port-of server) *pending-requests* "/deferred?delay=1"))
+             (is (wait-until (lambda ()
+                               (let ((s (gallop:stats server)))
+                                 (setf most-threads (max most-threads (getf s :threads)))
+                                 (and (zerop (getf s :in-flight)) (zerop (getf s :timers)))))
+                             :timeout 30)
+                 "not all answered: ~S" (gallop:stats server))
+             (is (<= most-threads 8) "the pool grew to ~D threads" most-threads)
+             (let ((good (count-if (lambda (socket)
+                                     (let ((r (read-wire-or-error socket :persistent t)))
+                                       (and (typep r 'wire-response) (= 200 (wire-status r))
+                                            (equal "answered later" (wire-body-string r)))))
+                                   sockets)))
+               (is (= *pending-requests* good) "~D of ~D answered" good *pending-requests*)))
+        (mapc #'usocket:socket-close sockets)))))
