@@ -55,9 +55,14 @@ connection wrapped by the acceptor itself (see the README)."
       (lambda (&optional content) (answer-deferred deferred content)))))
 
 (defun answer-deferred (deferred content)
-  (when (shiftf (deferred-answered deferred) t)
-    (error "This deferred request was answered already."))
   (let ((c (deferred-connection deferred)))
+    (when (eq *connection* c)
+      ;; Still in the handler that deferred it: its worker has not let go
+      ;; of C, and would wait for itself.
+      (error "Answer a deferred request from another thread (a timer, a ~
+              message), or return the content instead of deferring."))
+    (when (shiftf (deferred-answered deferred) t)
+      (error "This deferred request was answered already."))
     (unless (gallop.core:connection-acquire c)
       ;; The client went away (or the server stopped) first.
       (gallop.core:connection-resume c nil)
