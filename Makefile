@@ -57,8 +57,8 @@ clean:
 # Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
 #   make bench        the full matrix in both setups (pinned, shared), 3 repetitions, ~50 min; writes bench/results/RUN.tsv,
 #                     BENCHMARKS.md and BENCHMARKS.svg; then bench-uploads and bench-heads
-#                     (memory under large uploads and partial heads, ~2 min, below)
-#                     and bench-slow-readers
+#                     (memory under large uploads and partial heads, ~2 min, below),
+#                     bench-slow-readers, bench-pending (~1 min) and bench-tls (~17 min)
 #   make bench-quick  one repetition of 1 s runs, both setups, ~4 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.
@@ -69,7 +69,7 @@ BENCH = $(LISP) --load bench/run.lisp --eval
 bench:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :full)'
-	@$(MAKE) --no-print-directory bench-uploads bench-heads bench-slow-readers
+	@$(MAKE) --no-print-directory bench-uploads bench-heads bench-slow-readers bench-pending bench-tls
 
 bench-quick:
 	@scripts/deps.sh wrk nginx-light

@@ -253,3 +253,16 @@ behind)."
                                    sockets)))
                (is (= *pending-requests* good) "~D of ~D answered" good *pending-requests*)))
         (mapc #'usocket:socket-close sockets)))))
+
+(test a-hundred-thousand-pending-timers-cost-no-thread
+  (with-app (server (lambda (env) (declare (ignore env)) '(200 () ("")))
+                    :standby-thread-count 4)
+    (let* ((threads (thread-count))
+           (fired 0)
+           (timers (loop repeat 100000
+                         collect (gallop:after 600 (lambda () (incf fired)) :server server))))
+      (is (= 100000 (getf (gallop:stats server) :timers)))
+      (is (= threads (thread-count)) "threads: ~D before, ~D with the timers" threads (thread-count))
+      (is (every #'gallop:cancel-timer timers))
+      (is (zerop (getf (gallop:stats server) :timers)))
+      (is (zerop fired)))))
