@@ -53,11 +53,9 @@
          t)
     "True when libssl.so.3 and libcrypto.so.3 were found and loaded."))
 
-(defconstant +ssl-error-ssl+ 1)
 (defconstant +ssl-error-want-read+ 2)
 (defconstant +ssl-error-want-write+ 3)
-(defconstant +ssl-error-syscall+ 5)
-(defconstant +ssl-error-zero-return+ 6)
+(defconstant +ssl-error-zero-return+ 6) ; any other SSL_get_error: the stream failed
 
 (defconstant +ssl-filetype-pem+ 1)
 (defconstant +ssl-ctrl-mode+ 33)
@@ -116,10 +114,9 @@ on reading (a handshake message the socket did not take).")
 
 ;;; Contexts: one per server, made from its certificate and key.
 
-(defstruct (tls-context (:constructor %make-tls-context (address certificate-file)))
-  "An OpenSSL server context (SSL_CTX) and what it was made from."
-  (address 0 :type sb-ext:word)
-  (certificate-file nil))
+(defstruct (tls-context (:constructor %make-tls-context (address)))
+  "An OpenSSL server context (SSL_CTX), by address; 0 once freed."
+  (address 0 :type sb-ext:word))
 
 (defun openssl-error-text ()
   "OpenSSL's queued errors of this thread, as one string (the queue is left empty)."
@@ -173,7 +170,7 @@ PASSWORD if given).  Free it with FREE-TLS-CONTEXT once no server uses it."
       (%ssl-ctx-ctrl ctx +ssl-ctrl-set-read-ahead+ 1 (sb-sys:int-sap 0))
       (%ssl-ctx-set-options ctx (logior +ssl-op-ignore-unexpected-eof+
                                         +ssl-op-no-renegotiation+))
-      (%make-tls-context (sb-sys:sap-int ctx) certificate))))
+      (%make-tls-context (sb-sys:sap-int ctx)))))
 
 (defun free-tls-context (context)
   "Let go of CONTEXT (OpenSSL keeps it while connections made with it live)."
