@@ -31,7 +31,9 @@
 ;;;; the default, or either), BENCH_SERVER_CPUS and BENCH_CLIENT_CPUS (the
 ;;;; pinned setup's taskset lists, "none" for no pinning), BENCH_WRK_THREADS
 ;;;; (the pinned setup's), BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
-;;;; bench/results/tmp/logs/).
+;;;; bench/results/tmp/logs/), BENCH_SCENARIOS (scenario keys, e.g.
+;;;; "s0-ka-c10,s0-ka-c100,s0-ka-c400": only those; a full run then writes its
+;;;; report beside its TSV, RUN.{md,svg}, and leaves BENCHMARKS.md as it is).
 ;;;;
 ;;;; The exit code is non-zero when anything failed: a server that does not
 ;;;; start or stops answering, wrk that cannot run or whose output cannot be
@@ -159,7 +161,7 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
        :settle (if (eq mode :full) 1 0.3)
        :idle-n (env-int "BENCH_IDLE_N" idle-n)
        :idle-stock-max (env-int "BENCH_IDLE_STOCK_MAX" 80)
-       :scenarios scenarios
+       :scenarios (scenarios-from-env scenarios)
        :servers (let ((list (env "BENCH_SERVERS")))
                   (if list
                       (let ((names (remove "" (mapcar (lambda (s) (string-trim " " s)) (split list #\,))
@@ -182,13 +184,29 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
        :pinned-wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
        :out-dir out :tmp-dir tmp
        :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
-       :md (if (eq mode :full)
+       ;; Only a run of the whole matrix replaces BENCHMARKS.md's tables.
+       :md (if (and (eq mode :full) (not (env "BENCH_SCENARIOS")))
                (merge-pathnames "BENCHMARKS.md" *repo*)
                (merge-pathnames (format nil "~A.md" run-id) out))
-       :svg (if (eq mode :full)
+       :svg (if (and (eq mode :full) (not (env "BENCH_SCENARIOS")))
                 (merge-pathnames "BENCHMARKS.svg" *repo*)
                 (merge-pathnames (format nil "~A.svg" run-id) out))
-       :splice (eq mode :full)))))
+       :splice (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))))
+
+(defun scenarios-from-env (scenarios)
+  "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
+separated)."
+  (let ((list (env "BENCH_SCENARIOS")))
+    (if (null list)
+        scenarios
+        (let ((keys (remove "" (mapcar (lambda (k) (string-trim " " k)) (split list #\,))
+                            :test #'string=)))
+          (dolist (key keys)
+            (unless (find key scenarios :key #'scenario-key :test #'string=)
+              (error "BENCH_SCENARIOS: unknown scenario ~S (known: ~{~A~^, ~})"
+                     key (mapcar #'scenario-key scenarios))))
+          (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
+                         scenarios)))))
 
 (defun apply-setup (cfg setup)
   "Make SETUP the one CFG runs: its CPUs for servers and clients and wrk's
@@ -997,7 +1015,7 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
   "The exact commands of CFG's current setup, for BENCHMARKS.md."
   (let ((env (loop for name in '("BENCH_REPS" "BENCH_DURATION" "BENCH_WARMUP" "BENCH_IDLE_N" "BENCH_IDLE_STOCK_MAX"
                                  "BENCH_SERVERS" "BENCH_PORT" "BENCH_SETUPS" "BENCH_SERVER_CPUS" "BENCH_CLIENT_CPUS"
-                                 "BENCH_WRK_THREADS" "BENCH_MESSAGE_LOG")
+                                 "BENCH_WRK_THREADS" "BENCH_MESSAGE_LOG" "BENCH_SCENARIOS")
                    when (env name) collect (format nil "~A=~A" name (shell-quote (env name))))))
     (with-output-to-string (out)
       (format out "# the whole run (installs wrk and nginx-light when missing):~%~{~A ~}~A~%"

@@ -171,7 +171,10 @@ it is HTTP/1.0, and whether it expects 100-continue."
            (target-end (gallop.core:request-target-end r))
            (query-start (gallop.core:request-query-start r))
            (http-1.0 (zerop (gallop.core:request-minor r)))
-           (headers (make-hash-table :test 'equal :size 8))
+           ;; The default size: SBCL then allocates the table's storage on
+           ;; the first insertion, and making one costs half as much as
+           ;; with :SIZE 8 (118 ns against 240 here).
+           (headers (make-hash-table :test 'equal))
            (content-type nil)
            (host nil)
            (peer (connection-peer c)))
