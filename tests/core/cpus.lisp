@@ -106,7 +106,8 @@ controller, or v2); its directory, or NIL if this machine does not let us."
 event: serving (an odd count in their WORKER record) and not wanting a CPU
 \(state R in /proc/self/task/TID/stat).  A spinning thread is runnable, a
 thread waiting on a semaphore is not, a worker not serving is never blocked,
-and the count stops at its limit."
+and the count stops at its limit.  More serving workers runnable than twice
+the CPUs make it 0: the CPUs are taken, another thread would wait too."
   (let* ((stop nil)
          (gate (sb-thread:make-semaphore))
          (buffer (make-array 128 :element-type '(unsigned-byte 8)))
@@ -133,7 +134,8 @@ and the count stops at its limit."
              (is-true (wait-until (lambda ()
                                     (gallop.core::thread-runnable-p
                                      (sb-thread:thread-os-tid spinner) buffer))))
-             (flet ((blocked (pool limit) (gallop.core::blocked-workers pool limit buffer)))
+             (flet ((blocked (pool limit &optional (cpus 8))
+                      (gallop.core::blocked-workers pool limit cpus buffer)))
                (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
                  (is (= 3 (blocked (apply #'pool serving) 10)))
                  (is (= 2 (blocked (apply #'pool serving) 2)) "the count stops at its limit")
@@ -143,7 +145,14 @@ and the count stops at its limit."
                    "a waiting worker that is not serving is not blocked")
                (is (= 1 (blocked (pool (worker spinner 3) (worker (first waiters) 5)
                                        (worker (second waiters) 6))
-                                 10))))
+                                 10)))
+               ;; One serving worker runnable: within twice 1 CPU, over twice 0.
+               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
+                 (is (= 3 (blocked (apply #'pool (worker spinner 1) serving) 10 1)))
+                 (is (= 0 (blocked (apply #'pool (worker spinner 1) serving) 10 0))
+                     "a runnable serving worker first, no CPU: no growth")
+                 (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
+                     "a runnable serving worker last, no CPU: no growth")))
              (is (null (gallop.core::thread-runnable-p 999999999 buffer))
                  "a thread that does not exist"))
         (setf stop t)
