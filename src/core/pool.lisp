@@ -52,13 +52,13 @@
 ;;;; and still get no more, and each thread added to a 1 ms handler's pool
 ;;;; then only lengthened the queue for the CPUs: 9 to 12 seconds of
 ;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
-;;;; threads; with this rule 68 to 70 threads served as many requests or more
+;;;; threads; with this rule 68 to 73 threads served as many requests or more
 ;;;; at 10-20% less CPU each; stopping at CPUs runnable instead of twice
 ;;;; that lost requests), in two samples in a row, it adds a thread when
-;;;; permits are free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
-;;;; behind), else a permit and a thread for it (up to MAX-THREADS).  Samples
-;;;; during which a garbage collection ran are skipped: it stops every
-;;;; thread but one.
+;;;; permits are free (threads that sat idle for IDLE-TIMEOUT-MS leave their
+;;;; permits behind), else a permit and a thread for it (up to MAX-THREADS).
+;;;; Samples during which a garbage collection ran are skipped: it stops
+;;;; every thread but one.
 ;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
 ;;;; permit back (down to the CPU count); the holder that notices gives it up.
 ;;;; "CPUs" means the ones the process may use: its affinity mask, lowered by
