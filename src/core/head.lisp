@@ -128,6 +128,8 @@ which covers IPv4 addresses)?"
                           always (digit-value (aref buffer k))))))
          (reg-name-octet-p (b)
            (= 1 (sbit (the octet-set (load-time-value +reg-name-octets+ t)) b))))
+    ;; Called per octet: not a full call each time.
+    (declare (inline reg-name-octet-p))
     (cond ((= start end) t)
           ((= (aref buffer start) 91)   ; "[" IPv6address / IPvFuture "]"
            (let ((close (octet-position 93 buffer start end)))
