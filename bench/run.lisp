@@ -144,7 +144,9 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
          (run-id (format nil "~A-~(~A~)" (timestamp) mode))
          (results (merge-pathnames "results/" *bench-dir*))
          (tmp (merge-pathnames "tmp/" results))
-         (out (if (member mode '(:full :tls)) results tmp)))
+         (out (if (member mode '(:full :tls)) results tmp))
+         ;; Only a run of the whole matrix replaces BENCHMARKS.md's tables.
+         (splice (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))
     (multiple-value-bind (reps duration idle-n warmup scenarios)
         (ecase mode
           (:full (values 3 5 10000 1 (full-matrix)))
@@ -184,14 +186,13 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
        :pinned-wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
        :out-dir out :tmp-dir tmp
        :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
-       ;; Only a run of the whole matrix replaces BENCHMARKS.md's tables.
-       :md (if (and (eq mode :full) (not (env "BENCH_SCENARIOS")))
+       :md (if splice
                (merge-pathnames "BENCHMARKS.md" *repo*)
                (merge-pathnames (format nil "~A.md" run-id) out))
-       :svg (if (and (eq mode :full) (not (env "BENCH_SCENARIOS")))
+       :svg (if splice
                 (merge-pathnames "BENCHMARKS.svg" *repo*)
                 (merge-pathnames (format nil "~A.svg" run-id) out))
-       :splice (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))))
+       :splice splice))))
 
 (defun scenarios-from-env (scenarios)
   "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
