@@ -188,6 +188,10 @@ its empty line) into REQUEST (see request.lisp): the one parse of a head.
 Returns the status that refuses it, or NIL.  METHODS, when given, are the
 only methods served (others: 501); a Content-Length over MAX-BODY-BYTES
 gets 413."
+  (%parse-head buffer start end request methods max-body-bytes))
+
+(defun %parse-head (buffer start end request methods max-body-bytes)
+  "PARSE-HEAD with positional arguments, for CHECK-HEAD (once per request)."
   (declare (type octets buffer) (type fixnum start end) (type request request)
            (type fixnum max-body-bytes) (optimize speed))
   (let* ((line-end (line-end buffer start end))
@@ -210,16 +214,16 @@ gets 413."
           (request-chunked request) nil
           (request-expect-continue request) nil
           (request-close-after request) nil)
-    (unless line-end (return-from parse-head 400))
+    (unless line-end (return-from %parse-head 400))
     (multiple-value-bind (status minor method target-start target-end)
         (check-request-line buffer start line-end)
       (declare (type (or null fixnum) minor target-start target-end))
-      (when status (return-from parse-head status))
+      (when status (return-from %parse-head status))
       (when (and methods (not (member method methods :test #'eq)))
         ;; A layer above that serves only some methods: refuse the others
         ;; here, with a well-formed answer, rather than let it answer them
         ;; its own way (Hunchentoot 1.3.x: an HTTP/1.0 400).
-        (return-from parse-head 501))
+        (return-from %parse-head 501))
       (setf (request-method request) method
             (request-minor request) minor
             (request-target-start request) target-start
@@ -232,24 +236,24 @@ gets 413."
       (loop with line of-type fixnum = (1+ line-end)
             for eol = (line-end buffer line end)
             do (unless (and eol (> eol line) (= (aref buffer (1- eol)) +cr+))
-                 (return-from parse-head 400))
+                 (return-from %parse-head 400))
                (when (= eol (1+ line))
                  (return))            ; the empty line
                (let ((b (aref buffer line)))
                  (when (or (= b +sp+) (= b +tab+)) ; obsolete line folding
-                   (return-from parse-head 400))
+                   (return-from %parse-head 400))
                  (let ((colon (octet-position +colon+ buffer line eol)))
                    (unless (and colon (> colon line)
                                 (loop for i of-type fixnum from line below colon
                                       always (tchar-p (aref buffer i))))
-                     (return-from parse-head 400))
+                     (return-from %parse-head 400))
                    (multiple-value-bind (vs ve) (field-bounds buffer (1+ colon) eol)
                      (declare (type fixnum vs ve))
                      (unless (loop for i of-type fixnum from vs below ve
                                    always (vchar-p (aref buffer i)))
-                       (return-from parse-head 400))
+                       (return-from %parse-head 400))
                      (when (>= (request-field-count request) +max-header-fields+)
-                       (return-from parse-head 431))
+                       (return-from %parse-head 431))
                      (let ((k (request-field-slot request))
                            (fields (request-fields request)))
                        (declare (type fixnum k) (type field-index fields))
@@ -262,18 +266,18 @@ gets 413."
                        ("content-length"
                         (let ((n (parse-content-length buffer vs ve)))
                           (when (or (null n) (and content-length (/= n content-length)))
-                            (return-from parse-head 400))
+                            (return-from %parse-head 400))
                           (setf content-length n)))
                        ("transfer-encoding"
                         ;; Only "chunked", alone, is implemented (as nginx).
                         (when transfer-encoding
-                          (return-from parse-head 400))
+                          (return-from %parse-head 400))
                         (unless (octets-match-p buffer vs ve "chunked" :ignore-case t)
-                          (return-from parse-head 501))
+                          (return-from %parse-head 501))
                         (setf transfer-encoding t))
                        ("host"
                         (unless (host-value-p buffer vs ve)
-                          (return-from parse-head 400))
+                          (return-from %parse-head 400))
                         (incf hosts)
                         (setf (request-host-start request) vs
                               (request-host-end request) ve))
@@ -310,6 +314,5 @@ gets 413."
   "Check the complete request head buffered in connection C (PARSE-HEAD, into
 C's request record).  Returns the status that refuses it, or NIL."
   (with-connection-slots (inbuf in-start scan engine request) c
-    (parse-head inbuf in-start scan request
-                :methods (engine-methods engine)
-                :max-body-bytes (engine-max-body-bytes engine))))
+    (%parse-head inbuf in-start scan request
+                 (engine-methods engine) (engine-max-body-bytes engine))))

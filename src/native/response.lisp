@@ -32,6 +32,7 @@
 (defparameter +keep-alive-line+ (ascii (format nil "Connection: keep-alive~C~C" #\Return #\Linefeed)))
 (defparameter +last-chunk+ (ascii (format nil "0~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)))
 
+(declaim (inline status-line))
 (defun status-line (code)
   (let ((lines (load-time-value +status-lines+ t)))
     (declare (type simple-vector lines))
@@ -141,6 +142,7 @@ keys are keywords or strings."
         when (or (eq key name) (and (not (keywordp key)) (string-equal key name)))
           return value))
 
+(declaim (inline no-body-status-p))
 (defun no-body-status-p (status)
   (or (< status 200) (= status 204) (= status 304)))
 
@@ -211,6 +213,11 @@ general path (a header value that is not a string, a huge length)."
 and the app did not give one), Transfer-Encoding and Connection.  Then
 ASCII-BODY, a simple string of ASCII characters, if given, unchanged (CR and
 LF too: only header values are neutralised)."
+  (%write-head c status headers content-length chunked keep-alive http-1.0 ascii-body))
+
+(defun %write-head (c status headers content-length chunked keep-alive http-1.0 ascii-body)
+  "WRITE-HEAD with positional arguments, for RESPOND: once per request, where
+parsing keyword arguments cost more than some of the writing."
   (let ((status-line (status-line status))
         (date-line (date-line)))
     (multiple-value-bind (size has-length)

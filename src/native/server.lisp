@@ -19,6 +19,7 @@
 
 (in-package #:gallop)
 
+(declaim (inline accepting-p))
 (defun accepting-p (server)
   "True unless SERVER is stopping: then responses say Connection: close."
   (let ((engine (server-engine server)))
@@ -46,10 +47,9 @@
        ;; The common case, one ASCII string: no UTF-8 encoding, no copy.
        (let ((string (car body))
              (no-body (no-body-status-p status)))
-         (write-head c status headers
-                     :content-length (unless no-body (length string))
-                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex)
-                     :ascii-body (unless (or no-body (exchange-head-p ex)) string))))
+         (%write-head c status headers (unless no-body (length string)) nil
+                      keep-alive (exchange-http-1.0 ex)
+                      (unless (or no-body (exchange-head-p ex)) string))))
       (t
        (let* ((chunks (cond ((null body) '())
                             ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
@@ -203,9 +203,9 @@ threads can share it.")
   "The engine's handler: build the environment, read the body, run the app,
 write its response, and tell the engine what to do with C next."
   (multiple-value-bind (env keep-alive http-1.0 expect-continue) (make-env server c)
-    (let ((ex (make-exchange :connection c :server server :keep-alive keep-alive
-                             :http-1.0 http-1.0
-                             :head-p (eq (getf env :request-method) :head))))
+    (let ((ex (make-exchange c server keep-alive http-1.0
+                             (eq (gallop.core:request-method (gallop.core:connection-request c))
+                                 :head))))
       (gallop.core:connection-consume-head c)
       ;; The body is read as the app reads :RAW-BODY (the engine's BODY-STREAM,
       ;; which answers 100 Continue on its first read when the client asked).

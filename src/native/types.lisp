@@ -36,7 +36,10 @@
   (multiple-value-bind (s m h day month year) (decode-universal-time (get-universal-time))
     (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D:~2,'0D" year month day h m s)))
 
-(defstruct (exchange (:copier nil))
+(defstruct (exchange (:copier nil)
+                     ;; Positional: one per request, and keyword parsing
+                     ;; cost more than the rest of making it.
+                     (:constructor make-exchange (connection server keep-alive http-1.0 head-p)))
   (connection nil)
   (server nil)
   (keep-alive t)
