@@ -1,0 +1,76 @@
+#!/bin/bash
+# layers.sh -- what each layer of the native path costs per request.
+#
+#   [DURATION=3] [REPS=3] bench/layers.sh [LAYERS...]
+#
+# Starts one bench/layers-server.lisp per LAYERS (default: floor table env
+# respond native; see that file) and nginx with one worker, all pinned to
+# core 0, and runs `wrk -t1 -c100 -dDURATION` (keep-alive, GET /yo) on core 1
+# against each in turn, REPS rounds, interleaved.  Prints for every run the
+# req/s and the server's user, system and total CPU microseconds per request
+# (/proc/PID/stat over the run), then each one's median total.  A layer's
+# cost is the difference between two servers' totals in the same run (env -
+# floor: the Clack environment; table - floor: its :HEADERS table alone).
+# A server that costs more also pays more in the kernel: wrk waits for it
+# more often, so its sends wake wrk more often (BENCHMARKS.md).  Ports
+# 18931.. and 18930 (nginx).  Needs wrk and nginx (scripts/deps.sh wrk nginx-light).
+set -u
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+DUR=${DURATION:-3}; REPS=${REPS:-3}
+LAYERS=("$@"); [ ${#LAYERS[@]} -eq 0 ] && LAYERS=(floor table env respond native)
+TMP=$HERE/bench/results/tmp/layers; mkdir -p "$TMP"/{body,proxy,fastcgi,uwsgi,scgi}
+cat > "$TMP/nginx.conf" <<EOF
+worker_processes 1;
+pid $TMP/nginx.pid;
+error_log $TMP/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off; keepalive_timeout 75s; keepalive_requests 1000000;
+    client_body_temp_path $TMP/body; proxy_temp_path $TMP/proxy; fastcgi_temp_path $TMP/fastcgi;
+    uwsgi_temp_path $TMP/uwsgi; scgi_temp_path $TMP/scgi;
+    server { listen 127.0.0.1:18930; location = /yo { default_type text/plain; return 200 "Hey!"; } }
+}
+EOF
+declare -A PORT PID
+FEEDERS=()
+cleanup() {
+  for f in "${FEEDERS[@]}"; do kill "$f" 2>/dev/null; done
+  [ -f "$TMP/nginx.pid" ] && kill "$(cat "$TMP/nginx.pid")" 2>/dev/null
+  wait 2>/dev/null
+}
+trap cleanup EXIT
+port=18930
+for layers in "${LAYERS[@]}"; do
+  port=$((port+1)); PORT[$layers]=$port
+  # The server lives while its standard input (a sleep) is open.
+  sleep 3600 | (cd "$HERE" && exec taskset -c 0 scripts/lisp.sh --load bench/layers-server.lisp \
+                  --end-toplevel-options $port $layers > "$TMP/$layers.out" 2> "$TMP/$layers.err") &
+  FEEDERS+=($!)
+done
+taskset -c 0 nginx -c "$TMP/nginx.conf" -g 'daemon off;' 2>> "$TMP/error.log" &
+for layers in "${LAYERS[@]}"; do
+  for i in $(seq 240); do grep -q READY "$TMP/$layers.out" 2>/dev/null && break; sleep 0.5; done
+  PID[$layers]=$(awk '/READY/{print $2}' "$TMP/$layers.out")
+  [ -n "${PID[$layers]}" ] || { echo "layers.sh: $layers did not start (see $TMP/$layers.err)" >&2; exit 1; }
+done
+sleep 1
+PORT[nginx]=18930; PID[nginx]=$(pgrep -P "$(cat "$TMP/nginx.pid")" | head -1)
+[ -n "${PID[nginx]}" ] || { echo "layers.sh: nginx did not start" >&2; exit 1; }
+NAMES=("${LAYERS[@]}" nginx)
+ticks() { awk '{print $14, $15}' /proc/$1/stat; }
+for n in "${NAMES[@]}"; do taskset -c 1 wrk -t1 -c100 -d1s http://127.0.0.1:${PORT[$n]}/yo > /dev/null; done
+: > "$TMP/runs"
+for r in $(seq "$REPS"); do
+  for n in "${NAMES[@]}"; do
+    T0=$(ticks ${PID[$n]})
+    N=$(taskset -c 1 wrk -t1 -c100 -d${DUR}s http://127.0.0.1:${PORT[$n]}/yo | awk '/requests in/{print $1}')
+    T1=$(ticks ${PID[$n]})
+    echo "$n $N $T0 $T1" | awk -v d=$DUR -v hz=$(getconf CLK_TCK) '{
+      u = ($5-$3)*1e6/hz/$2; s = ($6-$4)*1e6/hz/$2
+      printf "%-8s req/s %7d  us/req user %5.2f sys %5.2f total %5.2f\n", $1, $2/d, u, s, u+s }' | tee -a "$TMP/runs"
+  done
+done
+echo "median total us/req:"
+for n in "${NAMES[@]}"; do
+  awk -v n=$n '$1 == n {print $NF}' "$TMP/runs" | sort -n | awk -v n=$n '{v[NR]=$1} END {printf "  %-8s %5.2f\n", n, v[int((NR+1)/2)]}'
+done
