@@ -18,19 +18,9 @@ set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 DUR=${DURATION:-3}; REPS=${REPS:-3}
 LAYERS=("$@"); [ ${#LAYERS[@]} -eq 0 ] && LAYERS=(floor table env respond native)
-TMP=$HERE/bench/results/tmp/layers; mkdir -p "$TMP"/{body,proxy,fastcgi,uwsgi,scgi}
-cat > "$TMP/nginx.conf" <<EOF
-worker_processes 1;
-pid $TMP/nginx.pid;
-error_log $TMP/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off; keepalive_timeout 75s; keepalive_requests 1000000;
-    client_body_temp_path $TMP/body; proxy_temp_path $TMP/proxy; fastcgi_temp_path $TMP/fastcgi;
-    uwsgi_temp_path $TMP/uwsgi; scgi_temp_path $TMP/scgi;
-    server { listen 127.0.0.1:18930; location = /yo { default_type text/plain; return 200 "Hey!"; } }
-}
-EOF
+TMP=$HERE/bench/results/tmp/layers; mkdir -p "$TMP"
+. "$HERE/bench/nginx-yo.sh"
+nginx_yo_conf "$TMP" 18930
 declare -A PORT PID
 FEEDERS=()
 cleanup() {

@@ -18,7 +18,7 @@
 set -u
 REPS=${1:-4}; QUOTA=${2:-50}; BASE=${3:-}; SECONDS_EACH=${DURATION:-5}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-TMP=$HERE/bench/results/tmp/quota-ab; mkdir -p "$TMP"/{body,proxy,fastcgi,uwsgi,scgi}
+TMP=$HERE/bench/results/tmp/quota-ab; mkdir -p "$TMP"
 if [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then CG=/sys/fs/cgroup/cpu; V=1
 elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then CG=/sys/fs/cgroup; V=2; echo +cpu > $CG/cgroup.subtree_control
 else echo "no cgroup cpu controller" >&2; exit 1; fi
@@ -28,18 +28,8 @@ limit() { # name pid
   else echo "$((QUOTA*100)) 10000" > $CG/gallop-ab-$1/cpu.max; fi
   echo $2 > $CG/gallop-ab-$1/cgroup.procs
 }
-cat > "$TMP/nginx.conf" <<EOF
-worker_processes 1;
-pid $TMP/nginx.pid;
-error_log $TMP/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off; keepalive_timeout 75s; keepalive_requests 1000000;
-    client_body_temp_path $TMP/body; proxy_temp_path $TMP/proxy; fastcgi_temp_path $TMP/fastcgi;
-    uwsgi_temp_path $TMP/uwsgi; scgi_temp_path $TMP/scgi;
-    server { listen 127.0.0.1:18195; location = /yo { default_type text/plain; return 200 "Hey!"; } }
-}
-EOF
+. "$HERE/bench/nginx-yo.sh"
+nginx_yo_conf "$TMP" 18195
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done
