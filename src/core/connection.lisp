@@ -923,6 +923,7 @@ CONSUME-HEAD, CONNECTION-TAKE-HEAD) only the buffer is meant: the record
   (with-connection-slots (inbuf in-start scan) c
     (values inbuf in-start scan)))
 
+(declaim (inline connection-close-after-p))
 (defun connection-close-after-p (c)
   "True when the connection must close after the answer to this request."
   (or (conn-slot c close-after) (conn-slot c framing-broken)))
