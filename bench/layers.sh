@@ -22,9 +22,10 @@ TMP=$HERE/bench/results/tmp/layers; mkdir -p "$TMP"
 . "$HERE/bench/nginx-yo.sh"
 nginx_yo_conf "$TMP" 18930
 declare -A PORT PID
-FEEDERS=()
+SERVERS=()
+rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
 cleanup() {
-  for f in "${FEEDERS[@]}"; do kill "$f" 2>/dev/null; done
+  for s in "${SERVERS[@]}"; do kill "$s" 2>/dev/null; done
   [ -f "$TMP/nginx.pid" ] && kill "$(cat "$TMP/nginx.pid")" 2>/dev/null
   wait 2>/dev/null
 }
@@ -32,10 +33,11 @@ trap cleanup EXIT
 port=18930
 for layers in "${LAYERS[@]}"; do
   port=$((port+1)); PORT[$layers]=$port
-  # The server lives while its standard input (a sleep) is open.
-  sleep 3600 | (cd "$HERE" && exec taskset -c 0 scripts/lisp.sh --load bench/layers-server.lisp \
-                  --end-toplevel-options $port $layers > "$TMP/$layers.out" 2> "$TMP/$layers.err") &
-  FEEDERS+=($!)
+  # Its standard input is a FIFO this script holds open (fd 9): the server
+  # exits at end of file, when this script does, whatever ends it.
+  (cd "$HERE" && exec taskset -c 0 scripts/lisp.sh --load bench/layers-server.lisp \
+     --end-toplevel-options $port $layers < "$TMP/hold" > "$TMP/$layers.out" 2> "$TMP/$layers.err") &
+  SERVERS+=($!)
 done
 taskset -c 0 nginx -c "$TMP/nginx.conf" -g 'daemon off;' 2>> "$TMP/error.log" &
 for layers in "${LAYERS[@]}"; do
