@@ -143,6 +143,37 @@
                     (is (string= expected (body-string (read-response socket)))))
         (usocket:socket-close socket)))))
 
+(test native-repeated-header-fields-are-joined
+  ;; RFC 9110 5.3: a field sent twice means its values joined with ", ",
+  ;; the field first in the head included (MAKE-ENV looks up only after its
+  ;; first field), and a field's case does not make it another field.
+  (with-app (server (lambda (env)
+                      (let ((h (getf env :headers)))
+                        (list 200 '(:content-type "text/plain")
+                              (list (format nil "~A|~A|~A|~D"
+                                            (gethash "x-first" h) (gethash "accept" h)
+                                            (gethash "host" h) (hash-table-count h)))))))
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (loop for (head expected)
+                   in '((("X-First: a" "Host: x" "X-FIRST: b" "Accept: */*" "x-first: c")
+                         "a, b, c|*/*|x|3")
+                        (("X-First: a" "X-First: b" "Host: x")
+                         "a, b|NIL|x|2")
+                        (("Host: x" "Accept: text/html" "Accept: */*")
+                         "NIL|text/html, */*|x|2")
+                        (("Host: x")
+                         "NIL|NIL|x|1"))
+                 do (send socket (apply #'crlf "GET / HTTP/1.1" head))
+                    (let* ((r (read-wire socket :persistent t))
+                           (body (wire-body-string r)))
+                      (is (= 200 (wire-status r)))
+                      (is (equal "text/plain" (wire-header r "Content-Type")))
+                      (is (equal (princ-to-string (length (wire-body r)))
+                                 (wire-header r "Content-Length")))
+                      (is (string= expected body) "~S: ~S" head body)))
+        (usocket:socket-close socket)))))
+
 (test native-header-names-in-any-case
   ;; Names are matched against literals ignoring case: HOST is the Host the
   ;; server reads, cOnTeNt-LeNgTh frames the body, and the headers table has
