@@ -63,16 +63,18 @@
          (space (position #\Space text))
          (ip (ignore-errors (parse-integer text :end space :radix 16)))
          (sym (if space (string-trim " " (subseq text space)) "")))
-    (cond ((null ip) nil)
-          ((>= ip #xffff000000000000) (concatenate 'string "k " sym))
-          ((map-name map ip) (concatenate 'string "L " (map-name map ip)))
-          ((and (< ip #x100000000) (map-name map (+ ip core-offset)))
-           (concatenate 'string "L " (map-name map (+ ip core-offset))))
-          (t (concatenate 'string "? " sym)))))
+    (when ip
+      (let ((lisp (and (< ip #xffff000000000000)
+                       (or (map-name map ip)
+                           (and (< ip #x100000000) (map-name map (+ ip core-offset)))))))
+        (cond ((>= ip #xffff000000000000) (concatenate 'string "k " sym))
+              (lisp (concatenate 'string "L " lisp))
+              (t (concatenate 'string "? " sym)))))))
 
 (defun read-samples (path map core-offset)
   "The samples in PATH (`perf script -F ip,sym`), each a list of frame names,
-leaf first; and whether they have call chains."
+leaf first; and whether they have call chains (then samples are separated by
+empty lines; without, each line is one)."
   (let ((samples '()) (current '()) (chains nil))
     (with-open-file (in path)
       (loop for line = (read-line in nil)
@@ -80,15 +82,12 @@ leaf first; and whether they have call chains."
             do (if (string= (string-trim '(#\Space #\Tab) line) "")
                    (progn (setf chains t)
                           (when current (push (nreverse current) samples) (setf current '())))
-                   ;; Before the first empty line, a flat file's samples
-                   ;; (a line each) gather here too: taken apart below.
                    (let ((name (frame-name map core-offset line)))
                      (when name (push name current))))))
-    (when current (push (nreverse current) samples))
     (if chains
-        (values (nreverse samples) t)
-        ;; Flat: every line was its own sample.
-        (values (mapcar #'list (reduce #'append (nreverse samples))) nil))))
+        (values (nreverse (if current (cons (nreverse current) samples) samples)) t)
+        ;; No empty line: CURRENT holds every sample's one frame.
+        (values (mapcar #'list (nreverse current)) nil))))
 
 (defun top (table n total)
   (let ((rows '()))
