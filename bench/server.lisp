@@ -35,6 +35,9 @@
 ;;;;
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
+;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
+;;;; Gallop's pool (default: one per usable CPU; 1 is the pool before
+;;;; groups), to measure what they bring.
 ;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
 ;;;; head-budget benchmark, bench/heads.lisp, lowers it to 65536).
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
@@ -243,6 +246,12 @@ header and idle timeouts (default: 20 s).")
            (read-from-string v))))
   "More settings for Gallop, a property list read from BENCH_GALLOP_OPTIONS
 \(e.g. \"(:max-thread-count 2 :standby-thread-count 2)\"), for experiments.")
+
+(let ((v (uiop:getenv "GALLOP_EPOLL_SETS")))
+  ;; The number of epoll sets (worker groups) Gallop's pool starts with,
+  ;; instead of one per CPU: for measuring what the groups bring.
+  (when (and v (plusp (length v)))
+    (setf gallop.core::*group-count* (parse-integer v))))
 
 (defun gallop-options ()
   "The pool and keep-alive timeouts and the head limit set from the

@@ -12,7 +12,7 @@ gets 503 at once instead."
   (let ((pool (engine-pool engine)))
     (>= (engine-pending engine)
         (+ (engine-max-queue engine)
-           (pool-idle pool)
+           (pool-idle-count pool)
            (max 0 (- (pool-max-threads pool) (pool-thread-count pool)))))))
 
 (defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
@@ -38,7 +38,7 @@ the fd instead of close(2).  Returns the connection, or NIL if it was refused
       (sb-ext:atomic-incf (engine-accepted engine))
       (setf (svref table fd) c)
       (multiple-value-bind (ok errno)
-          (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-add+ fd
+          (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-add+ fd
                      +connection-events+ (connection-token c))
         (unless ok
           (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D" fd errno)

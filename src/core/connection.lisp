@@ -70,6 +70,9 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
                       sb-gray:fundamental-binary-output-stream)
   ((fd :initarg :fd :type fixnum)
    (engine :initarg :engine)
+   (group :initarg :group
+          :documentation "The pool's group (pool.lisp) in whose epoll set this connection
+waits: chosen when it is made, kept to the end.")
    (token :initarg :token :type (unsigned-byte 64))
    (state :initform :parked)
    (inbuf :initform nil :type (or null octets))
@@ -254,6 +257,7 @@ it serves (see *REQUEST-FIELDS*)."
                  connection-owner-stream (setf connection-owner-stream)))
 (defun connection-fd (c) (conn-slot c fd))
 (defun connection-engine (c) (conn-slot c engine))
+(defun connection-group (c) (conn-slot c group))
 (defun connection-token (c) (conn-slot c token))
 (defun connection-state (c) (conn-slot c state))
 (defun (setf connection-state) (value c) (setf (conn-slot c state) value))

@@ -205,8 +205,9 @@ answers later from another thread, waiting for it: counted in :IN-FLIGHT
 too), :ABANDONED (such requests whose client went away before the answer:
 freed at once), :TIMERS (application timers pending, see timers.lisp), and
 the pool's :THREADS,
-:IDLE-THREADS and :RUN-PERMITS (how many workers may serve at once, see
-pool.lisp)."
+:IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
+\(its groups of workers, one per CPU) and :MOVED (events a group's workers
+served for another group whose workers were all busy), see pool.lisp."
   (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
   (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
         (table (engine-table engine)))
@@ -237,5 +238,7 @@ pool.lisp)."
             :abandoned (engine-abandoned engine)
             :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
-            :idle-threads (if pool (pool-idle pool) 0)
-            :run-permits (if pool (pool-allowed pool) 0)))))
+            :idle-threads (if pool (pool-idle-count pool) 0)
+            :run-permits (if pool (pool-run-permits pool) 0)
+            :epoll-sets (if pool (length (pool-groups pool)) 0)
+            :moved (if pool (pool-moved pool) 0)))))

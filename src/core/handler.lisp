@@ -106,7 +106,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
            ;; The handler kept the stream: it is an ordinary stream from now
            ;; on, with no more events.  Unregister before anyone else may
            ;; close it (and the fd number be reused by a new connection).
-           (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ (connection-fd c) 0 0)
+           (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
            (setf boundary nil park-requested nil
                  (connection-state c) :detached)
            ;; Its owner writes with blocking sends from now on: what is

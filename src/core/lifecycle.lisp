@@ -28,6 +28,7 @@ kept).")
 
 (defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
   (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
+                             :group (pool-next-group (engine-pool engine))
                              :raw (engine-raw-p engine)
                              :tls (if (engine-tls engine) -1 0)
                              :remote-address remote-address :remote-port (or remote-port 0)
@@ -64,7 +65,7 @@ kept).")
       ;; reference itself.  (Draining, detached and shed connections are not
       ;; in that set.)
       (when (member (connection-state c) '(:active :dirty :parked))
-        (let ((epfd (pool-epfd (engine-pool engine))))
+        (let ((epfd (group-epfd (connection-group c))))
           (when (>= epfd 0)
             (epoll-ctl epfd +epoll-ctl-del+ fd 0 0))))
       (unfresh c)
@@ -121,7 +122,7 @@ caller still owns C and must read (or send) again."
         ;; Once and for good: edge-triggered, EPOLLOUT raises an event only
         ;; when the socket drains after a send found it full.
         (setf (conn-slot c out-registered) t)
-        (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-mod+ (connection-fd c)
+        (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-mod+ (connection-fd c)
                    (logior +connection-events+ +epollout+) (connection-token c)))
       ;; From here on, an event (or the housekeeper, once the deadline
       ;; passes) may take C.  Input that came while C was busy left it
@@ -174,7 +175,7 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
     (uncharge-head c)
     (discard-unsent c)
     (when registered
-      (epoll-ctl (pool-epfd (engine-pool engine)) +epoll-ctl-del+ fd 0 0))
+      (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ fd 0 0))
     ;; (On TLS, nothing before the handshake is done: no answer can be read
     ;; then.  After the answer, close_notify.)
     (when (and response (not (tls-handshaking-p c)))

@@ -1,38 +1,66 @@
-;;;; pool.lisp -- an elastic pool of worker threads sharing one epoll set.
+;;;; pool.lisp -- an elastic pool of worker threads in groups, one epoll set
+;;;; per group.
 ;;;;
-;;;; Workers are leaders/followers: each idle worker waits in epoll_wait on the
-;;;; pool's epoll set, and the worker that receives an event serves it in place,
-;;;; so a ready connection costs no thread hand-off.  Connections are
-;;;; registered once, edge-triggered: an event goes to one worker, and one
-;;;; that finds its connection busy marks it so that its owner reads again
-;;;; (DISPATCH-EVENT in serve.lisp, PARK in lifecycle.lisp).
+;;;; GROUPS.  The pool has one group per CPU the process may use (at most
+;;;; MAX-THREADS): each group has its own epoll set, READY queue, NUDGE
+;;;; eventfd, run permits and workers.  A connection is registered in one
+;;;; group's set when it is accepted (round robin, POOL-NEXT-GROUP) and stays
+;;;; there.  With one set for all workers, every epoll_wait took the set's
+;;;; lock (the kernel's ep->mtx) that the workers on the other CPUs took too:
+;;;; on two CPUs, unpinned, `perf record -g` showed workers spinning on it
+;;;; (mutex_spin_on_owner under ep_send_events) and runs fell into a mode
+;;;; with a third more CPU per request; two processes of one worker each, the
+;;;; same work with one set each, never did (BENCHMARKS.md, "The night of
+;;;; 2026-11-26").  So workers of different groups share no epoll set, no
+;;;; queue and no eventfd in the common case; what they still share is the
+;;;; wake eventfd (read only once, at stop) and the maker.
+;;;;
+;;;; Within a group, workers are leaders/followers: each idle worker waits in
+;;;; epoll_wait on its group's set, and the worker that receives an event
+;;;; serves it in place, so a ready connection costs no thread hand-off.
+;;;; Connections are registered once, edge-triggered: an event goes to one
+;;;; worker, and one that finds its connection busy marks it so that its
+;;;; owner reads again (DISPATCH-EVENT in serve.lisp, PARK in lifecycle.lisp).
+;;;; Any worker may serve any connection: what a group's workers take from its
+;;;; set or queue is not tied to them, which is what lets another group help
+;;;; (STEALING, below).
 ;;;;
 ;;;; One epoll_wait takes up to +BATCH+ events, so that under load a request
 ;;;; costs a fraction of that system call (nginx does the same).  The worker
-;;;; serves the first and puts the others on the READY queue, which every
-;;;; worker empties before it waits in epoll again: if the first handler
-;;;; blocks, the others are not stuck behind it.  A connection that has
-;;;; served its turn of pipelined requests queues itself there again
-;;;; (POOL-REQUEUE), so the queue may never empty while clients pipeline: a
-;;;; worker that takes such a connection from the queue first looks at
-;;;; epoll, without waiting, and queues what it finds before serving it.
-;;;; When it queued events while other workers sat in epoll_wait, it nudges
-;;;; one of them through the NUDGE eventfd (registered edge-triggered, so
-;;;; each nudge wakes one waiter).
+;;;; serves the first and puts the others on its group's READY queue, which
+;;;; every worker of the group empties before it waits in epoll again: if
+;;;; the first handler blocks, the others are not stuck behind it.  A
+;;;; connection that has served its turn of pipelined requests queues itself
+;;;; there again (GROUP-REQUEUE), so the queue may never empty while clients
+;;;; pipeline: a worker that takes such a connection from the queue first
+;;;; looks at epoll, without waiting, and queues what it finds before
+;;;; serving it.  When it queued events while other workers of its group sat
+;;;; in epoll_wait, it nudges one of them through the group's NUDGE eventfd
+;;;; (registered edge-triggered, so each nudge wakes one waiter).
 ;;;;
-;;;; The READY queue also takes the thunks of application timers that came
+;;;; The READY queues also take the thunks of application timers that came
 ;;;; due (POOL-SUBMIT, from the housekeeper, see timers.lisp): a worker runs
 ;;;; one as it serves an event, counted as serving.
 ;;;;
+;;;; STEALING.  A group whose workers are all busy (none in epoll_wait) in
+;;;; two samples of the maker in a row, while another group has idle
+;;;; workers, gets help: the maker takes what waits in its epoll set (one
+;;;; epoll_wait without waiting) and on its READY queue and queues it on the
+;;;; idle group's, with a nudge.  So a group whose handlers all block (or
+;;;; that has more work than its CPU) delays its connections by about two
+;;;; samples (10 ms), not for as long as they block, even when the pool may
+;;;; not grow (MAX-THREADS); and it also grows (below).
+;;;;
 ;;;; Elasticity has two levels, both decided by the maker thread, which
 ;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
-;;;; per request).  RUN PERMITS bound how many workers wait in or
-;;;; serve from epoll at once (ALLOWED); the other threads wait for a permit.
-;;;; ALLOWED starts at the number of CPUs this process may run on, because
-;;;; for work that computes, more runnable workers than CPUs only add
-;;;; preemption in mid-request (tail latency) and no throughput.  A permit
-;;;; is added for a worker that blocks in a handler (sleeping, waiting on a
-;;;; database), so that as many workers as there are CPUs can still run.
+;;;; per request), for each group on its own.  RUN PERMITS bound how many of
+;;;; a group's workers wait in or serve from epoll at once (its ALLOWED); the
+;;;; group's other threads wait for a permit.  ALLOWED starts at the group's
+;;;; share of the CPUs this process may run on (1 for one group per CPU),
+;;;; because for work that computes, more runnable workers than CPUs only
+;;;; add preemption in mid-request (tail latency) and no throughput.  A
+;;;; permit is added for a worker that blocks in a handler (sleeping, waiting
+;;;; on a database), so that as many workers as there are CPUs can still run.
 ;;;; Blocking is seen directly, not inferred from the process's CPU use: each
 ;;;; worker counts the events it begins and ends serving (its WORKER record;
 ;;;; odd while serving, one store each, to a line no other thread writes), and
@@ -42,65 +70,106 @@
 ;;;; state read, and not R, is blocked.  On a machine shared with other
 ;;;; processes the workers wait for CPUs others hold, in state R: that is
 ;;;; contention, not blocking, and more threads would only add to the wait.
-;;;; When no permit holder is free (all busy), the process uses under
-;;;; +GROWTH-CPU-LIMIT+ of its CPUs, and the permit holders that are not
-;;;; blocked are fewer than the CPUs, or than half the holders (with many
-;;;; workers blocked most of the time, those waking up at once may outnumber
-;;;; the CPUs), and no more than twice as many serving workers as CPUs
-;;;; were seen runnable (more means several wait for a CPU: on a machine
-;;;; shared with other processes the process may use well under its CPUs
-;;;; and still get no more, and each thread added to a 1 ms handler's pool
-;;;; then only lengthened the queue for the CPUs: 9 to 12 seconds of
-;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
-;;;; threads; with this rule 68 to 73 threads served as many requests or more
-;;;; at 10-20% less CPU each; stopping at CPUs runnable instead of twice
-;;;; that lost requests), in two samples in a row, it adds a thread when
-;;;; permits are free (threads that sat idle for IDLE-TIMEOUT-MS leave their
-;;;; permits behind), else a permit and a thread for it (up to MAX-THREADS).
-;;;; Samples during which a garbage collection ran are skipped: it stops
-;;;; every thread but one.
-;;;; When the CPUs are saturated, or holders sit idle for a second, it takes a
-;;;; permit back (down to the CPU count); the holder that notices gives it up.
-;;;; "CPUs" means the ones the process may use: its affinity mask, lowered by
-;;;; its cgroup's CPU quota (cpus.lisp), re-read once a second.
+;;;; When no permit holder of a group is free (all busy), the process uses
+;;;; under +GROWTH-CPU-LIMIT+ of its CPUs, and the group's permit holders
+;;;; that are not blocked are fewer than its share of the CPUs, or than half
+;;;; its holders (with many workers blocked most of the time, those waking
+;;;; up at once may outnumber the CPUs), and no more than twice as many of
+;;;; its serving workers as its share of the CPUs were seen runnable (more
+;;;; means several wait for a CPU: on a machine shared with other processes
+;;;; the process may use well under its CPUs and still get no more, and each
+;;;; thread added to a 1 ms handler's pool then only lengthened the queue
+;;;; for the CPUs: 9 to 12 seconds of run-queue wait per second, from
+;;;; /proc/self/task/*/schedstat, on 79 to 93 threads; with this rule 68 to
+;;;; 73 threads served as many requests or more at 10-20% less CPU each;
+;;;; stopping at CPUs runnable instead of twice that lost requests), in two
+;;;; samples in a row, it adds a thread to the group when its permits are
+;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
+;;;; behind), else a permit and a thread for it (up to MAX-THREADS threads
+;;;; and permits in all the groups).  Samples during which a garbage
+;;;; collection ran are skipped: it stops every thread but one.
+;;;; When the CPUs are saturated, or a group's holders sit idle for a second,
+;;;; it takes a permit of that group back (down to its share of the CPUs);
+;;;; the holder that notices gives it up.  "CPUs" means the ones the process
+;;;; may use: its affinity mask, lowered by its cgroup's CPU quota
+;;;; (cpus.lisp), re-read once a second (the number of groups stays).
 ;;;; Thread creation is serialised through the maker because SBCL creates
 ;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
-;;;; without work leaves while more than MIN-THREADS remain.
+;;;; without work leaves while its group has more than its share of
+;;;; MIN-THREADS (at least one: a group without a thread would leave its
+;;;; connections to stealing).
 ;;;;
 ;;;; Invariants:
-;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK.
+;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK, and
+;;;;    THREAD-COUNT is the sum of the groups' THREAD-COUNTs (under LOCK too).
 ;;;;    WORKERS holds the WORKER record of each thread in THREADS that has
 ;;;;    begun its loop, also under LOCK.
-;;;;  - IDLE counts the workers inside epoll_wait; it only changes atomically.
-;;;;  - HOLDERS counts the workers holding a run permit, free permits are the
-;;;;    count of the PERMITS semaphore, and HOLDERS + free permits = ALLOWED
-;;;;    once holders over the limit have given theirs up (compare-and-swap on
-;;;;    HOLDERS, so exactly the surplus leaves).
+;;;;  - A group's IDLE counts its workers inside epoll_wait; it only changes
+;;;;    atomically.
+;;;;  - A group's HOLDERS counts its workers holding one of its run permits,
+;;;;    free permits are the count of its PERMITS semaphore, and HOLDERS +
+;;;;    free permits = ALLOWED once holders over the limit have given theirs
+;;;;    up (compare-and-swap on HOLDERS, so exactly the surplus leaves).
 ;;;;  - A worker that leaves removes itself from THREADS and pushes itself onto
 ;;;;    RETIRED under LOCK; the maker (or POOL-STOP) joins the retired ones, so
 ;;;;    every thread the pool started is joined.
-;;;;  - Once STOPPING is true the wake eventfd is readable forever, so every
-;;;;    worker leaves epoll_wait and exits once its current event is served.
-;;;;  - Every event taken from epoll is served once: by the worker that took
-;;;;    it, or from the READY queue.  A connection may have a queued turn and
-;;;;    a new epoll event at once; whichever comes second finds it busy
-;;;;    (:ACTIVE, then marked :DIRTY) or finds nothing to read, and parks it
-;;;;    again.  Events still queued at stop belong to connections that are
-;;;;    still parked, which the engine then closes.
+;;;;  - Once STOPPING is true the wake eventfd, in every group's set, level-
+;;;;    triggered, is readable forever, so every worker leaves epoll_wait and
+;;;;    exits once its current event is served.
+;;;;  - Every event taken from an epoll set is served once: by the worker that
+;;;;    took it, or from a READY queue (its group's, or the one the maker
+;;;;    moved it to).  A connection may have a queued turn and a new epoll
+;;;;    event at once; whichever comes second finds it busy (:ACTIVE, then
+;;;;    marked :DIRTY) or finds nothing to read, and parks it again.  Events
+;;;;    still queued at stop belong to connections that are still parked,
+;;;;    which the engine then closes.
 
 (in-package #:gallop.core)
 
 (defconstant +wake-data+ (1- (expt 2 64))
   "epoll data of the pool's wake eventfd.")
 (defconstant +nudge-data+ (- (expt 2 64) 4)
-  "epoll data of the pool's nudge eventfd.")
+  "epoll data of a group's nudge eventfd.")
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
 
-(defstruct (worker (:constructor make-worker (thread tid)) (:copier nil))
+(defvar *group-count* nil
+  "When an integer, the number of groups (epoll sets) a pool starts with,
+instead of one per usable CPU: for measuring (bench/server.lisp reads
+GALLOP_EPOLL_SETS into it).")
+
+
+(defstruct (group (:constructor make-group (index)) (:copier nil))
+  "One epoll set, with its queue, nudge eventfd, run permits and workers (see
+the header).  IDLE and HOLDERS change atomically, by its workers; the rest
+after POOL-START is the maker's, or changes under the pool's LOCK."
+  ;; Seven words either side, so that the counters its workers write on every
+  ;; wait share no 64-octet cache line with another group's.
+  (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
+  (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
+  (index 0 :type fixnum :read-only t)
+  (epfd -1 :type fixnum)
+  (nudge-fd -1 :type fixnum)
+  (ready (sb-concurrency:make-queue :name "gallop ready events"))
+  (idle 0 :type sb-ext:word)
+  (holders 0 :type sb-ext:word)
+  (allowed 1 :type fixnum)
+  (permits (sb-thread:make-semaphore :name "gallop run permits"))
+  (thread-count 0 :type fixnum)         ; under the pool's LOCK
+  (min-threads 1 :type fixnum)
+  ;; The maker's: samples in a row in which the group was seen blocked,
+  ;; with idle workers, and with none idle.
+  (blocked-samples 0 :type fixnum)
+  (idle-samples 0 :type fixnum)
+  (busy-samples 0 :type fixnum)
+  (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
+  (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
+
+(defstruct (worker (:constructor make-worker (thread tid &optional group)) (:copier nil))
   "What the maker thread reads of one worker.  Written by that worker only."
   (thread nil :read-only t)
   (tid 0 :type fixnum :read-only t)
+  (group nil :read-only t)
   ;; Seven words either side of SERVING, so that no other object (a garbage
   ;; collection may move another worker's record next to this one) shares
   ;; its 64-octet cache line: its worker writes it twice per event.
@@ -113,17 +182,13 @@
 
 (defstruct (pool (:constructor %make-pool) (:copier nil))
   (name "gallop" :type string)
-  (epfd -1 :type fixnum)
+  (groups #() :type simple-vector)
   (wake-fd -1 :type fixnum)
-  (nudge-fd -1 :type fixnum)
-  (ready (sb-concurrency:make-queue :name "gallop ready events"))
+  (group-turn 0 :type sb-ext:word)     ; round robin, see POOL-NEXT-GROUP
+  (moved 0 :type sb-ext:word)          ; events the maker moved to another group (STEALING)
   (min-threads 4 :type (integer 1))
   (max-threads 100 :type (integer 1))
   (idle-timeout-ms 10000 :type fixnum)
-  (idle 0 :type sb-ext:word)
-  (allowed 1 :type fixnum)
-  (holders 0 :type sb-ext:word)
-  (permits (sb-thread:make-semaphore :name "gallop run permits"))
   (lock (sb-thread:make-mutex :name "gallop pool"))
   (threads '() :type list)
   (workers '() :type list)
@@ -144,10 +209,10 @@ schedules on it.")
 (defun make-pool (&key (name "gallop") (min-threads 4) (max-threads 100)
                     (idle-timeout 10) dispatch thread-starter log-error)
   "Make a stopped pool.  DISPATCH is called in a worker as (DISPATCH DATA
-FLAGS) for every epoll event on a connection registered in the pool's epoll
-set.  THREAD-STARTER, when given, is called as (THREAD-STARTER THUNK NAME)
-and must return a new thread running THUNK.  LOG-ERROR is called as
-(LOG-ERROR CONDITION) for errors that escape DISPATCH.  IDLE-TIMEOUT is in
+FLAGS) for every epoll event on a connection registered in one of the pool's
+epoll sets.  THREAD-STARTER, when given, is called as (THREAD-STARTER THUNK
+NAME) and must return a new thread running THUNK.  LOG-ERROR is called as
+\(LOG-ERROR CONDITION) for errors that escape DISPATCH.  IDLE-TIMEOUT is in
 seconds."
   (assert (<= 1 min-threads max-threads) (min-threads max-threads)
           "Need 1 <= MIN-THREADS (~D) <= MAX-THREADS (~D)." min-threads max-threads)
@@ -156,8 +221,26 @@ seconds."
               :dispatch dispatch :thread-starter thread-starter :log-error log-error))
 
 (defun pool-idle-count (pool)
-  "Workers currently waiting for an event."
-  (pool-idle pool))
+  "Workers currently waiting for an event, in all groups."
+  (loop for group across (pool-groups pool) sum (group-idle group)))
+
+(defun pool-run-permits (pool)
+  "Run permits in all groups: how many workers may serve at once."
+  (loop for group across (pool-groups pool) sum (group-allowed group)))
+
+(defun pool-next-group (pool)
+  "The group a new connection is registered in: each in turn."
+  (let* ((groups (pool-groups pool))
+         (n (length groups)))
+    (if (= n 1)
+        (svref groups 0)
+        (svref groups (mod (sb-ext:atomic-incf (pool-group-turn pool)) n)))))
+
+(defun group-cpu-share (cpus groups max-threads)
+  "The run permits a group keeps however idle it is: its share of CPUS (as
+USABLE-CPUS reads them), at least 1, so that all groups together keep no
+more than MAX-THREADS when they can."
+  (max 1 (min (ceiling cpus groups) (floor max-threads groups))))
 
 (defun start-pool-thread (pool function name)
   (let ((starter (pool-thread-starter pool)))
@@ -166,45 +249,58 @@ seconds."
         (sb-thread:make-thread function :name name))))
 
 (defun pool-start (pool)
-  "Create the epoll set, the maker thread and MIN-THREADS workers."
-  (setf (pool-epfd pool) (epoll-create)
-        (pool-wake-fd pool) (make-eventfd)
-        (pool-nudge-fd pool) (make-eventfd)
-        (pool-ready pool) (sb-concurrency:make-queue :name "gallop ready events")
-        (pool-stopping pool) nil)
-  (epoll-ctl (pool-epfd pool) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
-  (epoll-ctl (pool-epfd pool) +epoll-ctl-add+ (pool-nudge-fd pool)
-             (logior +epollin+ +epollet+) +nudge-data+)
-  (let ((allowed (min (max 1 (ceiling (usable-cpus))) (pool-max-threads pool))))
-    (setf (pool-allowed pool) allowed
-          (pool-holders pool) 0
-          (pool-permits pool) (sb-thread:make-semaphore :name "gallop run permits"
-                                                        :count allowed)))
-  (setf (pool-maker pool)
-        (start-pool-thread pool (lambda () (maker-loop pool))
-                           (format nil "~A-thread-maker" (pool-name pool))))
-  (dotimes (i (pool-min-threads pool))
-    (spawn-worker pool))
+  "Create the groups' epoll sets, the maker thread and MIN-THREADS workers
+\(at least one per group)."
+  (let* ((cpus (usable-cpus))
+         (count (or *group-count* (min (max 1 (ceiling cpus)) (pool-max-threads pool))))
+         (share (group-cpu-share cpus count (pool-max-threads pool)))
+         (groups (make-array count)))
+    (setf (pool-wake-fd pool) (make-eventfd)
+          (pool-stopping pool) nil)
+    (dotimes (i count)
+      (let ((group (make-group i)))
+        (setf (group-epfd group) (epoll-create)
+              (group-nudge-fd group) (make-eventfd)
+              (group-allowed group) share
+              (group-permits group) (sb-thread:make-semaphore :name "gallop run permits"
+                                                              :count share)
+              ;; MIN-THREADS shared out, but at least one each.
+              (group-min-threads group) (max 1 (+ (floor (pool-min-threads pool) count)
+                                                  (if (< i (mod (pool-min-threads pool) count)) 1 0))))
+        ;; Level-triggered: once signalled (at stop), every waiter sees it.
+        (epoll-ctl (group-epfd group) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
+        (epoll-ctl (group-epfd group) +epoll-ctl-add+ (group-nudge-fd group)
+                   (logior +epollin+ +epollet+) +nudge-data+)
+        (setf (svref groups i) group)))
+    (setf (pool-groups pool) groups)
+    (setf (pool-maker pool)
+          (start-pool-thread pool (lambda () (maker-loop pool))
+                             (format nil "~A-thread-maker" (pool-name pool))))
+    (loop for group across groups
+          do (dotimes (i (group-min-threads group))
+               (spawn-worker pool group))))
   pool)
 
-(defun spawn-worker (pool)
-  "Start one worker unless the pool is full or stopping.  Called from the
-maker thread, or from POOL-START."
+(defun spawn-worker (pool group)
+  "Start one worker in GROUP unless the pool is full or stopping.  Called from
+the maker thread, or from POOL-START."
   (let ((proceed nil))
     (sb-thread:with-mutex ((pool-lock pool))
       (when (and (not (pool-stopping pool))
                  (< (pool-thread-count pool) (pool-max-threads pool)))
         (incf (pool-thread-count pool))
+        (incf (group-thread-count group))
         (setf proceed t)))
     (when proceed
       (handler-case
-          (let ((thread (start-pool-thread pool (lambda () (worker-loop pool))
+          (let ((thread (start-pool-thread pool (lambda () (worker-loop pool group))
                                            (format nil "~A-worker" (pool-name pool)))))
             (sb-thread:with-mutex ((pool-lock pool))
               (push thread (pool-threads pool))))
         (error (e)
           (sb-thread:with-mutex ((pool-lock pool))
-            (decf (pool-thread-count pool)))
+            (decf (pool-thread-count pool))
+            (decf (group-thread-count group)))
           (when (pool-log-error pool) (funcall (pool-log-error pool) e)))))))
 
 (defun join-retired (pool)
@@ -219,170 +315,238 @@ maker thread, or from POOL-START."
 (defconstant +shrink-cpu-limit+ 0.95
   "Above this share of its CPUs, the process gives permits back.")
 
-(defun add-permit (pool)
-  (incf (pool-allowed pool))
-  (sb-thread:signal-semaphore (pool-permits pool)))
+(defun add-permit (group)
+  (incf (group-allowed group))
+  (sb-thread:signal-semaphore (group-permits group)))
 
-(defun remove-permit (pool)
-  "Take one permit back: a free one at once, else the next holder to notice
-gives its up."
-  (decf (pool-allowed pool))
-  (sb-thread:try-semaphore (pool-permits pool)))
+(defun remove-permit (group)
+  "Take one permit of GROUP back: a free one at once, else the next holder to
+notice gives its up."
+  (decf (group-allowed group))
+  (sb-thread:try-semaphore (group-permits group)))
+
+(declaim (inline encode-event))
+(defun encode-event (data flags)
+  "An epoll event as it waits on a READY queue: a fixnum, the event's DATA,
+negated (minus one) when its FLAGS said more than \"readable\"."
+  (if (= flags +epollin+) data (- -1 data)))
 
 (defun maker-loop (pool)
-  (let* ((cpus (usable-cpus))
-         (floor (min (max 1 (ceiling cpus)) (pool-max-threads pool)))
+  (let* ((groups (pool-groups pool))
+         (cpus (usable-cpus))
+         (share (group-cpu-share cpus (length groups) (pool-max-threads pool)))
          (cpus-read (get-internal-real-time))
          (last-cpu (process-cpu-us))
          (last-wall (get-internal-real-time))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
          (last-gc sb-ext:*gc-run-time*)
          (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
-         (blocked-samples 0)
-         (idle-samples 0))
-    (loop
-      ;; The CPUs may change (taskset, a new cgroup quota): look again once a second.
-      (when (>= (- (get-internal-real-time) cpus-read) internal-time-units-per-second)
-        (setf cpus (usable-cpus)
-              floor (min (max 1 (ceiling cpus)) (pool-max-threads pool))
-              cpus-read (get-internal-real-time)))
-      (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
-      (join-retired pool)
-      (when (pool-stopping pool)
-        (return))
-      ;; Requests that piled up collapse into this one look.
-      (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
-        (when (plusp piled)
-          (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
-      ;; One CPU sample per 5 ms, and at most one change per sample, so the
-      ;; effect of the last change is measured before the next.
-      (let ((wall (get-internal-real-time)))
-        (when (>= (* us-per-unit (- wall last-wall)) 5000)
-          (let* ((cpu (process-cpu-us))
-                 (load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall)))))
-            (setf last-cpu cpu
-                  last-wall wall)
-            (setf idle-samples (if (> (pool-idle pool) 1) (1+ idle-samples) 0))
-            (unless (/= (shiftf last-gc sb-ext:*gc-run-time*) last-gc)
-              ;; (A sample in which a garbage collection stopped every thread
-              ;; but one says nothing about blocked handlers: skipped.)
-              (setf blocked-samples
-                    (if (and (zerop (pool-idle pool))
-                             (< load +growth-cpu-limit+)
-                             (or (< (pool-allowed pool) (pool-max-threads pool))
-                                 (< (pool-thread-count pool) (pool-allowed pool)))
-                             ;; The permit holders not blocked are fewer
-                             ;; than the CPUs, or than half the holders.
-                             ;; (Holders, not permits: threads that left
-                             ;; idle may have left permits nobody holds.)
-                             (let* ((holders (pool-holders pool))
-                                    (enough (max floor (ceiling holders 2))))
-                               (> (blocked-workers pool (- holders enough -1) floor stat-buffer)
-                                  (- holders enough))))
-                        (1+ blocked-samples)
-                        0))
-              ;; Growth starts after two such samples in a row (a thread's
-              ;; state is a snapshot) and goes on one permit a sample while
-              ;; they last; a thread is added when fewer threads than
-              ;; permits remain (idle ones left since the permits were added).
-              (cond ((>= blocked-samples 2)
-                     ;; A free permit with no thread to take it: a thread.
-                     ;; Else a permit, and a thread for it.
-                     (when (and (>= (pool-thread-count pool) (pool-allowed pool))
-                                (< (pool-allowed pool) (pool-max-threads pool)))
-                       (add-permit pool))
-                     (when (< (pool-thread-count pool) (pool-allowed pool))
-                       (spawn-worker pool)))
-                    ((and (> (pool-allowed pool) floor)
-                          (or (> load +shrink-cpu-limit+) (> idle-samples 200)))
-                     (setf idle-samples 0)
-                     (remove-permit pool))))))))))
+         (events (make-event-buffer +batch+)))
+    (unwind-protect
+         (loop
+           ;; The CPUs may change (taskset, a new cgroup quota): look again
+           ;; once a second.
+           (when (>= (- (get-internal-real-time) cpus-read) internal-time-units-per-second)
+             (setf cpus (usable-cpus)
+                   share (group-cpu-share cpus (length groups) (pool-max-threads pool))
+                   cpus-read (get-internal-real-time)))
+           (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
+           (join-retired pool)
+           (when (pool-stopping pool)
+             (return))
+           ;; Requests that piled up collapse into this one look.
+           (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
+             (when (plusp piled)
+               (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
+           ;; One CPU sample per 5 ms, and at most one change per group and
+           ;; sample, so the effect of the last change is measured before the
+           ;; next.
+           (let ((wall (get-internal-real-time)))
+             (when (>= (* us-per-unit (- wall last-wall)) 5000)
+               (let* ((cpu (process-cpu-us))
+                      (load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall))))
+                      ;; (A sample in which a garbage collection stopped every
+                      ;; thread but one says nothing about blocked handlers:
+                      ;; skipped.)
+                      (collected (/= (shiftf last-gc sb-ext:*gc-run-time*) last-gc)))
+                 (setf last-cpu cpu
+                       last-wall wall)
+                 (loop for group across groups
+                       do (setf (group-idle-samples group)
+                                (if (plusp (group-idle group)) (1+ (group-idle-samples group)) 0)
+                                (group-busy-samples group)
+                                (if (zerop (group-idle group)) (1+ (group-busy-samples group)) 0))
+                          (unless collected
+                            (resize-group pool group load share stat-buffer)))
+                 (when (> (length groups) 1)
+                   (help-busy-groups pool events))))))
+      (free-event-buffer events))))
 
-(defun blocked-workers (pool limit cpus buffer)
-  "How many of POOL's workers are blocked while serving an event (see the
-header), counting no further than LIMIT; 0 when more than twice CPUS of
-the serving workers read are runnable (state R): the CPUs are taken, by
-this process or by others, and another thread would only wait for one too.
-BUFFER is for THREAD-RUNNABLE-P."
+(defun resize-group (pool group load share stat-buffer)
+  "The maker's decision for GROUP in one sample (see the header): a thread, or
+a permit and a thread, for a group seen blocked two samples in a row; a
+permit back from one whose holders sat idle for a second, or when the
+process uses its CPUs.  LOAD is the process's share of its CPUs in the
+sample, SHARE the group's share of them."
+  (let ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
+        (room-for-thread (and (< (group-thread-count group) (group-allowed group))
+                              (< (pool-thread-count pool) (pool-max-threads pool)))))
+    (setf (group-blocked-samples group)
+          (if (and (zerop (group-idle group))
+                   (< load +growth-cpu-limit+)
+                   (or room-for-permit room-for-thread)
+                   ;; The permit holders not blocked are fewer than the
+                   ;; group's CPUs, or than half the holders.  (Holders, not
+                   ;; permits: threads that left idle may have left permits
+                   ;; nobody holds.)
+                   (let* ((holders (group-holders group))
+                          (enough (max share (ceiling holders 2))))
+                     (> (blocked-workers pool group (- holders enough -1) share stat-buffer)
+                        (- holders enough))))
+              (1+ (group-blocked-samples group))
+              0))
+    ;; Growth starts after two such samples in a row (a thread's state is a
+    ;; snapshot) and goes on one permit a sample while they last; a thread
+    ;; is added when fewer threads than permits remain (idle ones left since
+    ;; the permits were added).
+    (cond ((>= (group-blocked-samples group) 2)
+           ;; A free permit with no thread to take it: a thread.  Else a
+           ;; permit, and a thread for it.
+           (when (and (>= (group-thread-count group) (group-allowed group)) room-for-permit)
+             (add-permit group))
+           (when (< (group-thread-count group) (group-allowed group))
+             (spawn-worker pool group)))
+          ((and (> (group-allowed group) share)
+                (or (> load +shrink-cpu-limit+) (> (group-idle-samples group) 200)))
+           (setf (group-idle-samples group) 0)
+           (remove-permit group)))))
+
+(defun help-busy-groups (pool events)
+  "STEALING (see the header): for each group busy (no worker idle) in two
+samples in a row, move what waits in its epoll set and on its READY queue to
+the READY queue of the group with the most idle workers, if one has any,
+and nudge that group.  EVENTS is the maker's event buffer."
+  (let ((groups (pool-groups pool)))
+    (loop for busy across groups
+          when (>= (group-busy-samples busy) 2)
+            do (let ((helper (reduce (lambda (a b) (if (> (group-idle b) (group-idle a)) b a))
+                                     groups)))
+                 (when (and (not (eq helper busy)) (plusp (group-idle helper)))
+                   (let ((moved 0)
+                         (ready (group-ready helper)))
+                     (declare (type fixnum moved))
+                     ;; The set first: a nudge taken from it was for what the
+                     ;; queue holds, which moves after it.
+                     (let ((n (epoll-wait (group-epfd busy) events +batch+ 0)))
+                       (dotimes (i n)
+                         (let ((data (event-data events i)))
+                           (cond ((= data +wake-data+)) ; stopping: level-triggered, stays
+                                 ((= data +nudge-data+)
+                                  (when (plusp (group-idle busy))
+                                    (signal-eventfd (group-nudge-fd busy))))
+                                 (t (sb-concurrency:enqueue
+                                     (encode-event data (event-flags events i)) ready)
+                                    (incf moved))))))
+                     (loop (multiple-value-bind (item found)
+                               (sb-concurrency:dequeue (group-ready busy))
+                             (unless found (return))
+                             (sb-concurrency:enqueue item ready)
+                             (incf moved)))
+                     (when (plusp moved)
+                       (incf (pool-moved pool) moved)
+                       (signal-eventfd (group-nudge-fd helper)))))))))
+
+(defun blocked-workers (pool group limit cpus buffer)
+  "How many of POOL's workers in GROUP (all of them, when GROUP is NIL) are
+blocked while serving an event (see the header), counting no further than
+LIMIT; 0 when more than twice CPUS of the serving workers read are runnable
+\(state R): the CPUs are taken, by this process or by others, and another
+thread would only wait for one too.  BUFFER is for THREAD-RUNNABLE-P."
   (let ((count 0) (runnable 0))
     (declare (type fixnum count runnable))
     (when (plusp limit)
       (dolist (worker (sb-thread:with-mutex ((pool-lock pool))
                         (copy-list (pool-workers pool))))
-        (let ((before (worker-serving worker)))
-          (when (oddp before)
-            (cond ((thread-runnable-p (worker-tid worker) buffer)
-                   (when (> (incf runnable) (* 2 cpus))
-                     (return-from blocked-workers 0)))
-                  ((= before (worker-serving worker))
-                   (when (>= (incf count) limit)
-                     (return))))))))
+        (when (or (null group) (eq group (worker-group worker)))
+          (let ((before (worker-serving worker)))
+            (when (oddp before)
+              (cond ((thread-runnable-p (worker-tid worker) buffer)
+                     (when (> (incf runnable) (* 2 cpus))
+                       (return-from blocked-workers 0)))
+                    ((= before (worker-serving worker))
+                     (when (>= (incf count) limit)
+                       (return)))))))))
     count))
 
 (defun join-workers (pool worker)
   (sb-thread:with-mutex ((pool-lock pool))
     (push worker (pool-workers pool))))
 
-(defun leave-pool (pool already-counted-out worker)
+(defun leave-pool (pool group already-counted-out worker)
   (let ((self sb-thread:*current-thread*))
     (sb-thread:with-mutex ((pool-lock pool))
       (setf (pool-workers pool) (delete worker (pool-workers pool)))
       (when (member self (pool-threads pool))
         (setf (pool-threads pool) (delete self (pool-threads pool)))
         (unless already-counted-out
-          (decf (pool-thread-count pool)))
+          (decf (pool-thread-count pool))
+          (decf (group-thread-count group)))
         (push self (pool-retired pool))))))
 
-(defun try-retire (pool)
-  "Leave the pool if it has more than MIN-THREADS workers.  True if leaving."
+(defun try-retire (pool group)
+  "Leave the pool if GROUP has more than its share of MIN-THREADS workers.
+True if leaving."
   (sb-thread:with-mutex ((pool-lock pool))
-    (when (> (pool-thread-count pool) (pool-min-threads pool))
+    (when (> (group-thread-count group) (group-min-threads group))
       (decf (pool-thread-count pool))
+      (decf (group-thread-count group))
       t)))
 
-(defun acquire-permit (pool)
-  "Wait for a run permit.  True with one; NIL when stopping, or when no permit
-came for IDLE-TIMEOUT-MS and this thread may leave the pool (then it was
-counted out of THREAD-COUNT)."
+(defun acquire-permit (pool group)
+  "Wait for a run permit of GROUP.  True with one; NIL when stopping, or
+:RETIRED when no permit came for IDLE-TIMEOUT-MS and this thread may leave
+the pool (then it was counted out of THREAD-COUNT)."
   (loop
     (when (pool-stopping pool)
       (return nil))
-    (cond ((sb-thread:wait-on-semaphore (pool-permits pool)
+    (cond ((sb-thread:wait-on-semaphore (group-permits group)
                                         :timeout (/ (pool-idle-timeout-ms pool) 1000))
            (when (pool-stopping pool)
-             (sb-thread:signal-semaphore (pool-permits pool))
+             (sb-thread:signal-semaphore (group-permits group))
              (return nil))
-           (sb-ext:atomic-incf (pool-holders pool))
+           (sb-ext:atomic-incf (group-holders group))
            (return t))
-          ((try-retire pool)
+          ((try-retire pool group)
            (return :retired)))))
 
-(defun surplus-holder-p (pool)
-  "True, having given up this worker's permit, when more workers hold permits
-than ALLOWED."
+(defun surplus-holder-p (group)
+  "True, having given up this worker's permit, when more workers of GROUP hold
+permits than its ALLOWED."
   (loop
-    (let ((holders (pool-holders pool)))
-      (when (<= holders (pool-allowed pool))
+    (let ((holders (group-holders group)))
+      (when (<= holders (group-allowed group))
         (return nil))
-      (when (eql holders (sb-ext:compare-and-swap (pool-holders pool) holders (1- holders)))
+      (when (eql holders (sb-ext:compare-and-swap (group-holders group) holders (1- holders)))
         (return t)))))
 
-(defun release-permit (pool)
-  (sb-ext:atomic-decf (pool-holders pool))
-  (sb-thread:signal-semaphore (pool-permits pool)))
+(defun release-permit (group)
+  (sb-ext:atomic-decf (group-holders group))
+  (sb-thread:signal-semaphore (group-permits group)))
 
-(defun worker-loop (pool)
+(defun worker-loop (pool group)
   (let ((*worker-pool* pool)
         (events (make-event-buffer +batch+))
-        (epfd (pool-epfd pool))
-        (ready (pool-ready pool))
+        (epfd (group-epfd group))
+        (ready (group-ready group))
+        (nudge-fd (group-nudge-fd group))
         (dispatch (pool-dispatch pool))
         (timeout (pool-idle-timeout-ms pool))
         (counted-out nil)
         (holding nil)
         (worker (make-worker sb-thread:*current-thread*
-                             (sb-thread:thread-os-tid sb-thread:*current-thread*))))
-    (declare (type function dispatch) (type fixnum epfd timeout))
+                             (sb-thread:thread-os-tid sb-thread:*current-thread*)
+                             group)))
+    (declare (type function dispatch) (type fixnum epfd nudge-fd timeout))
     (join-workers pool worker)
     (flet ((serve (data flags)
              ;; DATA is an event's, or a timer's thunk (POOL-SUBMIT): both
@@ -401,59 +565,62 @@ than ALLOWED."
              ;; flags), for this worker to serve at once.  :WAKE when the
              ;; pool is stopping.
              (declare (type fixnum n))
-             (let ((first nil) (first-flags 0) (queued 0))
+             (let ((first nil) (first-flags 0) (queued 0) (nudged nil))
                (declare (type fixnum queued))
                (dotimes (i n)
                  (let ((data (event-data events i)))
                    (cond ((= data +wake-data+) (return-from take-events :wake))
                          ((= data +nudge-data+)
-                          (unless keep-first
-                            ;; A look without waiting took a nudge meant
-                            ;; for a worker in epoll_wait: pass it on.
-                            (when (plusp (pool-idle pool))
-                              (signal-eventfd (pool-nudge-fd pool)))))
+                          ;; A nudge says the queue holds work for a worker in
+                          ;; epoll_wait.  This one serves the queue next only
+                          ;; when it keeps no event for itself.
+                          (setf nudged t))
                          ((and keep-first (null first))
                           (setf first data
                                 first-flags (event-flags events i)))
-                         (t (sb-concurrency:enqueue
-                             ;; Queued as a fixnum: the event's data, negated
-                             ;; (minus one) when its flags said more than
-                             ;; "readable".
-                             (if (= (event-flags events i) +epollin+) data (- -1 data))
-                             ready)
+                         (t (sb-concurrency:enqueue (encode-event data (event-flags events i))
+                                                    ready)
                             (incf queued)))))
-               (when (and (plusp queued) (plusp (pool-idle pool)))
-                 (signal-eventfd (pool-nudge-fd pool)))
+               (when (and (or (plusp queued)
+                              ;; A nudge taken by a look without waiting, or
+                              ;; with an event this worker serves first (and
+                              ;; which may block): pass it on, or what it
+                              ;; announced would wait for that worker while
+                              ;; others sleep in epoll_wait.
+                              (and nudged (or (not keep-first) first)
+                                   (not (sb-concurrency:queue-empty-p ready))))
+                          (plusp (group-idle group)))
+                 (signal-eventfd nudge-fd))
                (values first first-flags))))
       (unwind-protect
            (with-thread-buffers
             (loop
              (unless holding
-               (let ((permit (acquire-permit pool)))
+               (let ((permit (acquire-permit pool group)))
                  (case permit
                    ((nil) (return))
                    (:retired (setf counted-out t) (return))
                    (t (setf holding t)))))
              (multiple-value-bind (queued found) (sb-concurrency:dequeue ready)
-               (when (and found (plusp (pool-idle pool))
+               (when (and found (plusp (group-idle group))
                           (not (sb-concurrency:queue-empty-p ready)))
                  ;; More queued than this worker will serve now: pass the
                  ;; nudge on, so one nudge per batch wakes as many as needed.
-                 (signal-eventfd (pool-nudge-fd pool)))
+                 (signal-eventfd nudge-fd))
                (unless found
                  ;; Count this worker idle, then look once more: an event
                  ;; queued in between saw it idle and nudged, or is found
                  ;; here.  It stays counted until it leaves epoll_wait, so
                  ;; that whatever is queued from now on nudges.
-                 (sb-ext:atomic-incf (pool-idle pool))
+                 (sb-ext:atomic-incf (group-idle group))
                  (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
                  (when found
-                   (sb-ext:atomic-decf (pool-idle pool))))
+                   (sb-ext:atomic-decf (group-idle group))))
                (cond ((functionp queued)
                       ;; A timer's thunk (POOL-SUBMIT).
                       (serve queued 0))
                      ((consp queued)
-                      ;; A connection that served its turn (POOL-REQUEUE).
+                      ;; A connection that served its turn (GROUP-REQUEUE).
                       ;; The queue may never empty while clients pipeline:
                       ;; look at epoll first, without waiting, so that new
                       ;; events queue up now, before its next turn.
@@ -468,12 +635,12 @@ than ALLOWED."
                       ;; Counted idle above.
                       (let ((started (now-ms)))
                         (let ((n (epoll-wait epfd events +batch+ timeout)))
-                          (sb-ext:atomic-decf (pool-idle pool))
+                          (sb-ext:atomic-decf (group-idle group))
                           (when (pool-stopping pool)
                             (return))
                           (when (and (zerop n)
                                      (>= (- (now-ms) started) timeout)
-                                     (try-retire pool))
+                                     (try-retire pool group))
                             (setf counted-out t)
                             (return))
                           (multiple-value-bind (first first-flags) (take-events n t)
@@ -481,37 +648,42 @@ than ALLOWED."
                               ((nil))
                               (:wake (return))
                               (t (serve first first-flags)))))))))
-             (when (surplus-holder-p pool)
+             (when (surplus-holder-p group)
                (setf holding nil))))
         (when holding
-          (release-permit pool))
+          (release-permit group))
         (free-event-buffer events)
-        (leave-pool pool counted-out worker)))))
+        (leave-pool pool group counted-out worker)))))
 
-(defun pool-requeue (pool data)
-  "Queue DATA for a worker as if epoll had just reported it readable, behind
-the events already queued (a connection that has served its turn, see
-SERVE-CONNECTION).  The caller has given the connection up."
-  (sb-concurrency:enqueue (list data) (pool-ready pool)) ; a list: see WORKER-LOOP
-  (when (plusp (pool-idle pool))
-    (signal-eventfd (pool-nudge-fd pool))))
+(defun group-requeue (group data)
+  "Queue DATA for a worker of GROUP as if epoll had just reported it readable,
+behind the events already queued (a connection that has served its turn, see
+YIELD-TURN).  The caller has given the connection up."
+  (sb-concurrency:enqueue (list data) (group-ready group)) ; a list: see WORKER-LOOP
+  (when (plusp (group-idle group))
+    (signal-eventfd (group-nudge-fd group))))
 
 (defun pool-submit (pool thunk)
   "Queue THUNK for the next free worker (a timer that came due, see
-timers.lisp), behind the events already queued."
-  (sb-concurrency:enqueue thunk (pool-ready pool)) ; a function: see WORKER-LOOP
-  (when (plusp (pool-idle pool))
-    (signal-eventfd (pool-nudge-fd pool))))
+timers.lisp), behind the events already queued: in a group with an idle
+worker if there is one, else in each group in turn."
+  (let* ((groups (pool-groups pool))
+         (group (or (find-if (lambda (g) (plusp (group-idle g))) groups)
+                    (pool-next-group pool))))
+    (sb-concurrency:enqueue thunk (group-ready group)) ; a function: see WORKER-LOOP
+    (when (plusp (group-idle group))
+      (signal-eventfd (group-nudge-fd group)))))
 
 (defun pool-stop (pool)
   "Stop the pool: every worker exits once its current event is served, and
-every thread the pool started is joined.  Closes the epoll set."
+every thread the pool started is joined.  Closes the epoll sets."
   (setf (pool-stopping pool) t)
   (when (>= (pool-wake-fd pool) 0)
     (signal-eventfd (pool-wake-fd pool)))
   (sb-thread:signal-semaphore (pool-maker-semaphore pool))
   ;; Threads waiting for a permit: let each see STOPPING.
-  (sb-thread:signal-semaphore (pool-permits pool) (1+ (pool-thread-count pool)))
+  (loop for group across (pool-groups pool)
+        do (sb-thread:signal-semaphore (group-permits group) (1+ (pool-thread-count pool))))
   (when (pool-maker pool)
     (sb-thread:join-thread (pool-maker pool) :default nil)
     (setf (pool-maker pool) nil))
@@ -521,13 +693,14 @@ every thread the pool started is joined.  Closes the epoll set."
         do (dolist (thread threads)
              (sb-thread:join-thread thread :default nil))
            (join-retired pool))
-  (when (>= (pool-epfd pool) 0)
-    (close-fd (pool-epfd pool))
-    (setf (pool-epfd pool) -1))
+  (loop for group across (pool-groups pool)
+        do (when (>= (group-epfd group) 0)
+             (close-fd (group-epfd group))
+             (setf (group-epfd group) -1))
+           (when (>= (group-nudge-fd group) 0)
+             (close-fd (group-nudge-fd group))
+             (setf (group-nudge-fd group) -1)))
   (when (>= (pool-wake-fd pool) 0)
     (close-fd (pool-wake-fd pool))
     (setf (pool-wake-fd pool) -1))
-  (when (>= (pool-nudge-fd pool) 0)
-    (close-fd (pool-nudge-fd pool))
-    (setf (pool-nudge-fd pool) -1))
   pool)

@@ -139,11 +139,11 @@ needed (NIL, C not parked)."
 wait its turn behind the other ready connections, as nginx does, instead of
 serving a client's pipelined requests for as long as it sends them while
 new clients wait.  C is parked with its input and queued for a worker (see
-POOL-REQUEUE).  True when C was given up, NIL when an event marked it :DIRTY
+GROUP-REQUEUE).  True when C was given up, NIL when an event marked it :DIRTY
 meanwhile: the caller still owns C and goes on serving it."
   (setf (conn-slot c waiting-turn) t)
   (cond ((park c)
-         (pool-requeue (engine-pool (connection-engine c)) (connection-token c))
+         (group-requeue (connection-group c) (connection-token c))
          t)
         (t (setf (conn-slot c waiting-turn) nil)
            nil)))

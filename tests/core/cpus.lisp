@@ -135,7 +135,7 @@ the CPUs make it 0: the CPUs are taken, another thread would wait too."
                                     (gallop.core::thread-runnable-p
                                      (sb-thread:thread-os-tid spinner) buffer))))
              (flet ((blocked (pool limit &optional (cpus 8))
-                      (gallop.core::blocked-workers pool limit cpus buffer)))
+                      (gallop.core::blocked-workers pool nil limit cpus buffer)))
                (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
                  (is (= 3 (blocked (apply #'pool serving) 10)))
                  (is (= 2 (blocked (apply #'pool serving) 2)) "the count stops at its limit")

@@ -44,7 +44,7 @@ is TOKEN (read from /proc/self/fdinfo, one \"tfd:\" line per entry)."
     (let* ((socket (connect port))
            (c (wait-until (lambda () (engine-connection-from
                                       engine (usocket:get-local-port socket)))))
-           (epfd (gallop.core::pool-epfd (gallop.core::engine-pool engine)))
+           (epfd (and c (gallop.core::group-epfd (gallop.core::connection-group c))))
            (token (and c (gallop.core::connection-token c)))
            ;; The second reference to the server's socket: what a worker
            ;; polling it in epoll_wait holds for an instant.

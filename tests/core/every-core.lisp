@@ -181,3 +181,38 @@ the pool grew for the blocked ones and shrank back after."
                                                   :standby-thread-count 2
                                                   :thread-idle-timeout 1))
     (blocked-handlers-case (port-of server) (lambda () (gallop:stats server)))))
+
+;;; Groups: an epoll set per CPU, and help for a group whose workers are
+;;; all busy
+
+(test a-group-whose-workers-all-block-is-helped-by-another
+  "Two groups of one worker each, and a pool that may not grow
+\(MAX-THREAD-COUNT 2): one worker blocks in a handler, and the connections
+of its group, every other new one, are served by the other group's worker
+\(the maker moves their events, pool.lisp's STEALING): every answer exact,
+and the moves counted in :MOVED."
+  (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+        *gate-entered* (list 0)
+        *gate-timeouts* (list 0))
+  (let ((gallop.core::*group-count* 2))
+    (with-app (server #'gate-app :max-thread-count 2 :standby-thread-count 2)
+      (let ((port (native-port server)))
+        (is (= 2 (getf (gallop:stats server) :epoll-sets)))
+        (is (= 2 (getf (gallop:stats server) :threads)))
+        (is (= 0 (getf (gallop:stats server) :moved)))
+        (let ((blocked (connect port :timeout 40)))
+          (unwind-protect
+               (progn
+                 (send blocked (crlf "GET /gate HTTP/1.1" "Host: x" "Connection: close"))
+                 (is-true (wait-until (lambda () (= 1 (car *gate-entered*))) :timeout 20))
+                 ;; Fresh connections go to each group in turn: half of them
+                 ;; to the group whose only worker waits at the gate.
+                 (let ((answers (loop repeat 10 collect (strict-get port "/yo"))))
+                   (is (every (lambda (a) (exact-answer-p a "Hey!")) answers)
+                       "answers while one group's worker blocked: ~A" answers))
+                 (is (plusp (getf (gallop:stats server) :moved)))
+                 (is (= 2 (getf (gallop:stats server) :threads)) "the pool grew past its maximum"))
+            (sb-thread:signal-semaphore *gate*)
+            (is (exact-answer-p (read-wire-or-error blocked :close t) "unblocked"))
+            (usocket:socket-close blocked)))
+        (is (zerop (car *gate-timeouts*)))))))
