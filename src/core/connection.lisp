@@ -3,7 +3,7 @@
 ;;;; between requests.
 ;;;;
 ;;;; States (slot STATE, changed with compare-and-swap where two threads race):
-;;;;   :PARKED    waiting in the pool's epoll set (registered once,
+;;;;   :PARKED    waiting in its group's epoll set (registered once,
 ;;;;              edge-triggered); nobody runs on it.  The housekeeper may
 ;;;;              close it once DEADLINE passed.
 ;;;;   :ACTIVE    exactly one worker owns it (it won the CAS :PARKED -> :ACTIVE),

@@ -1,8 +1,8 @@
 ;;;; engine.lisp -- the engine: what one server holds, and its settings.
 ;;;;
-;;;; An engine owns a worker pool (whose epoll set holds every connection that
-;;;; waits for input), a table from fd to connection, and a housekeeper thread
-;;;; that accepts new connections, sheds load with 503 when the queue of
+;;;; An engine owns a worker pool (whose epoll sets, one per CPU, hold every
+;;;; connection that waits for input), a table from fd to connection, and a
+;;;; housekeeper thread that accepts new connections, sheds load with 503 when the queue of
 ;;;; not-yet-served connections is full, drains rejected connections before
 ;;;; closing them (so a client reads its error response instead of a reset),
 ;;;; and closes connections whose deadline passed.

@@ -54,7 +54,7 @@ kept).")
   (let ((engine (connection-engine c))
         (fd (connection-fd c)))
     (unless (eq (connection-state c) :closed)
-      ;; Out of the workers' epoll set before the fd closes.  Since Linux
+      ;; Out of its group's epoll set before the fd closes.  Since Linux
       ;; 6.10 epoll_wait holds a reference to a ready file while it polls
       ;; it; a close(2) in that instant leaves the last reference, and so
       ;; the socket's release (its FIN), to that worker, which does it only
