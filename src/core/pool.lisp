@@ -229,12 +229,14 @@ seconds."
   (loop for group across (pool-groups pool) sum (group-allowed group)))
 
 (defun pool-next-group (pool)
-  "The group a new connection is registered in: each in turn."
+  "The group a new connection is registered in: each in turn (NIL before the
+pool first started: such a connection is never registered)."
   (let* ((groups (pool-groups pool))
          (n (length groups)))
-    (if (= n 1)
-        (svref groups 0)
-        (svref groups (mod (sb-ext:atomic-incf (pool-group-turn pool)) n)))))
+    (case n
+      (0 nil)
+      (1 (svref groups 0))
+      (t (svref groups (mod (sb-ext:atomic-incf (pool-group-turn pool)) n))))))
 
 (defun group-cpu-share (cpus groups max-threads)
   "The run permits a group keeps however idle it is: its share of CPUS (as

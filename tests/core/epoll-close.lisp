@@ -1,5 +1,5 @@
 ;;;; epoll-close.lisp -- a connection the engine closes leaves the worker
-;;;; pool's epoll set before its fd is closed.
+;;;; group's epoll set (pool.lisp) before its fd is closed.
 ;;;;
 ;;;; Why it matters (the fuzz test's rare 10 s hang): since Linux 6.10,
 ;;;; epoll_wait holds a reference to each ready file for the instant it polls
@@ -10,7 +10,7 @@
 ;;;; epoll_wait, up to the pool's idle timeout (10 s).  Until then the client
 ;;;; sees neither an answer nor end of file, and the server counts the
 ;;;; connection closed.  Observed: the server's side in CLOSE-WAIT with no fd,
-;;;; still listed in the pool's epoll set.
+;;;; still listed in the group's epoll set.
 ;;;;
 ;;;; A test cannot make the kernel poll at that instant, but it can hold such
 ;;;; a reference itself: a dup of the server's fd keeps the socket alive past
