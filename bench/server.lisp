@@ -249,9 +249,10 @@ header and idle timeouts (default: 20 s).")
 
 (let ((v (uiop:getenv "GALLOP_EPOLL_SETS")))
   ;; The number of epoll sets (worker groups) Gallop's pool starts with,
-  ;; instead of one per CPU: for measuring what the groups bring.
-  (when (and v (plusp (length v)))
-    (setf gallop.core::*group-count* (parse-integer v))))
+  ;; instead of one per CPU: for measuring what the groups bring.  (Read at
+  ;; run time: the stock server does not load Gallop.)
+  (when (and v (plusp (length v)) (find-package "GALLOP.CORE"))
+    (setf (symbol-value (find-symbol "*GROUP-COUNT*" "GALLOP.CORE")) (parse-integer v))))
 
 (defun gallop-options ()
   "The pool and keep-alive timeouts and the head limit set from the

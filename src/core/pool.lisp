@@ -449,11 +449,14 @@ and nudge that group.  EVENTS is the maker's event buffer."
                                  (t (sb-concurrency:enqueue
                                      (encode-event data (event-flags events i)) ready)
                                     (incf moved))))))
-                     (loop (multiple-value-bind (item found)
-                               (sb-concurrency:dequeue (group-ready busy))
-                             (unless found (return))
-                             (sb-concurrency:enqueue item ready)
-                             (incf moved)))
+                     ;; At most a few batches a sample: the busy group's
+                     ;; workers may queue as fast as this moves.
+                     (loop repeat (* 4 +batch+)
+                           do (multiple-value-bind (item found)
+                                  (sb-concurrency:dequeue (group-ready busy))
+                                (unless found (return))
+                                (sb-concurrency:enqueue item ready)
+                                (incf moved)))
                      (when (plusp moved)
                        (incf (pool-moved pool) moved)
                        (signal-eventfd (group-nudge-fd helper)))))))))
