@@ -254,7 +254,8 @@ more than MAX-THREADS when they can."
   "Create the groups' epoll sets, the maker thread and MIN-THREADS workers
 \(at least one per group)."
   (let* ((cpus (usable-cpus))
-         (count (or *group-count* (min (max 1 (ceiling cpus)) (pool-max-threads pool))))
+         ;; No more groups than threads: each needs one.
+         (count (min (or *group-count* (max 1 (ceiling cpus))) (pool-max-threads pool)))
          (share (group-cpu-share cpus count (pool-max-threads pool)))
          (groups (make-array count)))
     (setf (pool-wake-fd pool) (make-eventfd)
