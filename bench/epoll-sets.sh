@@ -6,7 +6,8 @@
 # Three servers side by side, nothing pinned (the shared setup): `sets1`, a
 # gallop:start server (bench/server.lisp, native, 0 ms) whose pool has one
 # epoll set for all its workers (GALLOP_EPOLL_SETS=1, the pool before
-# groups); `setsN`, the same with its default, one epoll set per usable CPU;
+# groups, and still the default); `setsN`, the same with one epoll set per
+# usable CPU (GALLOP_EPOLL_SETS=cpus);
 # and nginx with a worker per CPU.  For each of REPS rounds and each
 # connection count, `wrk -t2 -cN` against each in turn (interleaved); prints
 # each run's req/s and the server's CPU microseconds per request (utime +
@@ -25,7 +26,7 @@ cleanup() {
   for k in "${KIDS[@]}"; do wait "$k" 2>/dev/null; done
 }
 trap cleanup EXIT
-start() { # PORT SETS (empty: the default)
+start() { # PORT SETS (a number, or cpus)
   # Its standard input is a FIFO this script holds open (fd 9): the server
   # exits at end of file, when this script does, whatever ends it.
   (cd "$HERE" && exec env GALLOP_EPOLL_SETS="$2" scripts/lisp.sh --load bench/server.lisp \
@@ -33,7 +34,7 @@ start() { # PORT SETS (empty: the default)
   KIDS+=($!)
 }
 start 18961 1
-start 18962 ""
+start 18962 cpus
 . "$HERE/bench/nginx-yo.sh"
 nginx_yo_conf "$TMP/nginx" 18963
 sed -i "s/worker_processes 1;/worker_processes $(nproc);/" "$TMP/nginx/nginx.conf"

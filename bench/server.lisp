@@ -36,8 +36,8 @@
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
-;;;; Gallop's pool (default: one per usable CPU; 1 is the pool before
-;;;; groups), to measure what they bring.
+;;;; Gallop's pool ("cpus": one per usable CPU; default 1, see
+;;;; gallop.core::*group-count*), to measure what they bring.
 ;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
 ;;;; head-budget benchmark, bench/heads.lisp, lowers it to 65536).
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT
@@ -251,8 +251,10 @@ header and idle timeouts (default: 20 s).")
   ;; The number of epoll sets (worker groups) Gallop's pool starts with,
   ;; instead of one per CPU: for measuring what the groups bring.  (Read at
   ;; run time: the stock server does not load Gallop.)
+  ;; "cpus": one per usable CPU.
   (when (and v (plusp (length v)) (find-package "GALLOP.CORE"))
-    (setf (symbol-value (find-symbol "*GROUP-COUNT*" "GALLOP.CORE")) (parse-integer v))))
+    (setf (symbol-value (find-symbol "*GROUP-COUNT*" "GALLOP.CORE"))
+          (if (string-equal v "cpus") nil (parse-integer v)))))
 
 (defun gallop-options ()
   "The pool and keep-alive timeouts and the head limit set from the

@@ -1,7 +1,7 @@
 ;;;; engine.lisp -- the engine: what one server holds, and its settings.
 ;;;;
-;;;; An engine owns a worker pool (whose epoll sets, one per CPU, hold every
-;;;; connection that waits for input), a table from fd to connection, and a
+;;;; An engine owns a worker pool (whose epoll sets hold every connection
+;;;; that waits for input), a table from fd to connection, and a
 ;;;; housekeeper thread that accepts new connections, sheds load with 503 when the queue of
 ;;;; not-yet-served connections is full, drains rejected connections before
 ;;;; closing them (so a client reads its error response instead of a reset),
@@ -206,7 +206,7 @@ too), :ABANDONED (such requests whose client went away before the answer:
 freed at once), :TIMERS (application timers pending, see timers.lisp), and
 the pool's :THREADS,
 :IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
-\(its groups of workers, one per CPU) and :MOVED (events a group's workers
+\(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
 served for another group whose workers were all busy), see pool.lisp."
   (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
   (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
