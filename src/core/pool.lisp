@@ -14,7 +14,7 @@
 ;;;; same work with one set each, never did (BENCHMARKS.md, "The night of
 ;;;; 2026-11-26").  So workers of different groups share no epoll set, no
 ;;;; queue and no eventfd in the common case; what they still share is the
-;;;; wake eventfd (read only once, at stop) and the maker.
+;;;; wake eventfd (signalled only at stop) and the maker.
 ;;;;
 ;;;; Within a group, workers are leaders/followers: each idle worker waits in
 ;;;; epoll_wait on its group's set, and the worker that receives an event
