@@ -143,7 +143,7 @@ full test runs, and are not explained yet; see BENCHMARKS.md, \"An epoll
 set per CPU\".  bench/server.lisp sets it from GALLOP_EPOLL_SETS.")
 
 
-(defstruct (group (:constructor make-group (index)) (:copier nil))
+(defstruct (group (:constructor make-group ()) (:copier nil))
   "One epoll set, with its queue, nudge eventfd, run permits and workers (see
 the header).  IDLE and HOLDERS change atomically, by its workers; the rest
 after POOL-START is the maker's, or changes under the pool's LOCK."
@@ -151,7 +151,6 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   ;; wait share no 64-octet cache line with another group's.
   (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
   (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
-  (index 0 :type fixnum :read-only t)
   (epfd -1 :type fixnum)
   (nudge-fd -1 :type fixnum)
   (ready (sb-concurrency:make-queue :name "gallop ready events"))
@@ -265,7 +264,7 @@ more than MAX-THREADS when they can."
     (setf (pool-wake-fd pool) (make-eventfd)
           (pool-stopping pool) nil)
     (dotimes (i count)
-      (let ((group (make-group i)))
+      (let ((group (make-group)))
         (setf (group-epfd group) (epoll-create)
               (group-nudge-fd group) (make-eventfd)
               (group-allowed group) share

@@ -216,3 +216,24 @@ and the moves counted in :MOVED."
             (is (exact-answer-p (read-wire-or-error blocked :close t) "unblocked"))
             (usocket:socket-close blocked)))
         (is (zerop (car *gate-timeouts*)))))))
+
+(test the-pool-has-one-epoll-set-by-default-and-one-per-cpu-when-asked
+  "GALLOP.CORE::*GROUP-COUNT*: one epoll set by default; NIL, one per usable
+CPU; never more sets than the pool may have threads (each needs one).
+Each server answers exactly on fresh connections, which go to each set in
+turn."
+  (flet ((check (group-count max-threads expected-sets)
+           (let ((gallop.core::*group-count* group-count))
+             (with-app (server #'gate-app :max-thread-count max-threads
+                                          :standby-thread-count (min 2 max-threads))
+               (is (= expected-sets (getf (gallop:stats server) :epoll-sets))
+                   "~S sets, at most ~D threads: ~D sets" group-count max-threads
+                   (getf (gallop:stats server) :epoll-sets))
+               (is (<= expected-sets (getf (gallop:stats server) :threads) max-threads))
+               (let ((answers (loop repeat (* 2 expected-sets)
+                                    collect (strict-get (native-port server) "/yo"))))
+                 (is (every (lambda (a) (exact-answer-p a "Hey!")) answers)
+                     "~S sets: ~A" group-count answers))))))
+    (check 1 100 1)
+    (check nil 100 (min 100 (cpu-count-usable)))
+    (check 3 2 2)))
