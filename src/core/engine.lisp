@@ -241,4 +241,5 @@ served for another group whose workers were all busy), see pool.lisp."
             :idle-threads (if pool (pool-idle-count pool) 0)
             :run-permits (if pool (pool-run-permits pool) 0)
             :epoll-sets (if pool (length (pool-groups pool)) 0)
-            :moved (if pool (pool-moved pool) 0)))))
+            :moved (if pool (pool-moved pool) 0)
+            :stolen (if pool (pool-stolen pool) 0)))))

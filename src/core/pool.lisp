@@ -43,14 +43,24 @@
 ;;;; due (POOL-SUBMIT, from the housekeeper, see timers.lisp): a worker runs
 ;;;; one as it serves an event, counted as serving.
 ;;;;
-;;;; STEALING.  A group whose workers are all busy (none in epoll_wait) in
-;;;; two samples of the maker in a row, while another group has idle
-;;;; workers, gets help: the maker takes what waits in its epoll set (one
-;;;; epoll_wait without waiting) and on its READY queue and queues it on the
-;;;; idle group's, with a nudge.  So a group whose handlers all block (or
-;;;; that has more work than its CPU) delays its connections by about two
-;;;; samples (10 ms), not for as long as they block, even when the pool may
-;;;; not grow (MAX-THREADS); and it also grows (below).
+;;;; STEALING, in two ways.  (1) By workers, at once: a worker that queues
+;;;; events while no worker of its group is idle nudges an idle worker of
+;;;; another group, and a worker about to wait in epoll_wait while another
+;;;; group's queue holds work first looks at its own set without waiting
+;;;; (its own connections come first; this costs no more than the wait it
+;;;; replaces), and when that is empty takes one item of the other queue
+;;;; (counted in STOLEN), and so on while it finds some.  So the rest of a
+;;;; batch whose first event blocks, or that one worker took while another
+;;;; group's sat idle, waits for no one.  (2) By the maker, for what waits
+;;;; in a set, which no other group's worker sees: a group whose workers are
+;;;; all busy (none in epoll_wait) in two samples of the maker in a row,
+;;;; while another group has idle workers, gets help: the maker takes what
+;;;; waits in its epoll set (one epoll_wait without waiting) and on its
+;;;; READY queue and queues it on the idle group's, with a nudge.  So a
+;;;; group whose handlers all block (or that has more work than its CPU)
+;;;; delays its connections by about two samples (10 ms), not for as long as
+;;;; they block, even when the pool may not grow (MAX-THREADS); and it also
+;;;; grows (below).
 ;;;;
 ;;;; Elasticity has two levels, both decided by the maker thread, which
 ;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
@@ -119,7 +129,14 @@
 ;;;;    exits once its current event is served.
 ;;;;  - Every event taken from an epoll set is served once: by the worker that
 ;;;;    took it, or from a READY queue (its group's, or the one the maker
-;;;;    moved it to).  A connection may have a queued turn and a new epoll
+;;;;    moved it to), by a worker of that queue's group or one stealing.
+;;;;  - Whoever queues on a group's READY queue reads that group's IDLE count
+;;;;    after its enqueue (a worker queuing a batch, when it reads 0, reads
+;;;;    the other groups' too), and nudges a group it finds idle; a worker
+;;;;    counts itself idle before it looks at its queue (and, with groups, the
+;;;;    others') a last time.  Both are atomic, so one of the two sees the
+;;;;    other: no queued event is left waiting for lack of a nudge while a
+;;;;    worker of its group (or, for a batch, of any group) sleeps.  A connection may have a queued turn and a new epoll
 ;;;;    event at once; whichever comes second finds it busy (:ACTIVE, then
 ;;;;    marked :DIRTY) or finds nothing to read, and parks it again.  Events
 ;;;;    still queued at stop belong to connections that are still parked,
@@ -142,6 +159,10 @@ one per CPU, two test failures that did not come back (a request waiting
 full test runs, and are not explained yet; see BENCHMARKS.md, \"An epoll
 set per CPU\".  bench/server.lisp sets it from GALLOP_EPOLL_SETS.")
 
+(defvar *maker-helps* t
+  "True: the maker moves the waiting events of a group whose workers are all
+busy to an idle group (STEALING, HELP-BUSY-GROUPS).  Read by POOL-START.
+Only the tests turn it off, to see the workers' own stealing alone.")
 
 (defstruct (group (:constructor make-group ()) (:copier nil))
   "One epoll set, with its queue, nudge eventfd, run permits and workers (see
@@ -189,6 +210,8 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (wake-fd -1 :type fixnum)
   (group-turn 0 :type sb-ext:word)     ; round robin, see POOL-NEXT-GROUP
   (moved 0 :type sb-ext:word)          ; events the maker moved to another group (STEALING)
+  (stolen 0 :type sb-ext:word)         ; events a worker took from another group's queue
+  (maker-helps t)                      ; *MAKER-HELPS* when the pool started
   (min-threads 4 :type (integer 1))
   (max-threads 100 :type (integer 1))
   (idle-timeout-ms 10000 :type fixnum)
@@ -262,7 +285,8 @@ more than MAX-THREADS when they can."
          (share (group-cpu-share cpus count (pool-max-threads pool)))
          (groups (make-array count)))
     (setf (pool-wake-fd pool) (make-eventfd)
-          (pool-stopping pool) nil)
+          (pool-stopping pool) nil
+          (pool-maker-helps pool) *maker-helps*)
     (dotimes (i count)
       (let ((group (make-group)))
         (setf (group-epfd group) (epoll-create)
@@ -331,11 +355,21 @@ notice gives its up."
   (decf (group-allowed group))
   (sb-thread:try-semaphore (group-permits group)))
 
-(declaim (inline encode-event))
+(defconstant +peer-closed-flags+ (logior +epollrdhup+ +epollhup+ +epollerr+)
+  "The epoll flags that say the client half-closed or the socket failed: what
+DISPATCH-EVENT must learn of an event, since no later event repeats it.")
+
+(declaim (inline encode-event queued-event-flags))
 (defun encode-event (data flags)
   "An epoll event as it waits on a READY queue: a fixnum, the event's DATA,
-negated (minus one) when its FLAGS said more than \"readable\"."
-  (if (= flags +epollin+) data (- -1 data)))
+negated (minus one) when its FLAGS hold one of +PEER-CLOSED-FLAGS+.  Other
+flags are not kept: DISPATCH-EVENT reads a connection's state, not the
+flags, to tell input from a drained socket (EPOLLOUT)."
+  (if (logtest flags +peer-closed-flags+) (- -1 data) data))
+
+(defun queued-event-flags (item)
+  "The flags an event encoded by ENCODE-EVENT is served with."
+  (if (minusp item) (logior +epollin+ +epollrdhup+) +epollin+))
 
 (defun maker-loop (pool)
   (let* ((groups (pool-groups pool))
@@ -384,7 +418,7 @@ negated (minus one) when its FLAGS said more than \"readable\"."
                                 (if (zerop (group-idle group)) (1+ (group-busy-samples group)) 0))
                           (unless collected
                             (resize-group pool group load share stat-buffer)))
-                 (when (> (length groups) 1)
+                 (when (and (> (length groups) 1) (pool-maker-helps pool))
                    (help-busy-groups pool events))))))
       (free-event-buffer events))))
 
@@ -552,6 +586,7 @@ permits than its ALLOWED."
         (timeout (pool-idle-timeout-ms pool))
         (counted-out nil)
         (holding nil)
+        (stealing (> (length (pool-groups pool)) 1))
         (worker (make-worker sb-thread:*current-thread*
                              (sb-thread:thread-os-tid sb-thread:*current-thread*)
                              group)))
@@ -590,16 +625,20 @@ permits than its ALLOWED."
                          (t (sb-concurrency:enqueue (encode-event data (event-flags events i))
                                                     ready)
                             (incf queued)))))
-               (when (and (or (plusp queued)
-                              ;; A nudge taken by a look without waiting, or
-                              ;; with an event this worker serves first (and
-                              ;; which may block): pass it on, or what it
-                              ;; announced would wait for that worker while
-                              ;; others sleep in epoll_wait.
-                              (and nudged (or (not keep-first) first)
-                                   (not (sb-concurrency:queue-empty-p ready))))
-                          (plusp (group-idle group)))
-                 (signal-eventfd nudge-fd))
+               (when (or (plusp queued)
+                         ;; A nudge taken by a look without waiting, or with
+                         ;; an event this worker serves first (and which may
+                         ;; block): pass it on, or what it announced would
+                         ;; wait for that worker while others sleep in
+                         ;; epoll_wait.
+                         (and nudged (or (not keep-first) first)
+                              (not (sb-concurrency:queue-empty-p ready))))
+                 (cond ((plusp (group-idle group))
+                        (signal-eventfd nudge-fd))
+                       ((and stealing (plusp queued))
+                        ;; None of this group waits: one of another group's
+                        ;; idle workers takes from this queue (STEALING).
+                        (nudge-idle-group pool group))))
                (values first first-flags))))
       (unwind-protect
            (with-thread-buffers
@@ -610,59 +649,92 @@ permits than its ALLOWED."
                    ((nil) (return))
                    (:retired (setf counted-out t) (return))
                    (t (setf holding t)))))
-             (multiple-value-bind (queued found) (sb-concurrency:dequeue ready)
-               (when (and found (plusp (group-idle group))
-                          (not (sb-concurrency:queue-empty-p ready)))
-                 ;; More queued than this worker will serve now: pass the
-                 ;; nudge on, so one nudge per batch wakes as many as needed.
-                 (signal-eventfd nudge-fd))
-               (unless found
-                 ;; Count this worker idle, then look once more: an event
-                 ;; queued in between saw it idle and nudged, or is found
-                 ;; here.  It stays counted until it leaves epoll_wait, so
-                 ;; that whatever is queued from now on nudges.
-                 (sb-ext:atomic-incf (group-idle group))
-                 (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
-                 (when found
-                   (sb-ext:atomic-decf (group-idle group))))
-               (cond ((functionp queued)
-                      ;; A timer's thunk (POOL-SUBMIT).
-                      (serve queued 0))
-                     ((consp queued)
-                      ;; A connection that served its turn (GROUP-REQUEUE).
-                      ;; The queue may never empty while clients pipeline:
-                      ;; look at epoll first, without waiting, so that new
-                      ;; events queue up now, before its next turn.
-                      (when (eq :wake (take-events (epoll-wait epfd events +batch+ 0) nil))
-                        (return))
-                      (serve (car queued) +epollin+))
-                     (found
-                      (if (minusp queued)
-                          (serve (- -1 queued) (logior +epollin+ +epollrdhup+))
-                          (serve queued +epollin+)))
-                     (t
-                      ;; Counted idle above.
-                      (let ((started (now-ms)))
-                        (let ((n (epoll-wait epfd events +batch+ timeout)))
-                          (sb-ext:atomic-decf (group-idle group))
-                          (when (pool-stopping pool)
-                            (return))
-                          (when (and (zerop n)
-                                     (>= (- (now-ms) started) timeout)
-                                     (try-retire pool group))
-                            (setf counted-out t)
-                            (return))
-                          (multiple-value-bind (first first-flags) (take-events n t)
-                            (case first
-                              ((nil))
-                              (:wake (return))
-                              (t (serve first first-flags)))))))))
+             (let ((polled nil))
+               (multiple-value-bind (queued found) (sb-concurrency:dequeue ready)
+                 (when (and found (plusp (group-idle group))
+                            (not (sb-concurrency:queue-empty-p ready)))
+                   ;; More queued than this worker will serve now: pass the
+                   ;; nudge on, so one nudge per batch wakes as many as needed.
+                   (signal-eventfd nudge-fd))
+                 (unless found
+                   ;; Count this worker idle, then look once more: an event
+                   ;; queued in between saw it idle and nudged, or is found
+                   ;; here.  It stays counted until it leaves epoll_wait, so
+                   ;; that whatever is queued from now on nudges.
+                   (sb-ext:atomic-incf (group-idle group))
+                   (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
+                   (when found
+                     (sb-ext:atomic-decf (group-idle group)))
+                   ;; STEALING: another group's queue holds work (its workers
+                   ;; are busy, or it would have nudged one of them).  This
+                   ;; group's own set first, without waiting: what it holds
+                   ;; comes before another group's work, and costs no more
+                   ;; than the wait it replaces.  Then one item of that queue.
+                   (when (and (not found) stealing)
+                     (let ((victim (group-with-work pool group)))
+                       (when victim
+                         (let ((n (epoll-wait epfd events +batch+ 0)))
+                           (if (plusp n)
+                               (setf polled n)
+                               (multiple-value-bind (item took)
+                                   (sb-concurrency:dequeue (group-ready victim))
+                                 (when took
+                                   (sb-ext:atomic-decf (group-idle group))
+                                   (sb-ext:atomic-incf (pool-stolen pool))
+                                   (setf queued item
+                                         found t)))))))))
+                 (cond ((functionp queued)
+                        ;; A timer's thunk (POOL-SUBMIT).
+                        (serve queued 0))
+                       ((consp queued)
+                        ;; A connection that served its turn (GROUP-REQUEUE).
+                        ;; The queue may never empty while clients pipeline:
+                        ;; look at epoll first, without waiting, so that new
+                        ;; events queue up now, before its next turn.
+                        (when (eq :wake (take-events (epoll-wait epfd events +batch+ 0) nil))
+                          (return))
+                        (serve (car queued) +epollin+))
+                       (found
+                        (serve (if (minusp queued) (- -1 queued) queued)
+                               (queued-event-flags queued)))
+                       (t
+                        ;; Counted idle above.  POLLED: events the look
+                        ;; before stealing found.
+                        (let ((started (now-ms)))
+                          (let ((n (or polled (epoll-wait epfd events +batch+ timeout))))
+                            (sb-ext:atomic-decf (group-idle group))
+                            (when (pool-stopping pool)
+                              (return))
+                            (when (and (zerop n)
+                                       (>= (- (now-ms) started) timeout)
+                                       (try-retire pool group))
+                              (setf counted-out t)
+                              (return))
+                            (multiple-value-bind (first first-flags) (take-events n t)
+                              (case first
+                                ((nil))
+                                (:wake (return))
+                                (t (serve first first-flags))))))))))
              (when (surplus-holder-p group)
                (setf holding nil))))
         (when holding
           (release-permit group))
         (free-event-buffer events)
         (leave-pool pool group counted-out worker)))))
+
+(defun group-with-work (pool group)
+  "Another group of POOL than GROUP whose READY queue holds work, or NIL."
+  (loop for other across (pool-groups pool)
+        unless (or (eq other group) (sb-concurrency:queue-empty-p (group-ready other)))
+          return other))
+
+(defun nudge-idle-group (pool group)
+  "Nudge an idle worker of another group of POOL than GROUP, if one is idle:
+GROUP queued work none of its workers waits for (STEALING)."
+  (loop for other across (pool-groups pool)
+        when (and (not (eq other group)) (plusp (group-idle other)))
+          do (signal-eventfd (group-nudge-fd other))
+             (return)))
 
 (defun group-requeue (group data)
   "Queue DATA for a worker of GROUP as if epoll had just reported it readable,

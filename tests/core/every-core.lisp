@@ -237,3 +237,69 @@ turn."
     (check 1 100 1)
     (check nil 100 (min 100 (cpu-count-usable)))
     (check 3 2 2)))
+
+(test a-queued-event-is-served-with-what-its-flags-said-of-the-client
+  ;; An event a worker queues (the rest of an epoll_wait batch, or moved to
+  ;; another group) is served later with the flags ENCODE-EVENT kept: a
+  ;; client that half-closed or a failed socket is told on; a socket that
+  ;; only drained (EPOLLOUT, with or without input) is not taken for a
+  ;; client gone, which would cost an extra read after every answer.
+  (let ((token (+ (ash #x3fffffff 32) 19999)))
+    (flet ((served-flags (flags)
+             (let ((item (gallop.core::encode-event token flags)))
+               (is (typep item 'fixnum))
+               (is (= token (if (minusp item) (- -1 item) item)))
+               (gallop.core::queued-event-flags item))))
+      (dolist (flags (list gallop.core::+epollin+
+                           gallop.core::+epollout+
+                           (logior gallop.core::+epollin+ gallop.core::+epollout+)))
+        (is (= gallop.core::+epollin+ (served-flags flags)) "flags ~D" flags))
+      (dolist (flags (list (logior gallop.core::+epollin+ gallop.core::+epollrdhup+)
+                           gallop.core::+epollrdhup+
+                           (logior gallop.core::+epollout+ gallop.core::+epollhup+)
+                           (logior gallop.core::+epollin+ gallop.core::+epollerr+)))
+        (is (logtest gallop.core::+epollrdhup+ (served-flags flags)) "flags ~D" flags)))))
+
+(test a-group-whose-worker-blocks-has-its-queued-events-stolen
+  "Two groups of one worker each, the maker's help off: one epoll_wait gives
+a worker three connections' requests, the first of which blocks at the
+gate; the other two, on its group's queue, are taken by the other group's
+idle worker (nudged: pool.lisp's STEALING), each answered exactly, and
+counted in :STOLEN.  Without that, they would wait for the gate."
+  (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+        *gate-entered* (list 0)
+        *gate-timeouts* (list 0))
+  (let ((gallop.core::*group-count* 2)
+        (gallop.core::*maker-helps* nil))
+    (with-app (server #'gate-app :max-thread-count 2 :standby-thread-count 2)
+      (let* ((port (native-port server))
+             ;; Fresh connections go to each group in turn: the first, third,
+             ;; fifth and seventh to one group, X.
+             (sockets (loop repeat 7 collect (connect port :timeout 10)))
+             (x (loop for s in sockets for i from 0 when (evenp i) collect s)))
+        (unwind-protect
+             (progn
+               (is-true (wait-until (lambda () (= 7 (getf (gallop:stats server) :open)))
+                                    :timeout 10))
+               ;; X's worker blocks at the gate on the first connection...
+               (send (first x) (crlf "GET /gate HTTP/1.1" "Host: x"))
+               (is-true (wait-until (lambda () (= 1 (car *gate-entered*))) :timeout 10))
+               ;; ...while three more requests wait in X's epoll set, the
+               ;; first of which will block at the gate too.
+               (send (second x) (crlf "GET /gate HTTP/1.1" "Host: x"))
+               (send (third x) (crlf "GET /yo HTTP/1.1" "Host: x"))
+               (send (fourth x) (crlf "GET /yo HTTP/1.1" "Host: x"))
+               ;; Let the first go: X's worker answers it, then takes the
+               ;; three in one batch and blocks on the first of them.
+               (sb-thread:signal-semaphore *gate*)
+               (is (exact-answer-p (read-wire-or-error (first x) :persistent t) "unblocked"))
+               (is (exact-answer-p (read-wire-or-error (third x) :persistent t) "Hey!"))
+               (is (exact-answer-p (read-wire-or-error (fourth x) :persistent t) "Hey!"))
+               (is (= 2 (car *gate-entered*)))
+               (is (<= 2 (getf (gallop:stats server) :stolen)))
+               (is (zerop (getf (gallop:stats server) :moved)))
+               (is (= 2 (getf (gallop:stats server) :threads))))
+          (sb-thread:signal-semaphore *gate*)
+          (is (exact-answer-p (read-wire-or-error (second x) :persistent t) "unblocked"))
+          (mapc #'usocket:socket-close sockets))
+        (is (zerop (car *gate-timeouts*)))))))
