@@ -33,6 +33,11 @@ start() { # PORT SETS (a number, or cpus)
      --end-toplevel-options "$KIND" "$1" 0 < "$TMP/hold" > "$TMP/$1.out" 2> "$TMP/$1.err") &
   KIDS+=($!)
 }
+# Compiled once first: two servers compiling into one cache at once can
+# load each other's half-written files.
+(cd "$HERE" && scripts/lisp.sh --eval '(asdf:load-system "gallop")' \
+   --eval '(asdf:load-system "gallop/native")' > /dev/null 2>&1) \
+  || { echo "epoll-sets.sh: Gallop does not compile" >&2; exit 1; }
 start 18961 1
 start 18962 cpus
 . "$HERE/bench/nginx-yo.sh"

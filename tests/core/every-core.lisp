@@ -303,3 +303,38 @@ counted in :STOLEN.  Without that, they would wait for the gate."
           (is (exact-answer-p (read-wire-or-error (second x) :persistent t) "unblocked"))
           (mapc #'usocket:socket-close sockets))
         (is (zerop (car *gate-timeouts*)))))))
+
+(test an-idle-worker-takes-an-event-waiting-in-a-busy-groups-set
+  "Two groups of one worker each, the maker's help off: X's worker blocks at
+the gate, and a request comes on another of X's connections, waiting in X's
+epoll set where no worker of X looks.  A request to Y wakes Y's worker,
+which answers it and then, before it waits again, takes the event from X's
+set (pool.lisp's STEALING): both answered exactly, counted in :STOLEN."
+  (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+        *gate-entered* (list 0)
+        *gate-timeouts* (list 0))
+  (let ((gallop.core::*group-count* 2)
+        (gallop.core::*maker-helps* nil))
+    (with-app (server #'gate-app :max-thread-count 2 :standby-thread-count 2)
+      (let* ((port (native-port server))
+             ;; Fresh connections go to each group in turn.
+             (x1 (connect port :timeout 10))
+             (y1 (connect port :timeout 10))
+             (x2 (connect port :timeout 10)))
+        (unwind-protect
+             (progn
+               (is-true (wait-until (lambda () (= 3 (getf (gallop:stats server) :open)))
+                                    :timeout 10))
+               (send x1 (crlf "GET /gate HTTP/1.1" "Host: x"))
+               (is-true (wait-until (lambda () (= 1 (car *gate-entered*))) :timeout 10))
+               (send x2 (crlf "GET /yo HTTP/1.1" "Host: x"))
+               (send y1 (crlf "GET /yo HTTP/1.1" "Host: x"))
+               (is (exact-answer-p (read-wire-or-error y1 :persistent t) "Hey!"))
+               (is (exact-answer-p (read-wire-or-error x2 :persistent t) "Hey!"))
+               (is (= 1 (car *gate-entered*)))
+               (is (<= 1 (getf (gallop:stats server) :stolen)))
+               (is (zerop (getf (gallop:stats server) :moved))))
+          (sb-thread:signal-semaphore *gate*)
+          (is (exact-answer-p (read-wire-or-error x1 :persistent t) "unblocked"))
+          (mapc #'usocket:socket-close (list x1 y1 x2)))
+        (is (zerop (car *gate-timeouts*)))))))
