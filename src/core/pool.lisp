@@ -49,8 +49,8 @@
 ;;;; its own set without waiting (its own connections come first; when the
 ;;;; set holds some, this costs no more than the wait it replaces), and when
 ;;;; that is empty takes one item of another group's queue, else one event
-;;;; of another group's set (epoll_wait for one event, without waiting),
-;;;; counted in STOLEN, and so on while it finds some.  So the rest of a
+;;;; of another group's set (epoll_wait for one event, without waiting, in
+;;;; at most +SETS-LOOKED-AT+ sets, in turn), counted in STOLEN, and so on while it finds some.  So the rest of a
 ;;;; batch whose first event blocks waits for no one, and with few
 ;;;; connections (10 on two CPUs: five a set) a worker does not sleep while
 ;;;; the other set has work: without this, such a load had 2.5 times the
@@ -681,7 +681,8 @@ permits than its ALLOWED."
                      (let ((n (epoll-wait epfd events +batch+ 0)))
                        (if (plusp n)
                            (setf polled n)
-                           (multiple-value-bind (item took) (steal-one pool group events)
+                           (multiple-value-bind (item took)
+                               (steal-one pool group events (ash (worker-serving worker) -1))
                              (when took
                                (sb-ext:atomic-decf (group-idle group))
                                (sb-ext:atomic-incf (pool-stolen pool))
@@ -732,19 +733,33 @@ permits than its ALLOWED."
         unless (or (eq other group) (sb-concurrency:queue-empty-p (group-ready other)))
           return other))
 
-(defun steal-one (pool group events)
+(defconstant +sets-looked-at+ 2
+  "The most other groups' epoll sets an idle worker looks at before it waits
+\(STEALING): each look is a system call, and with many groups looking at
+all of them would cost more than the wait saves.")
+
+(defun steal-one (pool group events turn)
   "For an idle worker of GROUP (STEALING): one item of another group's READY
-queue, or one event waiting in another group's epoll set (taken with
-epoll_wait without waiting, into EVENTS, and returned as ENCODE-EVENT
-encodes it).  Second value: true if something was taken."
+queue, or one event waiting in one of the next +SETS-LOOKED-AT+ other
+groups' epoll sets from TURN (a number that changes from call to call, so
+that the sets looked at rotate), taken with epoll_wait without waiting,
+into EVENTS, and returned as ENCODE-EVENT encodes it.  Second value: true
+if something was taken."
+  (declare (type sb-ext:word turn))
   (let ((victim (group-with-work pool group)))
     (when victim
       (multiple-value-bind (item took) (sb-concurrency:dequeue (group-ready victim))
         (when took
           (return-from steal-one (values item t))))))
-  (loop for other across (pool-groups pool)
+  (loop with groups = (pool-groups pool)
+        with n = (length groups)
+        with looked = 0
+        for i from 0 below n
+        for other = (svref groups (mod (+ turn i) n))
+        while (< looked +sets-looked-at+)
         unless (eq other group)
-          do (when (= 1 (epoll-wait (group-epfd other) events 1 0))
+          do (incf looked)
+             (when (= 1 (epoll-wait (group-epfd other) events 1 0))
                (let ((data (event-data events 0)))
                  (cond ((= data +wake-data+)) ; stopping: level-triggered, stays
                        ((= data +nudge-data+)

@@ -219,7 +219,8 @@ and the moves counted in :MOVED."
 
 (test the-pool-has-one-epoll-set-by-default-and-one-per-cpu-when-asked
   "GALLOP.CORE::*GROUP-COUNT*: one epoll set by default; NIL, one per usable
-CPU; never more sets than the pool may have threads (each needs one).
+CPU, or as many as asked; never more sets than the pool may have threads
+\(each needs one).
 Each server answers exactly on fresh connections, which go to each set in
 turn."
   (flet ((check (group-count max-threads expected-sets)
@@ -236,6 +237,7 @@ turn."
                      "~S sets: ~A" group-count answers))))))
     (check 1 100 1)
     (check nil 100 (min 100 (cpu-count-usable)))
+    (check 5 100 5)
     (check 3 2 2)))
 
 (test a-queued-event-is-served-with-what-its-flags-said-of-the-client
