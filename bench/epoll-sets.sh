@@ -1,11 +1,12 @@
 #!/bin/bash
 # epoll-sets.sh -- what the pool's epoll set per CPU brings, in one run.
 #
-#   [DURATION=4] [REPS=5] [CONNS_LIST="10 100 400"] [KIND=native] bench/epoll-sets.sh
+#   [DURATION=4] [REPS=5] [CONNS_LIST="10 100 400"] [KIND=native] [SLEEP_MS=0] bench/epoll-sets.sh
 #
 # Three servers side by side, nothing pinned (the shared setup): `sets1`, a
 # gallop:start server (bench/server.lisp, native, 0 ms; KIND=gallop: the
-# drop-in GALLOP:EASY-ACCEPTOR) whose pool has one epoll set for all its
+# drop-in GALLOP:EASY-ACCEPTOR; SLEEP_MS: its handler sleeps that long, nginx
+# still answers at once) whose pool has one epoll set for all its
 # workers (GALLOP_EPOLL_SETS=1, the pool before groups); `setsN`, the same
 # with one epoll set per usable CPU (GALLOP_EPOLL_SETS=cpus);
 # and nginx with a worker per CPU.  For each of REPS rounds and each
@@ -16,7 +17,7 @@
 # (scripts/deps.sh wrk nginx-light).  BENCHMARKS.md, "An epoll set per CPU".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-DUR=${DURATION:-4}; REPS=${REPS:-5}; CONNS_LIST=${CONNS_LIST:-"10 100 400"}; KIND=${KIND:-native}
+DUR=${DURATION:-4}; REPS=${REPS:-5}; CONNS_LIST=${CONNS_LIST:-"10 100 400"}; KIND=${KIND:-native}; SLEEP_MS=${SLEEP_MS:-0}
 TMP=$HERE/bench/results/tmp/epoll-sets; mkdir -p "$TMP"
 rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
 KIDS=()
@@ -30,7 +31,7 @@ start() { # PORT SETS (a number, or cpus)
   # Its standard input is a FIFO this script holds open (fd 9): the server
   # exits at end of file, when this script does, whatever ends it.
   (cd "$HERE" && exec env GALLOP_EPOLL_SETS="$2" scripts/lisp.sh --load bench/server.lisp \
-     --end-toplevel-options "$KIND" "$1" 0 < "$TMP/hold" > "$TMP/$1.out" 2> "$TMP/$1.err") &
+     --end-toplevel-options "$KIND" "$1" "$SLEEP_MS" < "$TMP/hold" > "$TMP/$1.out" 2> "$TMP/$1.err") &
   KIDS+=($!)
 }
 # Compiled once first: two servers compiling into one cache at once can

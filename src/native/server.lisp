@@ -66,6 +66,77 @@
              (gallop.core:connection-write-octets c chunk 0 (length chunk) :reference))))))
     (gallop.core:connection-flush c)))
 
+(defun complete (ex)
+  "The response of EX is finished.  If the worker already left (the app
+answered from another thread), finish the connection from this thread.
+Not called by a thread that has EX :RESPONDING (see UNCLAIM): one that
+finds it so waits until its writer is done."
+  (loop
+    (case (exchange-state ex)
+      (:open
+       (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :done))
+         (return)))
+      (:responding (sb-thread:thread-yield))
+      (:suspended
+       (setf (exchange-state ex) :done)
+       (gallop.core:connection-resume (exchange-connection ex) (exchange-keep-alive ex))
+       (return))
+      (:done (return)))))
+
+;;; Who writes on the connection.  While the app runs, the worker owns the
+;;; connection (EXCHANGE-STATE :OPEN); once the app has returned without an
+;;; answer, the worker hands it over to the engine (:SUSPENDED, parked in
+;;; epoll), and a thread answering later takes it from the engine for each
+;;; write (GALLOP.CORE:CONNECTION-ACQUIRE, -RELEASE, -RESUME).  A thread
+;;; that answers while the state is still :OPEN (from the app itself, or
+;;; from another thread before the worker handed over) writes in place, and
+;;; marks the exchange :RESPONDING meanwhile, so that the worker cannot hand
+;;; the connection over in the middle of that write: it waits for :OPEN or
+;;; :DONE again.  Without that mark, a thread that saw :OPEN and wrote
+;;; could find the exchange :SUSPENDED by the time it finished, and resume
+;;; a connection it never acquired (the engine had parked it): the answer
+;;; arrived, then the connection closed before the next request.
+
+(defun claim (ex)
+  "Before a write on EX's connection, from any thread: :DIRECT when the
+worker has not handed the connection over (EX is now :RESPONDING),
+:ACQUIRED when it had and CONNECTION-ACQUIRE took it back, NIL when there
+is nothing to write to (the client went away, or EX is done).  Give it back
+with UNCLAIM."
+  (loop
+    (case (exchange-state ex)
+      (:open
+       (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :responding))
+         (return :direct)))
+      (:responding (sb-thread:thread-yield)) ; another writer: wait for it
+      (:suspended
+       (return (and (gallop.core:connection-acquire (exchange-connection ex)) :acquired)))
+      (:done (return nil)))))
+
+(defmacro with-claim ((claim ex) &body body)
+  "Run BODY with CLAIM bound to (CLAIM EX); BODY ends with UNCLAIM.  Should
+BODY be left by a non-local exit (a handler deadline interrupts a write, a
+condition that is not an ERROR), a :DIRECT claim goes back to :OPEN, so that
+the worker's own error handling finishes the exchange."
+  (let ((done (gensym "DONE")) (exchange (gensym "EX")))
+    `(let* ((,exchange ,ex)
+            (,claim (claim ,exchange))
+            (,done nil))
+       (unwind-protect (multiple-value-prog1 (progn ,@body) (setf ,done t))
+         (when (and (not ,done) (eq ,claim :direct)
+                    (eq (exchange-state ,exchange) :responding))
+           (setf (exchange-state ,exchange) :open))))))
+
+(defun unclaim (ex claim last)
+  "After a write under CLAIM (what CLAIM returned): when LAST (the response
+is finished, or failed), finish it; else give the connection back."
+  (case claim
+    (:direct (setf (exchange-state ex) (if last :done :open)))
+    (:acquired (if last
+                   (complete ex)
+                   (gallop.core:connection-release (exchange-connection ex))))
+    ((nil) (when last (complete ex)))))
+
 (defun start-streaming (ex status headers)
   "Write the head of a streamed response; return the writer."
   (let* ((c (exchange-connection ex))
@@ -81,13 +152,10 @@
           (exchange-responded ex) t
           (exchange-streaming ex) t)
     (flet ((send (write last)
-             ;; Call WRITE (it writes on C), then COMPLETE when LAST or when
-             ;; it failed.  From another thread once the worker let go, take
-             ;; C from the engine first, which may be sending what the client
-             ;; did not read yet, and leave that to it afterwards
-             ;; (GALLOP.CORE:CONNECTION-ACQUIRE, -RELEASE).
-             (let ((suspended (eq (exchange-state ex) :suspended)))
-               (if (and suspended (not (gallop.core:connection-acquire c)))
+             ;; Call WRITE (it writes on C) with C claimed (CLAIM), then
+             ;; finish the response when LAST or when it failed.
+             (with-claim (claim ex)
+               (if (null claim)
                    (setf closed t       ; the client went away meanwhile
                          gone t
                          (exchange-keep-alive ex) nil)
@@ -100,8 +168,8 @@
                          (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))))
                (cond ((or closed last)
                       (setf closed t)
-                      (complete ex))
-                     (suspended (gallop.core:connection-release c))))))
+                      (unclaim ex claim t))
+                     (t (unclaim ex claim nil))))))
       (send (lambda ()
               (write-head c status headers :chunked chunked :keep-alive keep-alive
                                            :http-1.0 (exchange-http-1.0 ex))
@@ -123,29 +191,15 @@
         ;; event source) drops a writer that answers NIL.
         (not gone)))))
 
-(defun complete (ex)
-  "The response of EX is finished.  If the worker already left (the app
-answered from another thread), finish the connection from this thread."
-  (loop
-    (case (exchange-state ex)
-      (:open
-       (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :done))
-         (return)))
-      (:suspended
-       (setf (exchange-state ex) :done)
-       (gallop.core:connection-resume (exchange-connection ex) (exchange-keep-alive ex))
-       (return))
-      (:done (return)))))
-
 (defun make-responder (ex)
   (lambda (response)
     (destructuring-bind (status headers &optional (body nil body-p)) response
       (cond ((exchange-responded ex)
              (error "This request was already answered."))
             (body-p
-             (let ((delivered t))
-               (if (and (eq (exchange-state ex) :suspended)
-                        (not (gallop.core:connection-acquire (exchange-connection ex))))
+             (with-claim (claim ex)
+              (let ((delivered t))
+               (if (null claim)
                    (setf delivered nil
                          (exchange-responded ex) t ; the client went away meanwhile
                          (exchange-keep-alive ex) nil)
@@ -155,8 +209,8 @@ answered from another thread), finish the connection from this thread."
                              (exchange-keep-alive ex) nil)
                        (unless (client-gone-p (exchange-server ex) e)
                          (log-error (exchange-server ex) "Responding failed: ~A" e)))))
-               (complete ex)
-               delivered))
+               (unclaim ex claim t)
+               delivered)))
             (t (start-streaming ex status headers))))))
 
 (defun client-gone-p (server condition)
@@ -240,17 +294,21 @@ write its response, and tell the engine what to do with C next."
               ((not (exchange-responded ex))
                (internal-error server ex "the app returned no response")
                (complete ex))))
-      (cond ((eq (exchange-state ex) :done)
-             ;; Answered (the common case): nothing to hand over.
-             (gallop.core:connection-finish c (exchange-keep-alive ex)))
-            (t
-             ;; Still open: the app answers later from another thread.
-             (gallop.core:connection-suspend c)
-             (if (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))
-                 :suspended
-                 (progn
-                   (gallop.core:connection-unsuspend c)
-                   (gallop.core:connection-finish c (exchange-keep-alive ex)))))))))
+      (loop
+        (case (exchange-state ex)
+          (:done
+           ;; Answered (the common case): nothing to hand over.
+           (return (gallop.core:connection-finish c (exchange-keep-alive ex))))
+          (:responding
+           ;; Another thread writes in place (CLAIM): not in mid-write.
+           (sb-thread:thread-yield))
+          (t
+           ;; Still open: the app answers later from another thread.
+           (gallop.core:connection-suspend c)
+           (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))
+             (return :suspended))
+           ;; Answered, or being answered, meanwhile: look again.
+           (gallop.core:connection-unsuspend c)))))))
 
 ;;; Starting and stopping
 

@@ -45,7 +45,7 @@
   (keep-alive t)
   (http-1.0 nil)
   (head-p nil)
-  (state :open :type (member :open :done :suspended))
+  (state :open :type (member :open :responding :done :suspended)) ; see CLAIM, server.lisp
   (responded nil)
   (streaming nil))
 

@@ -500,3 +500,75 @@ the body after such a head is still exact."
                  (is (null (wire-header r "Injected")))
                  (is (equalp (utf-8-octets body) (wire-body r)))))
           (usocket:socket-close socket))))))
+
+(defvar *held-responder* nil
+  "In the test below: (ENTERED . GO), two semaphores; GALLOP::RESPOND, called
+in a thread named \"held responder\", signals ENTERED and waits for GO.")
+
+(test an-answer-begun-before-the-worker-let-go-keeps-the-connection
+  "A thread answers a request while the worker that ran the app has not yet
+handed the connection over: it begins its answer before the app returns to
+the worker, the worker then reaches the point where it would hand over,
+and only then does the answer end.
+The client gets the answer exactly, and then a second answer on the same
+keep-alive connection.  (The worker used to hand the connection to the
+engine while the thread wrote, and the thread then finished a connection
+it never took back: closed before the second answer.)"
+  (let* ((entered (sb-thread:make-semaphore :name "respond entered"))
+         (go (sb-thread:make-semaphore :name "respond may go on"))
+         (threads '())
+         (app (lambda (env)
+                (if (string= "/later" (getf env :path-info))
+                    (lambda (responder)
+                      (push (sb-thread:make-thread
+                             (lambda () (funcall responder '(200 (:content-type "text/plain") ("later"))))
+                             :name "held responder")
+                            threads)
+                      ;; Back to the worker only once that thread has begun
+                      ;; its answer.
+                      (sb-thread:wait-on-semaphore entered :timeout 10))
+                    '(200 (:content-type "text/plain") ("now"))))))
+    (setf *held-responder* (cons entered go))
+    (sb-int:encapsulate 'gallop::respond 'held
+                        (lambda (respond &rest args)
+                          (when (equal "held responder"
+                                       (sb-thread:thread-name sb-thread:*current-thread*))
+                            (sb-thread:signal-semaphore (car *held-responder*))
+                            (sb-thread:wait-on-semaphore (cdr *held-responder*) :timeout 10))
+                          (apply respond args)))
+    (unwind-protect
+         (with-app (server app)
+           (let ((socket (connect (native-port server) :timeout 5)))
+             (unwind-protect
+                  (progn
+                    (send socket (crlf "GET /later HTTP/1.1" "Host: x"))
+                    ;; The worker, back from the app, would now hand the
+                    ;; connection over to the engine (parked in epoll): let
+                    ;; it get there, if it does (it must wait instead).
+                    (wait-until (lambda ()
+                                  (let ((table (gallop.core::engine-table
+                                                (gallop::server-engine server))))
+                                    (some (lambda (c)
+                                            (and c (eq :parked (gallop.core::connection-state c))))
+                                          table)))
+                                :timeout 1 :interval 0.01)
+                    (sb-thread:signal-semaphore go)
+                    (let ((r (read-wire-or-error socket :persistent t)))
+                      (is (and (wire-response-p r) (= 200 (wire-status r))
+                               (equal "5" (wire-header r "Content-Length"))
+                               (string= "later" (wire-body-string r)))
+                          "first answer: ~A" r))
+                    (send socket (crlf "GET /now HTTP/1.1" "Host: x"))
+                    (let ((r (read-wire-or-error socket :persistent t)))
+                      (is (and (wire-response-p r) (= 200 (wire-status r))
+                               (equal "3" (wire-header r "Content-Length"))
+                               (string= "now" (wire-body-string r)))
+                          "second answer on the same connection: ~A" r)))
+               (usocket:socket-close socket))
+             (is (= 1 (length threads)))
+             (mapc #'sb-thread:join-thread threads)
+             (is-true (wait-until (lambda () (let ((s (gallop:stats server)))
+                                               (and (zerop (getf s :suspended))
+                                                    (zerop (getf s :in-flight))))))
+                      "~S" (gallop:stats server))))
+      (sb-int:unencapsulate 'gallop::respond 'held))))
