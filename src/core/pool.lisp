@@ -1,12 +1,11 @@
 ;;;; pool.lisp -- an elastic pool of worker threads in groups, one epoll set
 ;;;; per group.
 ;;;;
-;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): one by
-;;;; default for now, or one per CPU the process may use when it is NIL
-;;;; (see its docstring).  Each group has its own epoll set, READY queue,
-;;;; NUDGE eventfd, run permits and workers.  A connection is registered in one
-;;;; group's set when it is accepted (round robin, POOL-NEXT-GROUP) and stays
-;;;; there.  With one set for all workers, every epoll_wait took the set's
+;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): by
+;;;; default one per CPU the process may use (see its docstring).  Each group
+;;;; has its own epoll set, READY queue, NUDGE eventfd, run permits and
+;;;; workers.  A connection is registered in one group's set when it is
+;;;; accepted (round robin, POOL-NEXT-GROUP) and stays there.  With one set for all workers, every epoll_wait took the set's
 ;;;; lock (the kernel's ep->mtx) that the workers on the other CPUs took too:
 ;;;; on two CPUs, unpinned, `perf record -g` showed workers spinning on it
 ;;;; (mutex_spin_on_owner under ep_send_events) and runs fell into a mode
@@ -156,13 +155,13 @@
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
 
-(defvar *group-count* 1
+(defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
-MAX-THREADS), or NIL for one per usable CPU.  1 by default, for now: with
-one per CPU, two test failures that did not come back (a request waiting
-10 s, a connection closed before its answer) were seen in about a dozen
-full test runs, and are not explained yet; see BENCHMARKS.md, \"An epoll
-set per CPU\".  bench/server.lisp sets it from GALLOP_EPOLL_SETS.")
+MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
+the pool starts).  1 gives the pool of one epoll set for all its workers
+that Gallop had before the groups; bench/server.lisp sets it from
+GALLOP_EPOLL_SETS, to compare the two (BENCHMARKS.md, \"An epoll set per
+CPU\").")
 
 (defvar *maker-helps* t
   "True: the maker moves the waiting events of a group whose workers are all
