@@ -7,8 +7,8 @@
 # gallop:start server (bench/server.lisp, native, 0 ms; KIND=gallop: the
 # drop-in GALLOP:EASY-ACCEPTOR; SLEEP_MS: its handler sleeps that long, nginx
 # still answers at once) whose pool has one epoll set for all its
-# workers (GALLOP_EPOLL_SETS=1, the pool before groups); `setsN`, the same
-# with one epoll set per usable CPU (GALLOP_EPOLL_SETS=cpus, the default);
+# workers (GALLOP_EPOLL_SETS=1, the default); `setsN`, the same
+# with one epoll set per usable CPU (GALLOP_EPOLL_SETS=cpus);
 # and nginx with a worker per CPU.  For each of REPS rounds and each
 # connection count, `wrk -t2 -cN` against each in turn (interleaved); prints
 # each run's req/s and the server's CPU microseconds per request (utime +

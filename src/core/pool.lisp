@@ -1,16 +1,17 @@
 ;;;; pool.lisp -- an elastic pool of worker threads in groups, one epoll set
 ;;;; per group.
 ;;;;
-;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): by
-;;;; default one per CPU the process may use (see its docstring).  Each group
+;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): one by
+;;;; default for now, or one per CPU the process may use (see its docstring).  Each group
 ;;;; has its own epoll set, READY queue, NUDGE eventfd, run permits and
 ;;;; workers.  A connection is registered in one group's set when it is
-;;;; accepted (round robin, POOL-NEXT-GROUP) and stays there.  With one set for all workers, every epoll_wait took the set's
-;;;; lock (the kernel's ep->mtx) that the workers on the other CPUs took too:
-;;;; on two CPUs, unpinned, `perf record -g` showed workers spinning on it
+;;;; accepted (round robin, POOL-NEXT-GROUP) and stays there.  With one set
+;;;; for all workers, every epoll_wait took the set's lock (the kernel's
+;;;; ep->mtx) that the workers on the other CPUs took too: on two CPUs,
+;;;; unpinned, `perf record -g` showed workers spinning on it
 ;;;; (mutex_spin_on_owner under ep_send_events) and runs fell into a mode
-;;;; with a third more CPU per request; two processes of one worker each, the
-;;;; same work with one set each, never did (BENCHMARKS.md, "The night of
+;;;; with a third more CPU per request; two processes of one worker each,
+;;;; the same work with one set each, never did (BENCHMARKS.md, "The night of
 ;;;; 2026-11-26").  So workers of different groups share no epoll set, no
 ;;;; queue and no eventfd in the common case; what they still share is the
 ;;;; wake eventfd (signalled only at stop) and the maker.
@@ -49,8 +50,9 @@
 ;;;; set holds some, this costs no more than the wait it replaces), and when
 ;;;; that is empty takes one item of another group's queue, else one event
 ;;;; of another group's set (epoll_wait for one event, without waiting, in
-;;;; at most +SETS-LOOKED-AT+ sets, in turn), counted in STOLEN, and so on while it finds some.  So the rest of a
-;;;; batch whose first event blocks waits for no one, and with few
+;;;; at most +SETS-LOOKED-AT+ sets, in turn), counted in STOLEN, and so on
+;;;; while it finds some.  So the rest of a batch whose first event blocks
+;;;; waits for no one, and with few
 ;;;; connections (10 on two CPUs: five a set) a worker does not sleep while
 ;;;; the other set has work: without this, such a load had 2.5 times the
 ;;;; context switches of one shared set, and 0.8 times its requests per
@@ -133,18 +135,19 @@
 ;;;;    exits once its current event is served.
 ;;;;  - Every event taken from an epoll set is served once: by the worker that
 ;;;;    took it, or from a READY queue (its group's, or the one the maker
-;;;;    moved it to), by a worker of that queue's group or one stealing.
+;;;;    moved it to), by a worker of that queue's group or one stealing.  A
+;;;;    connection may have a queued turn and a new epoll event at once;
+;;;;    whichever comes second finds it busy (:ACTIVE, then marked :DIRTY) or
+;;;;    finds nothing to read, and parks it again.  Events still queued at
+;;;;    stop belong to connections that are still parked, which the engine
+;;;;    then closes.
 ;;;;  - Whoever queues on a group's READY queue reads that group's IDLE count
 ;;;;    after its enqueue (a worker queuing a batch, when it reads 0, reads
 ;;;;    the other groups' too), and nudges a group it finds idle; a worker
 ;;;;    counts itself idle before it looks at its queue (and, with groups, the
 ;;;;    others') a last time.  Both are atomic, so one of the two sees the
 ;;;;    other: no queued event is left waiting for lack of a nudge while a
-;;;;    worker of its group (or, for a batch, of any group) sleeps.  A connection may have a queued turn and a new epoll
-;;;;    event at once; whichever comes second finds it busy (:ACTIVE, then
-;;;;    marked :DIRTY) or finds nothing to read, and parks it again.  Events
-;;;;    still queued at stop belong to connections that are still parked,
-;;;;    which the engine then closes.
+;;;;    worker of its group (or, for a batch, of any group) sleeps.
 
 (in-package #:gallop.core)
 
@@ -155,13 +158,15 @@
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
 
-(defvar *group-count* nil
+(defvar *group-count* 1
   "The number of groups (epoll sets) a pool starts with (at most its
-MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
-the pool starts).  1 gives the pool of one epoll set for all its workers
-that Gallop had before the groups; bench/server.lisp sets it from
-GALLOP_EPOLL_SETS, to compare the two (BENCHMARKS.md, \"An epoll set per
-CPU\").")
+MAX-THREADS), or NIL for one per usable CPU (as read when the pool
+starts).  1 by default, for now: one set per CPU matches or beats one set
+with a 0 ms handler, but in both whole-matrix runs with it the
+easy-acceptor with a 1 ms handler served 17% fewer requests at 400
+connections than at 100, where one set served as many (BENCHMARKS.md,
+\"Stealing, a native race\").  bench/server.lisp sets it from
+GALLOP_EPOLL_SETS, to compare the two.")
 
 (defvar *maker-helps* t
   "True: the maker moves the waiting events of a group whose workers are all
