@@ -368,7 +368,7 @@ notice gives its up."
   "The epoll flags that say the client half-closed or the socket failed: what
 DISPATCH-EVENT must learn of an event, since no later event repeats it.")
 
-(declaim (inline encode-event queued-event-flags))
+(declaim (inline encode-event queued-event-data queued-event-flags))
 (defun encode-event (data flags)
   "An epoll event as it waits on a READY queue: a fixnum, the event's DATA,
 negated (minus one) when its FLAGS hold one of +PEER-CLOSED-FLAGS+.  Other
@@ -376,9 +376,27 @@ flags are not kept: DISPATCH-EVENT reads a connection's state, not the
 flags, to tell input from a drained socket (EPOLLOUT)."
   (if (logtest flags +peer-closed-flags+) (- -1 data) data))
 
+(defun queued-event-data (item)
+  "The epoll data of an event encoded by ENCODE-EVENT."
+  (if (minusp item) (- -1 item) item))
+
 (defun queued-event-flags (item)
   "The flags an event encoded by ENCODE-EVENT is served with."
   (if (minusp item) (logior +epollin+ +epollrdhup+) +epollin+))
+
+(defun take-from-other-set (group events i)
+  "Event I of EVENTS, which a thread that is not one of GROUP's workers (the
+maker, or another group's worker: STEALING) took from GROUP's epoll set:
+its ENCODE-EVENT encoding, or NIL for the wake eventfd (level-triggered, it
+stays for GROUP's workers) and for GROUP's nudge (meant for GROUP's idle
+workers: given back to them, if any is idle)."
+  (let ((data (event-data events i)))
+    (cond ((= data +wake-data+) nil)
+          ((= data +nudge-data+)
+           (when (plusp (group-idle group))
+             (signal-eventfd (group-nudge-fd group)))
+           nil)
+          (t (encode-event data (event-flags events i))))))
 
 (defun maker-loop (pool)
   (let* ((groups (pool-groups pool))
@@ -488,14 +506,10 @@ and nudge that group.  EVENTS is the maker's event buffer."
                      ;; queue holds, which moves after it.
                      (let ((n (epoll-wait (group-epfd busy) events +batch+ 0)))
                        (dotimes (i n)
-                         (let ((data (event-data events i)))
-                           (cond ((= data +wake-data+)) ; stopping: level-triggered, stays
-                                 ((= data +nudge-data+)
-                                  (when (plusp (group-idle busy))
-                                    (signal-eventfd (group-nudge-fd busy))))
-                                 (t (sb-concurrency:enqueue
-                                     (encode-event data (event-flags events i)) ready)
-                                    (incf moved))))))
+                         (let ((item (take-from-other-set busy events i)))
+                           (when item
+                             (sb-concurrency:enqueue item ready)
+                             (incf moved)))))
                      ;; At most a few batches a sample: the busy group's
                      ;; workers may queue as fast as this moves.
                      (loop repeat (* 4 +batch+)
@@ -704,8 +718,7 @@ permits than its ALLOWED."
                           (return))
                         (serve (car queued) +epollin+))
                        (found
-                        (serve (if (minusp queued) (- -1 queued) queued)
-                               (queued-event-flags queued)))
+                        (serve (queued-event-data queued) (queued-event-flags queued)))
                        (t
                         ;; Counted idle above.  POLLED: events the look
                         ;; before stealing found.
@@ -764,14 +777,9 @@ if something was taken."
         unless (eq other group)
           do (incf looked)
              (when (= 1 (epoll-wait (group-epfd other) events 1 0))
-               (let ((data (event-data events 0)))
-                 (cond ((= data +wake-data+)) ; stopping: level-triggered, stays
-                       ((= data +nudge-data+)
-                        ;; Meant for that group's waiting workers: passed back.
-                        (when (plusp (group-idle other))
-                          (signal-eventfd (group-nudge-fd other))))
-                       (t (return-from steal-one
-                            (values (encode-event data (event-flags events 0)) t)))))))
+               (let ((item (take-from-other-set other events 0)))
+                 (when item
+                   (return-from steal-one (values item t))))))
   (values nil nil))
 
 (defun nudge-idle-group (pool group)

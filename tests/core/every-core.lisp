@@ -251,7 +251,7 @@ turn."
     (flet ((served-flags (flags)
              (let ((item (gallop.core::encode-event token flags)))
                (is (typep item 'fixnum))
-               (is (= token (if (minusp item) (- -1 item) item)))
+               (is (= token (gallop.core::queued-event-data item)))
                (gallop.core::queued-event-flags item))))
       (dolist (flags (list gallop.core::+epollin+
                            gallop.core::+epollout+
