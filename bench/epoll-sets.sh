@@ -7,10 +7,11 @@
 # gallop:start server (bench/server.lisp, native, 0 ms; KIND=gallop: the
 # drop-in GALLOP:EASY-ACCEPTOR; SLEEP_MS: its handler sleeps that long, nginx
 # still answers at once) whose pool has one epoll set for all its
-# workers (GALLOP_EPOLL_SETS=1, the default); `setsN`, the same
-# with one epoll set per usable CPU (GALLOP_EPOLL_SETS=cpus);
+# workers (GALLOP_EPOLL_SETS=1, the pool before groups); `setsN`, the same
+# with one epoll set per usable CPU (GALLOP_EPOLL_SETS=cpus, the default);
 # and nginx with a worker per CPU.  For each of REPS rounds and each
-# connection count, `wrk -t2 -cN` against each in turn (interleaved); prints
+# connection count, `wrk -t2 -cN` against each in turn (interleaved, in
+# the reverse order on even rounds); prints
 # each run's req/s and the server's CPU microseconds per request (utime +
 # stime from /proc over the run), then per round the ratios setsN/sets1 and
 # setsN/nginx, and their medians.  Ports 18961..18963.  Needs wrk and nginx
@@ -60,8 +61,11 @@ NAME=([18961]=sets1 [18962]=setsN [18963]=nginx)
 for port in 18961 18962 18963; do wrk -t2 -c400 -d1s "http://127.0.0.1:$port/yo" > /dev/null; done
 : > "$TMP/runs"
 for r in $(seq "$REPS"); do
+  # Even rounds go the other way, so that neither server always runs first
+  # (or right after nginx): the host's state drifts within a round too.
+  ORDER="18961 18962 18963"; [ $((r % 2)) = 0 ] && ORDER="18963 18962 18961"
   for c in $CONNS_LIST; do
-    for port in 18961 18962 18963; do
+    for port in $ORDER; do
       T0=$(ticks ${PID[$port]})
       wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt"
       T1=$(ticks ${PID[$port]})

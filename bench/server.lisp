@@ -36,8 +36,9 @@
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
-;;;; Gallop's pool ("cpus": one per usable CPU; 1, the default: one for all
-;;;; workers; see gallop.core::*group-count*), to measure what they bring.
+;;;; Gallop's pool ("cpus": one per usable CPU, the default; 1: one for all
+;;;; workers, the pool before the groups; see gallop.core::*group-count*), to
+;;;; measure what they bring.
 ;;;; BENCH_MAX_HEAD_BYTES sets Gallop's :MAX-HEAD-BYTES (default 1 MiB; the
 ;;;; head-budget benchmark, bench/heads.lisp, lowers it to 65536).
 ;;;; BENCH_THREAD_IDLE_TIMEOUT (seconds) sets Gallop's :THREAD-IDLE-TIMEOUT

@@ -1,8 +1,8 @@
 ;;;; pool.lisp -- an elastic pool of worker threads in groups, one epoll set
 ;;;; per group.
 ;;;;
-;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): one by
-;;;; default for now, or one per CPU the process may use (see its docstring).  Each group
+;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): by
+;;;; default one per CPU the process may use (see its docstring).  Each group
 ;;;; has its own epoll set, READY queue, NUDGE eventfd, run permits and
 ;;;; workers.  A connection is registered in one group's set when it is
 ;;;; accepted (round robin, POOL-NEXT-GROUP) and stays there.  With one set
@@ -158,15 +158,12 @@
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
 
-(defvar *group-count* 1
+(defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
-MAX-THREADS), or NIL for one per usable CPU (as read when the pool
-starts).  1 by default, for now: one set per CPU matches or beats one set
-with a 0 ms handler, but in both whole-matrix runs with it the
-easy-acceptor with a 1 ms handler served 17% fewer requests at 400
-connections than at 100, where one set served as many (BENCHMARKS.md,
-\"Stealing, a native race\").  bench/server.lisp sets it from
-GALLOP_EPOLL_SETS, to compare the two.")
+MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
+the pool starts).  1 gives one epoll set for all the workers, the pool
+before the groups.  bench/server.lisp sets it from GALLOP_EPOLL_SETS, to
+compare the two (BENCHMARKS.md, \"An epoll set per CPU\" and after).")
 
 (defvar *maker-helps* t
   "True: the maker moves the waiting events of a group whose workers are all
