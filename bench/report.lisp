@@ -335,6 +335,73 @@ pinned and shared, and its throughput shared against nginx's."
                         (if (and note (search "run-permits" note)) note "–"))))))))
     (terpri out)))
 
+(defun rep-values (rows scenario server column)
+  "COLUMN of SERVER's successful run in SCENARIO, by repetition: an alist
+\(REP . VALUE)."
+  (loop for r in (rows-of rows scenario server)
+        when (and (row-ok-p r) (cell r column))
+          collect (cons (cell r "rep") (cell r column))))
+
+(defun rep-ratios (a b)
+  "The ratio A ÷ B for each repetition both alists (REP . VALUE) have, in
+order of repetition."
+  (loop for (rep . x) in (sort (copy-list a) #'< :key #'car)
+        for y = (cdr (assoc rep b))
+        when (and y (plusp y))
+          collect (/ x y)))
+
+(defun pool-threads-in-note (note)
+  "The pool's thread count in a GALLOP:STATS note (\"... threads=4 ...\"), or NIL."
+  (let ((at (and note (search "threads=" note))))
+    (and at (parse-integer note :start (+ at (length "threads=")) :junk-allowed t))))
+
+(defun write-goals (out rows meta)
+  "The goals of the every-core issue, each as measured in this run: the
+median, the value of each repetition (the machine is shared and noisy: a
+goal that holds only in the median says so), and whether the median holds."
+  (let ((pinned (rows-in-setup rows "pinned"))
+        (shared (rows-in-setup rows "shared"))
+        (cores (parse-integer (princ-to-string (meta meta "cores" "0")) :junk-allowed t)))
+    (format out "| goal | measured (median) | per repetition | held |~%")
+    (format out "|---|--:|---|---|~%")
+    (labels ((line (text values goal-test)
+               (let ((m (median values)))
+                 (when m
+                   (format out "| ~A | ~A | ~{~A~^, ~} | ~A |~%"
+                           text (fmt-ratio m)
+                           (mapcar (lambda (v) (format nil "~,2F" v)) values)
+                           (if (funcall goal-test m) "yes" "**no**")))))
+             (scenario (sleep conns &optional hog)
+               (format nil "s~D-ka-c~D~:[~;-hog~]" sleep conns hog)))
+      (dolist (conns '(10 100 400))
+        (line (format nil "`gallop:start` shared vs nginx, 0 ms keep-alive, ~D connections (≥ 0.95×)" conns)
+              (rep-ratios (rep-values shared (scenario 0 conns) "native" "ok_rps")
+                          (rep-values shared (scenario 0 conns) "nginx" "ok_rps"))
+              (lambda (m) (>= m 0.95))))
+      (dolist (server '("native" "gallop"))
+        (dolist (conns '(10 100 400))
+          (line (format nil "`~A` shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections (≤ 1.15×)"
+                        (if (string= server "native") "gallop:start" "gallop:easy-acceptor") conns)
+                (rep-ratios (rep-values shared (scenario 0 conns) server "cpu_us_per_req")
+                            (rep-values pinned (scenario 0 conns) server "cpu_us_per_req"))
+                (lambda (m) (<= m 1.15)))))
+      (dolist (server '("native" "gallop" "gallop-tm"))
+        (line (format nil "~A shared, 1 ms keep-alive, 400 ÷ 100 connections (≥ 0.9×)" (server-label server))
+              (rep-ratios (rep-values shared (scenario 1 400) server "ok_rps")
+                          (rep-values shared (scenario 1 100) server "ok_rps"))
+              (lambda (m) (>= m 0.9))))
+      ;; The pool after the 0 ms run beside the CPU hog: no more than the CPUs
+      ;; plus 2 workers.  A count, not a ratio: its own lines.
+      (dolist (server '("native" "gallop" "gallop-tm"))
+        (let ((counts (loop for r in (rows-of shared (scenario 0 100 t) server)
+                            for n = (and (row-ok-p r) (pool-threads-in-note (gethash "note" r)))
+                            when n collect n)))
+          (when (and counts cores (plusp cores))
+            (format out "| ~A's pool after 0 ms beside a CPU hog, threads (≤ ~D CPUs + 2) | ~D | ~{~D~^, ~} | ~A |~%"
+                    (server-label server) cores (median counts) counts
+                    (if (<= (median counts) (+ cores 2)) "yes" "**no**"))))))
+    (terpri out)))
+
 (defun idle-summary (rows server)
   "Medians of the idle-connections scenario for SERVER, pairing each
 repetition's run with idle connections with its run without."
@@ -482,7 +549,14 @@ scenario and setup, the idle scenario, failures and how the run was done."
       (format out "Each server's cost per request with the server pinned to one core and unpinned ~
                    beside wrk, and its throughput unpinned against nginx's (with a worker per ~
                    core) in the same run.~%~%")
-      (write-setup-comparison out rows servers))
+      (write-setup-comparison out rows servers)
+      (when (find "s0-ka-c400" (rows-in-setup rows "shared")
+                  :key (lambda (r) (gethash "scenario" r)) :test #'string=)
+        (format out "### The goals of the every-core issue, in this run~%~%")
+        (format out "Ratios of the tables above, by repetition (repetition i shared against ~
+                     repetition i pinned, or against nginx in the same repetition), and their ~
+                     median; \"held\" says whether the median meets the goal.~%~%")
+        (write-goals out rows meta)))
     (when (some #'hog-scenario-p (mapcar (lambda (r) (gethash "scenario" r)) rows))
       (format out "### A CPU hog beside the server (shared)~%~%")
       (format out "The same load with a busy loop on one core for the whole run: another process ~
