@@ -1,0 +1,59 @@
+#!/bin/bash
+# switches.sh -- what a request costs gallop:start and nginx in the shared
+# setup, beyond CPU time: context switches and CPU migrations per request.
+#
+#   [DURATION=4] [REPS=3] [CONNS_LIST="10 100 400"] bench/switches.sh
+#
+# gallop:start (bench/server.lisp, native, 0 ms, its defaults) and nginx with
+# a worker per CPU, nothing pinned.  For each round, count and server in turn:
+# `wrk -t2 -cN -dDURATION`, and from 0.5 s into it `perf stat -e
+# context-switches,cpu-migrations` on the server's processes (nginx: master
+# and workers) for DURATION - 1 seconds.  One line per run: req/s, server
+# CPU µs per request (utime + stime from /proc over the wrk run), context
+# switches and migrations per request (perf's counts over its window ÷ the
+# requests of that window at the run's rate).  Ports 18981, 18982.  Needs
+# wrk, nginx and perf (scripts/deps.sh wrk nginx-light linux-perf).
+# BENCHMARKS.md, "A set per CPU by default".
+set -u
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+DUR=${DURATION:-4}; REPS=${REPS:-3}; CONNS_LIST=${CONNS_LIST:-"10 100 400"}
+TMP=$HERE/bench/results/tmp/switches; mkdir -p "$TMP"
+rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
+# Standard input is a FIFO this script holds: the server exits with it.
+(cd "$HERE" && exec scripts/lisp.sh --load bench/server.lisp \
+   --end-toplevel-options native 18981 0 < "$TMP/hold" > "$TMP/gallop.out" 2> "$TMP/gallop.err") &
+KID=$!
+. "$HERE/bench/nginx-yo.sh"
+nginx_yo_conf "$TMP/nginx" 18982
+sed -i "s/worker_processes 1;/worker_processes $(nproc);/" "$TMP/nginx/nginx.conf"
+nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || { kill "$KID"; exit 1; }
+trap 'kill "$KID" 2>/dev/null; kill "$(cat "$TMP/nginx/nginx.pid")" 2>/dev/null' EXIT
+for i in $(seq 240); do grep -q READY "$TMP/gallop.out" 2>/dev/null && break; sleep 0.5; done
+GALLOP=$(awk '/READY/{print $2}' "$TMP/gallop.out")
+[ -n "$GALLOP" ] || { echo "switches.sh: gallop:start did not start (see $TMP/gallop.err)" >&2; exit 1; }
+sleep 0.5
+MASTER=$(cat "$TMP/nginx/nginx.pid")
+NGINX="$MASTER,$(pgrep -P "$MASTER" | paste -sd,)"
+ticks() { local sum=0 p; for p in ${1//,/ }; do sum=$((sum + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $sum; }
+hz=$(getconf CLK_TCK)
+for port in 18981 18982; do wrk -t2 -c400 -d1s "http://127.0.0.1:$port/yo" > /dev/null; done
+for r in $(seq "$REPS"); do
+  for c in $CONNS_LIST; do
+    for port in 18981 18982; do
+      if [ "$port" = 18981 ]; then name=gallop; pids=$GALLOP; else name=nginx; pids=$NGINX; fi
+      t0=$(ticks "$pids")
+      wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt" &
+      wrk_pid=$!
+      sleep 0.5
+      perf stat -e context-switches,cpu-migrations -p "$pids" -o "$TMP/perf.txt" -- sleep $((DUR - 1)) > /dev/null 2>&1
+      wait "$wrk_pid"
+      t1=$(ticks "$pids")
+      awk -v r="$r" -v c="$c" -v n="$name" -v d="$DUR" -v t="$((t1 - t0))" -v hz="$hz" \
+          -v cs="$(awk '/context-switches/ { gsub(",", "", $1); print $1 }' "$TMP/perf.txt")" \
+          -v mig="$(awk '/cpu-migrations/ { gsub(",", "", $1); print $1 }' "$TMP/perf.txt")" \
+        '/requests in/ { rate = $1 / d; window = rate * (d - 1)
+                         printf "%d c%-4s %-6s %7.0f req/s %6.2f us/req %.3f switches/req %.4f migrations/req\n",
+                                r, c, n, rate, t * 1e6 / hz / $1, cs / window, mig / window }' "$TMP/wrk.txt"
+    done
+  done
+done
