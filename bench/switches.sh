@@ -9,9 +9,12 @@
 # `wrk -t2 -cN -dDURATION`, and from 0.5 s into it `perf stat -e
 # context-switches,cpu-migrations` on the server's processes (nginx: master
 # and workers) for DURATION - 1 seconds.  One line per run: req/s, server
-# CPU µs per request (utime + stime from /proc over the wrk run), context
+# CPU µs per request (utime + stime from /proc over the wrk run; and the
+# user part alone), context
 # switches and migrations per request (perf's counts over its window ÷ the
-# requests of that window at the run's rate).  Ports 18981, 18982.  Needs
+# requests of that window at the run's rate), and for Gallop the events its
+# workers stole from another group's set or queue (:STOLEN in GALLOP:STATS)
+# per request.  Ports 18981, 18982.  Needs
 # wrk, nginx and perf (scripts/deps.sh wrk nginx-light linux-perf).
 # BENCHMARKS.md, "A set per CPU by default".
 set -u
@@ -34,26 +37,37 @@ GALLOP=$(awk '/READY/{print $2}' "$TMP/gallop.out")
 sleep 0.5
 MASTER=$(cat "$TMP/nginx/nginx.pid")
 NGINX="$MASTER,$(pgrep -P "$MASTER" | paste -sd,)"
-ticks() { local sum=0 p; for p in ${1//,/ }; do sum=$((sum + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $sum; }
+# USER SYSTEM: the clock ticks of processes PIDS (comma separated), summed.
+ticks() { local u=0 s=0 p; for p in ${1//,/ }; do
+            read -r pu ps < <(awk '{print $14, $15}' "/proc/$p/stat"); u=$((u + pu)); s=$((s + ps)); done
+          echo "$u $s"; }
 hz=$(getconf CLK_TCK)
+# Gallop's :STOLEN count (GALLOP:STATS, through the server's protocol).
+stolen() { local n; n=$(grep -c STATS "$TMP/gallop.out"); echo stats >&9
+           for i in $(seq 50); do [ "$(grep -c STATS "$TMP/gallop.out")" -gt "$n" ] && break; sleep 0.02; done
+           grep STATS "$TMP/gallop.out" | tail -1 | sed 's/.*:STOLEN \([0-9]*\).*/\1/'; }
 for port in 18981 18982; do wrk -t2 -c400 -d1s "http://127.0.0.1:$port/yo" > /dev/null; done
 for r in $(seq "$REPS"); do
   for c in $CONNS_LIST; do
     for port in 18981 18982; do
       if [ "$port" = 18981 ]; then name=gallop; pids=$GALLOP; else name=nginx; pids=$NGINX; fi
-      t0=$(ticks "$pids")
+      [ "$name" = gallop ] && st0=$(stolen)
+      read -r u0 s0 < <(ticks "$pids")
       wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt" &
       wrk_pid=$!
       sleep 0.5
       perf stat -e context-switches,cpu-migrations -p "$pids" -o "$TMP/perf.txt" -- sleep $((DUR - 1)) > /dev/null 2>&1
       wait "$wrk_pid"
-      t1=$(ticks "$pids")
-      awk -v r="$r" -v c="$c" -v n="$name" -v d="$DUR" -v t="$((t1 - t0))" -v hz="$hz" \
+      read -r u1 s1 < <(ticks "$pids")
+      stolen_per_req=""
+      [ "$name" = gallop ] && stolen_per_req=$(awk -v n="$(( $(stolen) - st0 ))" '/requests in/ { printf " %.3f stolen/req", n / $1 }' "$TMP/wrk.txt")
+      awk -v r="$r" -v c="$c" -v n="$name" -v d="$DUR" -v u="$((u1 - u0))" -v s="$((s1 - s0))" -v hz="$hz" \
           -v cs="$(awk '/context-switches/ { gsub(",", "", $1); print $1 }' "$TMP/perf.txt")" \
-          -v mig="$(awk '/cpu-migrations/ { gsub(",", "", $1); print $1 }' "$TMP/perf.txt")" \
+          -v mig="$(awk '/cpu-migrations/ { gsub(",", "", $1); print $1 }' "$TMP/perf.txt")" -v st="$stolen_per_req" \
         '/requests in/ { rate = $1 / d; window = rate * (d - 1)
-                         printf "%d c%-4s %-6s %7.0f req/s %6.2f us/req %.3f switches/req %.4f migrations/req\n",
-                                r, c, n, rate, t * 1e6 / hz / $1, cs / window, mig / window }' "$TMP/wrk.txt"
+                         printf "%d c%-4s %-6s %7.0f req/s %6.2f us/req (user %5.2f) %.3f switches/req %.4f migrations/req%s\n",
+                                r, c, n, rate, (u + s) * 1e6 / hz / $1, u * 1e6 / hz / $1, cs / window, mig / window, st }' \
+          "$TMP/wrk.txt"
     done
   done
 done
