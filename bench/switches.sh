@@ -8,14 +8,13 @@
 # a worker per CPU, nothing pinned.  For each round, count and server in turn:
 # `wrk -t2 -cN -dDURATION`, and from 0.5 s into it `perf stat -e
 # context-switches,cpu-migrations` on the server's processes (nginx: master
-# and workers) for DURATION - 1 seconds.  One line per run: req/s, server
-# CPU µs per request (utime + stime from /proc over the wrk run; and the
-# user part alone), context
-# switches and migrations per request (perf's counts over its window ÷ the
-# requests of that window at the run's rate), and for Gallop the events its
-# workers stole from another group's set or queue (:STOLEN in GALLOP:STATS)
-# per request.  Ports 18981, 18982.  Needs
-# wrk, nginx and perf (scripts/deps.sh wrk nginx-light linux-perf).
+# and workers) for DURATION - 1 seconds.  One line per run: req/s; server
+# CPU µs per request (utime + stime from /proc over the wrk run), and its
+# user part; context switches and migrations per request (perf's counts
+# over its window ÷ the requests of that window at the run's rate); for
+# Gallop, the events its workers stole from another group's set or queue
+# (:STOLEN in GALLOP:STATS) per request.  Ports 18981, 18982.  Needs wrk,
+# nginx and perf (scripts/deps.sh wrk nginx-light linux-perf).
 # BENCHMARKS.md, "A set per CPU by default".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
