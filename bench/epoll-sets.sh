@@ -43,8 +43,7 @@ start() { # PORT SETS (a number, or cpus)
 start 18961 1
 start 18962 cpus
 . "$HERE/bench/nginx-yo.sh"
-nginx_yo_conf "$TMP/nginx" 18963
-sed -i "s/worker_processes 1;/worker_processes $(nproc);/" "$TMP/nginx/nginx.conf"
+nginx_yo_conf "$TMP/nginx" 18963 "$(nproc)"
 nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
 declare -A PID
 for port in 18961 18962; do

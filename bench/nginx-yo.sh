@@ -1,13 +1,16 @@
-# nginx-yo.sh -- sourced by bench/layers.sh and bench/quota-ab.sh: the nginx
-# they compare with, one worker answering /yo as the Lisp servers do.
+# nginx-yo.sh -- sourced by the bench scripts that compare with nginx
+# (layers.sh, quota-ab.sh, epoll-sets.sh, switches.sh): nginx answering /yo
+# as the Lisp servers do.
 #
-#   nginx_yo_conf DIR PORT   writes DIR/nginx.conf (pid, logs and temporary
-#                            directories under DIR) for 127.0.0.1:PORT
+#   nginx_yo_conf DIR PORT [WORKERS]   writes DIR/nginx.conf (pid, logs and
+#                                      temporary directories under DIR) for
+#                                      127.0.0.1:PORT, with WORKERS worker
+#                                      processes (default 1)
 nginx_yo_conf() {
-  local dir=$1 port=$2
+  local dir=$1 port=$2 workers=${3:-1}
   mkdir -p "$dir"/{body,proxy,fastcgi,uwsgi,scgi}
   cat > "$dir/nginx.conf" <<CONF
-worker_processes 1;
+worker_processes $workers;
 pid $dir/nginx.pid;
 error_log $dir/error.log warn;
 events { worker_connections 4096; }

@@ -26,8 +26,7 @@ rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
    --end-toplevel-options native 18981 0 < "$TMP/hold" > "$TMP/gallop.out" 2> "$TMP/gallop.err") &
 KID=$!
 . "$HERE/bench/nginx-yo.sh"
-nginx_yo_conf "$TMP/nginx" 18982
-sed -i "s/worker_processes 1;/worker_processes $(nproc);/" "$TMP/nginx/nginx.conf"
+nginx_yo_conf "$TMP/nginx" 18982 "$(nproc)"
 nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || { kill "$KID"; exit 1; }
 trap 'kill "$KID" 2>/dev/null; kill "$(cat "$TMP/nginx/nginx.pid")" 2>/dev/null' EXIT
 for i in $(seq 240); do grep -q READY "$TMP/gallop.out" 2>/dev/null && break; sleep 0.5; done

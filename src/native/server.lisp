@@ -198,19 +198,19 @@ is finished, or failed), finish it; else give the connection back."
              (error "This request was already answered."))
             (body-p
              (with-claim (claim ex)
-              (let ((delivered t))
-               (if (null claim)
-                   (setf delivered nil
-                         (exchange-responded ex) t ; the client went away meanwhile
-                         (exchange-keep-alive ex) nil)
-                   (handler-case (respond ex status headers body)
-                     (error (e)
-                       (setf delivered nil
-                             (exchange-keep-alive ex) nil)
-                       (unless (client-gone-p (exchange-server ex) e)
-                         (log-error (exchange-server ex) "Responding failed: ~A" e)))))
-               (unclaim ex claim t)
-               delivered)))
+               (let ((delivered t))
+                 (if (null claim)
+                     (setf delivered nil
+                           (exchange-responded ex) t ; the client went away meanwhile
+                           (exchange-keep-alive ex) nil)
+                     (handler-case (respond ex status headers body)
+                       (error (e)
+                         (setf delivered nil
+                               (exchange-keep-alive ex) nil)
+                         (unless (client-gone-p (exchange-server ex) e)
+                           (log-error (exchange-server ex) "Responding failed: ~A" e)))))
+                 (unclaim ex claim t)
+                 delivered)))
             (t (start-streaming ex status headers))))))
 
 (defun client-gone-p (server condition)
