@@ -73,6 +73,9 @@ UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
    (group :initarg :group
           :documentation "The pool's group (pool.lisp) in whose epoll set this connection
 waits: chosen when it is made, kept to the end.")
+   (tally :initarg :tally
+          :documentation "The stripe of the engine's request counters (engine.lisp,
+TALLY) this connection's requests count in: its group's.")
    (token :initarg :token :type (unsigned-byte 64))
    (state :initform :parked)
    (inbuf :initform nil :type (or null octets))
@@ -253,11 +256,12 @@ it serves (see *REQUEST-FIELDS*)."
 (declaim (inline connection-fd connection-engine connection-token connection-state
                  (setf connection-state) connection-deadline (setf connection-deadline)
                  connection-wheel-tick connection-remote-address connection-remote-port
-                 connection-user-data (setf connection-user-data)
+                 connection-user-data (setf connection-user-data) connection-tally
                  connection-owner-stream (setf connection-owner-stream)))
 (defun connection-fd (c) (conn-slot c fd))
 (defun connection-engine (c) (conn-slot c engine))
 (defun connection-group (c) (conn-slot c group))
+(defun connection-tally (c) (conn-slot c tally))
 (defun connection-token (c) (conn-slot c token))
 (defun connection-state (c) (conn-slot c state))
 (defun (setf connection-state) (value c) (setf (conn-slot c state) value))
@@ -274,6 +278,20 @@ it serves (see *REQUEST-FIELDS*)."
   "A stream wrapping this one (TLS), if any."
   (conn-slot c owner-stream))
 (defun (setf connection-owner-stream) (value c) (setf (conn-slot c owner-stream) value))
+
+(declaim (inline begin-in-flight))
+(defun begin-in-flight (c)
+  "One request more in flight on C (in its connection's stripe)."
+  (sb-ext:atomic-incf (tally-in-flight (connection-tally c))))
+
+(defun end-in-flight (c)
+  "One request of C less in flight; wake a soft stop waiting for the last one."
+  (let ((engine (connection-engine c)))
+    (sb-ext:atomic-decf (tally-in-flight (connection-tally c)))
+    (unless (engine-running-p engine)
+      ;; Stopping: the waiter looks at the sum again.
+      (sb-thread:with-mutex ((engine-lock engine))
+        (sb-thread:condition-broadcast (engine-idle-queue engine))))))
 
 (defmethod print-object ((c connection) stream)
   (print-unreadable-object (c stream :type t :identity t)

@@ -17,6 +17,11 @@
 ;;;;  - PENDING counts accepted connections no worker has served yet: the
 ;;;;    queue that MAX-QUEUE bounds.  IN-FLIGHT counts requests inside the
 ;;;;    request handler.
+;;;;  - REQUESTS and IN-FLIGHT are kept in stripes (TALLY), one per group of
+;;;;    workers, and summed on read: a connection counts its requests in the
+;;;;    stripe of its group (CONNECTION-TALLY, chosen when it is made), so a
+;;;;    request begins and ends in the same stripe, and workers on different
+;;;;    CPUs write no common cache line per request.
 
 (in-package #:gallop.core)
 
@@ -48,6 +53,28 @@ flight, so a fast client's downloads keep their speed.")
 (defconstant +default-max-body-bytes+ (* 64 1024 1024)
   "Bodies over this get 413.  Bodies are streamed, so this bounds a
 client's upload, not the server's memory.")
+
+(defstruct (tally (:constructor make-tally ()) (:copier nil))
+  "One stripe of an engine's request counters: those of the connections of
+one group of workers (see the header).  Changed atomically (another thread
+may end a request: a suspended one's answerer, a worker of another group
+that stole the event).  Seven words either side, so that stripes written on
+different CPUs share no 64-octet cache line with each other or with the
+engine's settings, which every request reads."
+  (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
+  (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
+  (requests 0 :type sb-ext:word)
+  (in-flight 0 :type sb-ext:word)
+  (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
+  (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
+
+(defun make-tallies ()
+  "An engine's stripes: one per group its pool will have (one per CPU this
+process may use, or *GROUP-COUNT*), at most 64, made once, so that the
+counts outlive a restart of the pool; groups beyond share them in turn."
+  (let ((tallies (make-array (max 1 (min 64 (or *group-count* (ceiling (usable-cpus))))))))
+    (dotimes (i (length tallies) tallies)
+      (setf (svref tallies i) (make-tally)))))
 
 (defstruct (engine (:constructor %make-engine) (:copier nil))
   (name "gallop" :type string)
@@ -83,7 +110,7 @@ client's upload, not the server's memory.")
   ;; counters
   (accepted 0 :type sb-ext:word)
   (closed 0 :type sb-ext:word)
-  (requests 0 :type sb-ext:word)
+  (tallies (make-tallies) :type simple-vector) ; REQUESTS and IN-FLIGHT, see TALLY
   (shed 0 :type sb-ext:word)
   (timeouts 0 :type sb-ext:word)
   (write-timeouts 0 :type sb-ext:word)
@@ -91,7 +118,6 @@ client's upload, not the server's memory.")
   (rejected 0 :type sb-ext:word)
   (pending 0 :type sb-ext:word)
   (head-bytes 0 :type sb-ext:word)
-  (in-flight 0 :type sb-ext:word)
   (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
   (lock (sb-thread:make-mutex :name "gallop engine"))
@@ -108,12 +134,21 @@ reset connections all the time, and it is not the server's fault."
 (defun engine-running-p (engine)
   (eq (engine-state engine) :running))
 
-(defun end-in-flight (engine)
-  "One request less in flight; wake a soft stop waiting for the last one."
-  (when (and (= 1 (sb-ext:atomic-decf (engine-in-flight engine)))
-             (not (engine-running-p engine)))
-    (sb-thread:with-mutex ((engine-lock engine))
-      (sb-thread:condition-broadcast (engine-idle-queue engine)))))
+(defun engine-tally (engine group-index)
+  "The stripe of ENGINE's counters for the connections of the pool's group
+GROUP-INDEX (NIL: a connection in no group)."
+  (let ((tallies (engine-tallies engine)))
+    (svref tallies (mod (or group-index 0) (length tallies)))))
+
+(defun engine-requests (engine)
+  "Requests ENGINE's handler began, in all: its stripes summed."
+  (loop for tally across (engine-tallies engine) sum (tally-requests tally)))
+
+(defun engine-in-flight (engine)
+  "Requests inside ENGINE's handler now: its stripes summed (each stripe's
+count is its own requests begun minus ended, never below zero)."
+  (loop for tally across (engine-tallies engine) sum (tally-in-flight tally)))
+
 
 (defun log-engine-error (engine format-control &rest args)
   (let ((log (engine-log-error engine)))

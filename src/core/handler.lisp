@@ -69,8 +69,8 @@ CONNECTION-SUSPEND: another thread will finish the request)."
   (with-connection-slots (boundary park-requested close-requested head-started sent interrupted) c
     (setf boundary nil park-requested nil close-requested nil head-started nil
           sent 0 interrupted nil (conn-slot c body-given) nil)
-    (sb-ext:atomic-incf (engine-requests engine))
-    (sb-ext:atomic-incf (engine-in-flight engine))
+    (sb-ext:atomic-incf (tally-requests (connection-tally c)))
+    (begin-in-flight c)
     (arm-handler-deadline c)
     (let ((result
             (unwind-protect
@@ -92,7 +92,7 @@ CONNECTION-SUSPEND: another thread will finish the request)."
                      (setf close-requested t park-requested nil)
                      nil))
               (disarm-handler-deadline c)
-              (end-in-flight engine))))
+              (end-in-flight c))))
       (when (eq result :suspended)
         ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
         (return-from run-handler :suspended)))

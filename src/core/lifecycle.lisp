@@ -27,12 +27,14 @@ kept).")
           fd))
 
 (defun make-connection (engine fd &key remote-address remote-port close-hook user-data)
-  (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
-                             :group (pool-next-group (engine-pool engine))
-                             :raw (engine-raw-p engine)
-                             :tls (if (engine-tls engine) -1 0)
-                             :remote-address remote-address :remote-port (or remote-port 0)
-                             :close-hook close-hook :user-data user-data))
+  (let ((group (pool-next-group (engine-pool engine))))
+    (make-instance 'connection :fd fd :engine engine :token (next-token engine fd)
+                               :group group
+                               :tally (engine-tally engine (and group (group-index group)))
+                               :raw (engine-raw-p engine)
+                               :tls (if (engine-tls engine) -1 0)
+                               :remote-address remote-address :remote-port (or remote-port 0)
+                               :close-hook close-hook :user-data user-data)))
 
 
 (defun schedule (c deadline)

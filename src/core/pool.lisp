@@ -178,6 +178,7 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   ;; wait share no 64-octet cache line with another group's.
   (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
   (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
+  (index 0 :type fixnum)                ; in the pool's GROUPS
   (epfd -1 :type fixnum)
   (nudge-fd -1 :type fixnum)
   (ready (sb-concurrency:make-queue :name "gallop ready events"))
@@ -295,7 +296,8 @@ more than MAX-THREADS when they can."
           (pool-maker-helps pool) *maker-helps*)
     (dotimes (i count)
       (let ((group (make-group)))
-        (setf (group-epfd group) (epoll-create)
+        (setf (group-index group) i
+              (group-epfd group) (epoll-create)
               (group-nudge-fd group) (make-eventfd)
               (group-allowed group) share
               (group-permits group) (sb-thread:make-semaphore :name "gallop run permits"

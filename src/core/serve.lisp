@@ -193,14 +193,14 @@ handing C over."
     (setf (conn-slot c suspended) t
           (conn-slot c out-parked) t)   ; the worker's until it lets go
     (sb-ext:atomic-incf (engine-suspended (connection-engine c)))
-    (sb-ext:atomic-incf (engine-in-flight (connection-engine c)))))
+    (begin-in-flight c)))
 
 (defun connection-unsuspend (c)
   "Undo CONNECTION-SUSPEND before the handler returned (the answer came first)."
   (setf (conn-slot c suspended) nil
         (conn-slot c out-parked) nil)
   (sb-ext:atomic-decf (engine-suspended (connection-engine c)))
-  (end-in-flight (connection-engine c)))
+  (end-in-flight c))
 
 ;;; A suspended request's connection changes hands between its answering
 ;;; thread, which writes, and the engine, which sends what the client did not
@@ -288,7 +288,7 @@ request; its answer, when it comes, finds C closed (CONNECTION-ACQUIRE)."
     (setf (conn-slot c abandoned) t)
     (sb-ext:atomic-incf (engine-abandoned engine))
     (sb-ext:atomic-decf (engine-suspended engine))
-    (end-in-flight engine)
+    (end-in-flight c)
     (close-connection c)))
 
 (defun connection-resume (c keep-alive)
@@ -301,7 +301,7 @@ timer or broadcaster), else close it (after the client read the answer)."
       ;; Ended when the client went away (ABANDON).
       (return-from connection-resume))
     (sb-ext:atomic-decf (engine-suspended engine))
-    (end-in-flight engine)
+    (end-in-flight c)
     (when (member (connection-state c) '(:closed :draining :detached))
       (return-from connection-resume))
     (setf (conn-slot c suspended) nil

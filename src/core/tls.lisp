@@ -33,6 +33,9 @@ if given, is a function that says whether SOURCE holds decrypted octets not
 read yet (SSL_pending)."
   (let ((c (make-instance 'connection :fd (connection-fd cipher)
                                       :engine (connection-engine cipher)
+                                      ;; Its requests count where the
+                                      ;; cipher connection's do.
+                                      :tally (connection-tally cipher)
                                       :token 0
                                       :remote-address (connection-remote-address cipher)
                                       :remote-port (connection-remote-port cipher))))
@@ -184,11 +187,11 @@ given up when the engine stops).  True when a request may be read now."
       ;; flight (a soft stop does not wait for an idle TLS client).
       (sb-sys:without-interrupts
         (disarm-handler-deadline cipher)
-        (end-in-flight engine))
+        (end-in-flight cipher))
       (let ((ready (unwind-protect
                         (poll-fds (connection-fd c) +pollin+ (engine-stop-fd engine)
                                   (engine-idle-timeout-ms engine))
-                     (sb-ext:atomic-incf (engine-in-flight engine)))))
+                     (begin-in-flight cipher))))
         (unless (eq ready :ready)
           (return-from plain-leave-boundary nil))))
     ;; The next request on this TLS connection gets a deadline of its own.

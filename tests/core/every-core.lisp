@@ -241,6 +241,53 @@ turn."
     (check 5 100 5)
     (check 3 2 2)))
 
+(test requests-count-in-their-groups-stripe-and-sum-up
+  "The engine's REQUESTS and IN-FLIGHT are kept in a stripe per group
+\(engine.lisp, TALLY), summed by GALLOP:STATS.  Two groups: fresh
+connections go to each in turn, so four connections with three requests
+each put six requests in each group's stripe; a request blocked at the gate
+counts in :IN-FLIGHT, in its group's stripe, until it is answered; every
+answer is exact."
+  (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+        *gate-entered* (list 0)
+        *gate-timeouts* (list 0))
+  (let ((gallop.core::*group-count* 2))
+    (with-app (server #'gate-app :max-thread-count 4 :standby-thread-count 2)
+      (let* ((port (native-port server))
+             (engine (gallop::server-engine server))
+             (tallies (gallop.core::engine-tallies engine))
+             (sockets (loop repeat 4 collect (connect port :timeout 10))))
+        (flet ((stripe (group-index what)
+                 (let ((tally (gallop.core::engine-tally engine group-index)))
+                   (ecase what
+                     (:requests (gallop.core::tally-requests tally))
+                     (:in-flight (gallop.core::tally-in-flight tally))))))
+          (unwind-protect
+               (progn
+                 (is (<= 2 (length tallies)) "~D stripes for 2 groups on ~D CPUs"
+                     (length tallies) (cpu-count-usable))
+                 (is (zerop (getf (gallop:stats server) :requests)))
+                 (dotimes (round 3)
+                   (dolist (socket sockets)
+                     (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
+                     (is (exact-answer-p (read-wire-or-error socket :persistent t) "Hey!"))))
+                 (is (= 12 (getf (gallop:stats server) :requests)))
+                 (is (= 6 (stripe 0 :requests)) "group 0's stripe: ~D" (stripe 0 :requests))
+                 (is (= 6 (stripe 1 :requests)) "group 1's stripe: ~D" (stripe 1 :requests))
+                 ;; The second connection is group 1's.
+                 (send (second sockets) (crlf "GET /gate HTTP/1.1" "Host: x"))
+                 (is-true (wait-until (lambda () (= 1 (car *gate-entered*))) :timeout 10))
+                 (is (= 1 (getf (gallop:stats server) :in-flight)))
+                 (is (= 1 (stripe 1 :in-flight)))
+                 (is (zerop (stripe 0 :in-flight)))
+                 (sb-thread:signal-semaphore *gate*)
+                 (is (exact-answer-p (read-wire-or-error (second sockets) :persistent t) "unblocked"))
+                 (is-true (wait-until (lambda () (zerop (getf (gallop:stats server) :in-flight)))
+                                      :timeout 10))
+                 (is (= 13 (getf (gallop:stats server) :requests))))
+            (mapc #'usocket:socket-close sockets)))))
+    (is (zerop (car *gate-timeouts*)))))
+
 (test a-queued-event-is-served-with-what-its-flags-said-of-the-client
   ;; An event a worker queues (the rest of an epoll_wait batch, or moved to
   ;; another group) is served later with the flags ENCODE-EVENT kept: a
