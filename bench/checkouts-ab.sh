@@ -1,0 +1,84 @@
+#!/bin/bash
+# checkouts-ab.sh -- gallop:start from two checkouts (or one against itself)
+# side by side with nginx, in the shared setup, interleaved: what a change
+# does to throughput on a machine whose speed moves from run to run.
+#
+#   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
+#     bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#
+# Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
+# easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
+# this checkout), and nginx with a worker per CPU, nothing pinned.  Each
+# round runs `wrk -t2 -cN -dDURATION` against the three in turn, the order
+# rotated every round and reversed every other.  One line per round: each
+# server's req/s and CPU µs per request (utime + stime from /proc over the
+# run, nginx's master and workers summed), A ÷ B, A ÷ nginx, B ÷ nginx; then
+# the medians of those per-round ratios, for each connection count.  Give
+# the same checkout twice for an A/A run: how far two identical servers
+# drift apart here is the least difference one such run can show
+# (BENCHMARKS.md, "Where the noise is").  Ports 19001-19003.  Needs wrk and
+# nginx (scripts/deps.sh wrk nginx-light).
+set -u
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+[ $# -ge 1 ] || { sed -n '4,6p' "$0" >&2; exit 2; }
+A=$(cd "$1" && pwd); B=$(cd "${2:-$HERE}" && pwd)
+DUR=${DURATION:-3}; REPS=${REPS:-8}; CONNS_LIST=${CONNS_LIST:-"100 400"}
+SL=${SLEEP_MS:-0}; KIND=${KIND:-native}
+TMP=$HERE/bench/results/tmp/checkouts-ab; mkdir -p "$TMP"
+KIDS=()
+cleanup() { for k in "${KIDS[@]}"; do kill "$k" 2>/dev/null; done
+            [ -f "$TMP/nginx/nginx.pid" ] && kill "$(cat "$TMP/nginx/nginx.pid")" 2>/dev/null; }
+trap cleanup EXIT
+PORTS=(19001 19002 19003); NAMES=(A B nginx)
+i=0
+for checkout in "$A" "$B"; do
+  rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
+  # Standard input is a FIFO this script holds: the server exits with it.
+  (cd "$checkout" && exec scripts/lisp.sh --load bench/server.lisp \
+     --end-toplevel-options "$KIND" "${PORTS[$i]}" "$SL" < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
+  KIDS+=($!); i=$((i + 1))
+done
+. "$HERE/bench/nginx-yo.sh"
+nginx_yo_conf "$TMP/nginx" "${PORTS[2]}" "$(nproc)"
+nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
+PIDS=()
+for i in 0 1; do
+  for t in $(seq 240); do grep -q READY "$TMP/server$i.out" 2>/dev/null && break; sleep 0.5; done
+  pid=$(awk '/READY/{print $2}' "$TMP/server$i.out")
+  [ -n "$pid" ] || { echo "checkouts-ab.sh: server ${NAMES[$i]} did not start (see $TMP/server$i.err)" >&2; exit 1; }
+  PIDS+=("$pid")
+done
+sleep 0.5
+MASTER=$(cat "$TMP/nginx/nginx.pid")
+PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")
+echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
+echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
+# The clock ticks (utime + stime) of processes PIDS, comma separated.
+ticks() { local t=0 p; for p in ${1//,/ }; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
+hz=$(getconf CLK_TCK)
+for i in 0 1 2; do wrk -t2 -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
+for c in $CONNS_LIST; do
+  : > "$TMP/ratios-$c"
+  for r in $(seq "$REPS"); do
+    RPS=(); US=()
+    for k in 0 1 2; do
+      if [ $((r % 2)) = 0 ]; then i=$(( (2 - k + r) % 3 )); else i=$(( (k + r) % 3 )); fi
+      t0=$(ticks "${PIDS[$i]}")
+      wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt"
+      t1=$(ticks "${PIDS[$i]}")
+      RPS[$i]=$(awk -v d="$DUR" '/requests in/ { print $1 / d }' "$TMP/wrk.txt")
+      US[$i]=$(awk -v t=$((t1 - t0)) -v hz="$hz" '/requests in/ { printf "%.2f", t * 1e6 / hz / $1 }' "$TMP/wrk.txt")
+      [ -n "${RPS[$i]}" ] || { echo "checkouts-ab.sh: wrk gave no result for ${NAMES[$i]}" >&2; cat "$TMP/wrk.txt" >&2; exit 1; }
+    done
+    awk -v r="$r" -v c="$c" -v a="${RPS[0]}" -v b="${RPS[1]}" -v n="${RPS[2]}" \
+        -v ua="${US[0]}" -v ub="${US[1]}" -v un="${US[2]}" 'BEGIN {
+          printf "c%-4s round %2d  A %7.0f req/s %6.2f us/req  B %7.0f %6.2f  nginx %7.0f %6.2f  A/B %.2f  A/nginx %.2f  B/nginx %.2f\n",
+                 c, r, a, ua, b, ub, n, un, a / b, a / n, b / n }'
+    awk -v a="${RPS[0]}" -v b="${RPS[1]}" -v n="${RPS[2]}" 'BEGIN { print a / b, a / n, b / n }' >> "$TMP/ratios-$c"
+  done
+  for col in 1 2 3; do
+    label=$(echo "A/B A/nginx B/nginx" | cut -d' ' -f$col)
+    printf "c%-4s median %-8s %s\n" "$c" "$label" \
+      "$(cut -d' ' -f$col "$TMP/ratios-$c" | sort -g | awk '{ v[NR] = $1 } END { printf "%.3f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+  done
+done
