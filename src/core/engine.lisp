@@ -146,9 +146,11 @@ GROUP-INDEX (NIL: a connection in no group)."
 
 (defun engine-in-flight (engine)
   "Requests inside ENGINE's handler now: its stripes summed (each stripe's
-count is its own requests begun minus ended, never below zero)."
+count is its own requests begun minus ended, never below zero).  Read while
+requests begin and end in other stripes, the sum is as if those had come in
+another order; a soft stop, which waits for zero, has the same race with a
+request that begins just after it looked."
   (loop for tally across (engine-tallies engine) sum (tally-in-flight tally)))
-
 
 (defun log-engine-error (engine format-control &rest args)
   (let ((log (engine-log-error engine)))
