@@ -20,7 +20,7 @@
 # nginx (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-[ $# -ge 1 ] || { sed -n '4,6p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '6,7p' "$0" >&2; exit 2; }
 A=$(cd "$1" && pwd); B=$(cd "${2:-$HERE}" && pwd)
 DUR=${DURATION:-3}; REPS=${REPS:-8}; CONNS_LIST=${CONNS_LIST:-"100 400"}
 SL=${SLEEP_MS:-0}; KIND=${KIND:-native}
