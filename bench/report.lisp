@@ -377,7 +377,11 @@ whether the median holds.  NIL when the run measured none of them."
                                        (t "**no**")))
                          lines))))
              (scenario (sleep conns &optional hog)
-               (format nil "s~D-ka-c~D~:[~;-hog~]" sleep conns hog)))
+               (format nil "s~D-ka-c~D~:[~;-hog~]" sleep conns hog))
+             (cpu-ratios (server conns)
+               ;; SERVER's shared ÷ pinned CPU µs/req at 0 ms keep-alive.
+               (rep-ratios (rep-values shared (scenario 0 conns) server "cpu_us_per_req")
+                           (rep-values pinned (scenario 0 conns) server "cpu_us_per_req"))))
       (dolist (conns '(10 100 400))
         (line (format nil "`gallop:start` shared vs nginx, 0 ms keep-alive, ~D connections (≥ 0.95×)" conns)
               (rep-ratios (rep-values shared (scenario 0 conns) "native" "ok_rps")
@@ -387,15 +391,13 @@ whether the median holds.  NIL when the run measured none of them."
         (dolist (conns '(10 100 400))
           (line (format nil "`~A` shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections (≤ 1.15×)"
                         (if (string= server "native") "gallop:start" "gallop:easy-acceptor") conns)
-                (rep-ratios (rep-values shared (scenario 0 conns) server "cpu_us_per_req")
-                            (rep-values pinned (scenario 0 conns) server "cpu_us_per_req"))
+                (cpu-ratios server conns)
                 (lambda (m) (<= m 1.15)))))
       ;; The same ratio for nginx, which has no pool to misjudge: how far
       ;; this run's host moved the ratio by itself.
       (dolist (conns '(10 100 400))
         (line (format nil "reference, not a goal: nginx shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections" conns)
-              (rep-ratios (rep-values shared (scenario 0 conns) "nginx" "cpu_us_per_req")
-                          (rep-values pinned (scenario 0 conns) "nginx" "cpu_us_per_req"))
+              (cpu-ratios "nginx" conns)
               nil))
       (dolist (server '("native" "gallop" "gallop-tm"))
         (line (format nil "~A shared, 1 ms keep-alive, 400 ÷ 100 connections (≥ 0.9×)" (server-label server))
