@@ -63,14 +63,15 @@
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads"
-               "sb-introspect")
+  :depends-on ("gallop/native" "hunchentoot" "chunga" "flexi-streams" "usocket" "cl+ssl"
+               "bordeaux-threads" "sb-introspect")
   :pathname "src/hunchentoot/"
   :serial t
   :components ((:file "package")
                (:file "compat")
                (:file "socket")
                (:file "wire")
+               (:file "memo")
                (:file "taskmaster")
                (:file "defer")
                (:file "acceptor"))
@@ -119,6 +120,7 @@
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
                (:file "hunchentoot/wire")
+               (:file "hunchentoot/memo")
                (:file "core/uploads")
                (:file "clack/handler")
                ;; the conformance corpus (make conformance also runs it against nginx)

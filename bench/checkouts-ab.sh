@@ -4,13 +4,15 @@
 # does to throughput on a machine whose speed moves from run to run.
 #
 #   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
-#     bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#     [SETUP=shared] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
 #
 # Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
 # easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
-# this checkout), and nginx with a worker per CPU, nothing pinned.  Each
-# round runs `wrk -t2 -cN -dDURATION` against the three in turn, the order
-# rotated every round and reversed every other.  One line per round: each
+# this checkout), and nginx.  SETUP=shared (the default): nothing pinned,
+# nginx with a worker per CPU, `wrk -t2`; SETUP=pinned: the servers and
+# nginx (one worker) on CPU 0, `wrk -t1` on CPU 1, as `make bench` pins them.
+# Each round runs wrk with -cN -dDURATION against the three in turn, the
+# order rotated every round and reversed every other.  One line per round: each
 # server's req/s and CPU µs per request (utime + stime from /proc over the
 # run, nginx's master and workers summed), A ÷ B, A ÷ nginx, B ÷ nginx; then
 # the medians of those per-round ratios, for each connection count.  Give
@@ -24,6 +26,11 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 A=$(cd "$1" && pwd); B=$(cd "${2:-$HERE}" && pwd)
 DUR=${DURATION:-3}; REPS=${REPS:-8}; CONNS_LIST=${CONNS_LIST:-"100 400"}
 SL=${SLEEP_MS:-0}; KIND=${KIND:-native}
+case ${SETUP:-shared} in
+  shared) PIN=(); WRK=(wrk -t2); NGINX_WORKERS=$(nproc) ;;
+  pinned) PIN=(taskset -c 0); WRK=(taskset -c 1 wrk -t1); NGINX_WORKERS=1 ;;
+  *) echo "checkouts-ab.sh: SETUP is shared or pinned" >&2; exit 2 ;;
+esac
 TMP=$HERE/bench/results/tmp/checkouts-ab; mkdir -p "$TMP"
 KIDS=()
 cleanup() { for k in "${KIDS[@]}"; do kill "$k" 2>/dev/null; done
@@ -34,13 +41,13 @@ i=0
 for checkout in "$A" "$B"; do
   rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
   # Standard input is a FIFO this script holds: the server exits with it.
-  (cd "$checkout" && exec scripts/lisp.sh --load bench/server.lisp \
+  (cd "$checkout" && exec "${PIN[@]}" scripts/lisp.sh --load bench/server.lisp \
      --end-toplevel-options "$KIND" "${PORTS[$i]}" "$SL" < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
   KIDS+=($!); i=$((i + 1))
 done
 . "$HERE/bench/nginx-yo.sh"
-nginx_yo_conf "$TMP/nginx" "${PORTS[2]}" "$(nproc)"
-nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
+nginx_yo_conf "$TMP/nginx" "${PORTS[2]}" "$NGINX_WORKERS"
+"${PIN[@]}" nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
 PIDS=()
 for i in 0 1; do
   for t in $(seq 240); do grep -q READY "$TMP/server$i.out" 2>/dev/null && break; sleep 0.5; done
@@ -53,10 +60,11 @@ MASTER=$(cat "$TMP/nginx/nginx.pid")
 PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")
 echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
 echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
+echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared}: ${WRK[*]} -cN -d${DUR}s"
 # The clock ticks (utime + stime) of processes PIDS, comma separated.
 ticks() { local t=0 p; for p in ${1//,/ }; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
 hz=$(getconf CLK_TCK)
-for i in 0 1 2; do wrk -t2 -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
+for i in 0 1 2; do "${WRK[@]}" -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
 for c in $CONNS_LIST; do
   : > "$TMP/ratios-$c"
   for r in $(seq "$REPS"); do
@@ -64,7 +72,7 @@ for c in $CONNS_LIST; do
     for k in 0 1 2; do
       if [ $((r % 2)) = 0 ]; then i=$(( (2 - k + r) % 3 )); else i=$(( (k + r) % 3 )); fi
       t0=$(ticks "${PIDS[$i]}")
-      wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt"
+      "${WRK[@]}" -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt"
       t1=$(ticks "${PIDS[$i]}")
       RPS[$i]=$(awk -v d="$DUR" '/requests in/ { print $1 / d }' "$TMP/wrk.txt")
       US[$i]=$(awk -v t=$((t1 - t0)) -v hz="$hz" '/requests in/ { printf "%.2f", t * 1e6 / hz / $1 }' "$TMP/wrk.txt")

@@ -131,6 +131,13 @@ stream was made over), as it does inside cl+ssl's own calls."
              name lambda-list))
     symbol))
 
+(defun wrap-hunchentoot-function (name function)
+  "Make FUNCTION, called with Hunchentoot's own function and the arguments,
+what NAME (one checked here) does; loading this again replaces it."
+  (when (sb-int:encapsulated-p name 'gallop)
+    (sb-int:unencapsulate name 'gallop))
+  (sb-int:encapsulate name 'gallop function))
+
 (defun hunchentoot-get-request-data ()
   (load-time-value (check-internal-function "GET-REQUEST-DATA" '("STREAM")) t))
 
@@ -181,3 +188,32 @@ answer of its own)."
 (defun hunchentoot-keep-alive-p ()
   "After START-OUTPUT: true when Hunchentoot decided to keep the connection."
   (not (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot))))
+
+;;; What Hunchentoot recomputes for every request from values that change
+;;; at most once a second or once a connection (memo.lisp): its exported
+;;; RFC-1123-DATE, called without a time for each answer's Date header, and
+;;; three internal functions of one argument each, the same in 1.2.38 and
+;;; 1.3.x (1.3.x calls the two address functions once a PROCESS-CONNECTION,
+;;; 1.2.38 once a request).
+(defun hunchentoot-rfc-1123-date ()
+  (load-time-value
+   (let ((lambda-list (sb-introspect:function-lambda-list 'hunchentoot:rfc-1123-date)))
+     (unless (and (= 2 (length lambda-list))
+                  (eq '&optional (first lambda-list))
+                  (string= "TIME" (symbol-name (let ((time (second lambda-list)))
+                                                 (if (consp time) (first time) time)))))
+       (error "This Hunchentoot's RFC-1123-DATE is not a function of (&OPTIONAL TIME): ~
+               Gallop's memo.lisp needs it."))
+     'hunchentoot:rfc-1123-date)
+   t))
+
+(defun hunchentoot-get-peer-address-and-port ()
+  (load-time-value (check-internal-function "GET-PEER-ADDRESS-AND-PORT" '("SOCKET")) t))
+
+(defun hunchentoot-get-local-address-and-port ()
+  (load-time-value (check-internal-function "GET-LOCAL-ADDRESS-AND-PORT" '("SOCKET")) t))
+
+(defun hunchentoot-maybe-add-charset ()
+  (load-time-value (check-internal-function "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER"
+                                            '("CONTENT-TYPE" "EXTERNAL-FORMAT"))
+                   t))

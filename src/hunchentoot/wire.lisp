@@ -130,10 +130,25 @@ phrases is not seen.")
             (setf (svref *status-lines* code) (make-line)))
         (make-line))))
 
+(defun newline-p (string)
+  "True when STRING holds a newline.  (FIND on a string of unknown kind
+took 3% of a drop-in request's time.)"
+  (declare (type string string))
+  (macrolet ((scan (type)
+               `(let ((string string))
+                  (declare (type ,type string) (optimize speed (safety 0)))
+                  (dotimes (i (length string) nil)
+                    (when (char= #\Newline (char string i))
+                      (return t))))))
+    (typecase string
+      ((simple-array character (*)) (scan (simple-array character (*))))
+      (simple-base-string (scan simple-base-string))
+      (t (scan string)))))
+
 (defun one-line-value (value)
   "VALUE, a header value string, on one line: its lines (Hunchentoot writes
 one per line, folded) joined by a space, empty ones dropped."
-  (if (not (find #\Newline value))
+  (if (not (newline-p value))
       value
       (let ((lines (loop with start = 0
                          for end = (or (position #\Newline value :start start) (length value))
@@ -143,22 +158,30 @@ one per line, folded) joined by a space, empty ones dropped."
         (format nil "~{~A~^ ~}" lines))))
 
 (defun write-header (c name value)
-  "Write the header line NAME: VALUE (a string, see ONE-LINE-VALUE) on C."
-  (declare (type string name value))
-  (let* ((value (one-line-value value))
-         (n (+ (length name) (length value) 4)))
+  "Write the header line NAME: VALUE on C.  VALUE is a string (see
+ONE-LINE-VALUE) or a non-negative fixnum, written in decimal without the
+printer (the Content-Length of every answer): the digits Hunchentoot's
+WRITE-TO-STRING with :BASE 10 writes, but never the trailing dot a true
+*PRINT-RADIX* would add."
+  (declare (type string name) (type (or string (and fixnum unsigned-byte)) value))
+  (let* ((value (if (stringp value) (one-line-value value) value))
+         (n (+ (length name) 4 (if (stringp value) (length value) 19))))
     (multiple-value-bind (buffer fill) (gallop.core:connection-reserve-output c n)
       (if buffer
           (let ((fill (gallop.core:put-latin1 buffer fill name)))
             (declare (type octets buffer) (type fixnum fill))
             (setf (aref buffer fill) 58 (aref buffer (1+ fill)) 32)
-            (setf fill (gallop.core:put-latin1 buffer (+ fill 2) value))
+            (setf fill (if (stringp value)
+                           (gallop.core:put-latin1 buffer (+ fill 2) value)
+                           (gallop.core:put-decimal buffer (+ fill 2) value)))
             (setf (aref buffer fill) 13 (aref buffer (1+ fill)) 10)
             (gallop.core:connection-commit-output c (+ fill 2)))
           (progn
             (gallop.core:connection-write-latin1 c name)
             (gallop.core:connection-write-latin1 c ": ")
-            (gallop.core:connection-write-latin1 c value)
+            (if (stringp value)
+                (gallop.core:connection-write-latin1 c value)
+                (gallop.core:connection-write-decimal c value))
             (gallop.core:connection-write-octets c +crlf-octets+))))))
 
 (defun header-value-string (value)
@@ -191,7 +214,10 @@ else ORIGINAL, Hunchentoot's own."
           (gallop.core:connection-write-octets c line))
         (loop for (key . value) in headers
               when value
-                do (write-header c (chunga:as-capitalized-string key) (header-value-string value)))
+                do (write-header c (chunga:as-capitalized-string key)
+                                 (if (typep value '(and fixnum unsigned-byte))
+                                     value
+                                     (header-value-string value))))
         (loop for (nil . cookie) in cookies
               do (write-header c "Set-Cookie" (header-value-string (hunchentoot-stringify-cookie cookie))))
         (gallop.core:connection-write-octets c +crlf-octets+)
@@ -202,11 +228,8 @@ else ORIGINAL, Hunchentoot's own."
 
 ;;; Wrapping Hunchentoot's two functions (compat.lisp checks them).
 
-(flet ((wrap (name function)
-         (when (sb-int:encapsulated-p name 'gallop)
-           (sb-int:unencapsulate name 'gallop))
-         (sb-int:encapsulate name 'gallop function)))
-  (wrap (hunchentoot-get-request-data)
-        (lambda (original stream) (read-request-data original stream)))
-  (wrap (hunchentoot-send-response)
-        (lambda (original &rest args) (apply #'write-response original args))))
+(wrap-hunchentoot-function (hunchentoot-get-request-data)
+  (lambda (original stream) (read-request-data original stream)))
+
+(wrap-hunchentoot-function (hunchentoot-send-response)
+  (lambda (original &rest args) (apply #'write-response original args)))

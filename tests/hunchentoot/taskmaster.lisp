@@ -76,10 +76,28 @@ address and port and the server's, exactly."
       (usocket:socket-close socket))))
 
 (test handlers-see-the-addresses-accept-gave
-  (with-server (server 'gallop:easy-acceptor)
-    (check-peer-names (port-of server)))
-  (with-server (server 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster))
-    (check-peer-names (port-of server))))
+  ;; Two connections to each, one after the other and then both at once:
+  ;; each its own port (Gallop remembers a connection's addresses,
+  ;; src/hunchentoot/memo.lisp).
+  (flet ((check (port)
+           (check-peer-names port)
+           (check-peer-names port)
+           (let ((other (connect port)))
+             (unwind-protect
+                  (progn
+                    (send other (crlf "GET /peer HTTP/1.1" "Host: x"))
+                    (check-peer-names port)
+                    (let ((response (read-wire-or-error other :persistent t)))
+                      (is (typep response 'wire-response) "~A" response)
+                      (when (typep response 'wire-response)
+                        (is (equal (format nil "127.0.0.1 ~D 127.0.0.1 ~D"
+                                           (usocket:get-local-port other) port)
+                                   (wire-body-string response))))))
+               (usocket:socket-close other)))))
+    (with-server (server 'gallop:easy-acceptor)
+      (check (port-of server)))
+    (with-server (server 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster))
+      (check (port-of server)))))
 
 ;;; PROCESS-CONNECTION returning without closing its stream (an error before
 ;;; its own UNWIND-PROTECT, caught and logged by its :AROUND method) must not

@@ -1,0 +1,117 @@
+;;;; memo.lisp -- what Hunchentoot computes for every request from values
+;;;; that change at most once a second or once a connection, computed once.
+;;;;
+;;;; A profile of GALLOP:EASY-ACCEPTOR answering /yo (perf, server on one
+;;;; core, wrk -c100 keep-alive; BENCHMARKS.md, "The drop-in acceptor's own
+;;;; cost") put 13% of the server's time in three of Hunchentoot's helpers:
+;;;;  - RFC-1123-DATE, which START-OUTPUT calls for each answer's Date header:
+;;;;    a FORMAT of seven fields (6%);
+;;;;  - GET-PEER-ADDRESS-AND-PORT and GET-LOCAL-ADDRESS-AND-PORT, which
+;;;;    1.2.38 calls for each request (1.3.x once a PROCESS-CONNECTION, which
+;;;;    on Gallop is once a burst of requests), each printing the address
+;;;;    vector into a string (4%);
+;;;;  - MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER, which START-OUTPUT calls for
+;;;;    each string body: two CL-PPCRE scans and a FORMAT (3%).
+;;;; Each is wrapped here (SB-INT:ENCAPSULATE; compat.lisp checks them) so
+;;;; that it gives what Hunchentoot's own gives, computed by Hunchentoot's
+;;;; own on a miss and remembered:
+;;;;  - the Date string of the current second, a fresh copy for each caller
+;;;;    (as the original makes a fresh string), when called without a time;
+;;;;    with a time, the original runs;
+;;;;  - a Gallop connection's addresses, once per connection: the values a
+;;;;    1.3.x request gets too (the same strings for every request its
+;;;;    PROCESS-CONNECTION reads); on any other socket, the original runs;
+;;;;  - the content type with its charset, for the last few (content type,
+;;;;    external format name) pairs seen, the content type compared by its
+;;;;    characters: the original's result depends on nothing else.  When the
+;;;;    original would return its argument unchanged, so does this; an added
+;;;;    charset comes in a fresh string.
+;;;; The wrappers apply to every acceptor in the image, stock ones too: what
+;;;; they return is the same.
+
+(in-package #:gallop)
+
+;;; Date
+
+(sb-ext:define-load-time-global *rfc-1123-date* (cons -1 "")
+  "(universal time . RFC-1123-DATE's string for it), of the last second the
+Date header was asked for.  Replaced, never mutated, so that threads read a
+consistent pair without a lock.")
+
+(defun current-rfc-1123-date (original)
+  "RFC-1123-DATE of now: the string ORIGINAL (Hunchentoot's own) made for
+this second, copied."
+  (let ((now (get-universal-time))
+        (cached *rfc-1123-date*))
+    (if (eql now (car cached))
+        (copy-seq (the simple-string (cdr cached)))
+        (let ((date (funcall original now)))
+          (setf *rfc-1123-date* (cons now (copy-seq date)))
+          date))))
+
+;;; Addresses
+
+(defun connection-address-and-port (original socket reader writer)
+  "The two values ORIGINAL (Hunchentoot's GET-PEER-ADDRESS-AND-PORT or
+GET-LOCAL-ADDRESS-AND-PORT) gives for SOCKET, remembered in a slot of the
+CONNECTION-USOCKET (READER and WRITER its accessor's functions)."
+  (declare (type function original reader writer))
+  (if (typep socket 'connection-usocket)
+      (values-list (or (funcall reader socket)
+                       (funcall writer (multiple-value-list (funcall original socket)) socket)))
+      (funcall original socket)))
+
+;;; Content type with charset
+
+(defconstant +charset-memo-size+ 8
+  "How many (content type, external format name) pairs are remembered.")
+
+(sb-ext:define-load-time-global *charset-memo* '()
+  "((content-type external-format-name . result) ...), newest first, at most
++CHARSET-MEMO-SIZE+; RESULT is :UNCHANGED when the original returned its
+argument.  Each CONTENT-TYPE here is a copy nobody else holds.  The list is
+replaced, never mutated.")
+
+(defun content-type-with-charset (original content-type external-format)
+  "What ORIGINAL (Hunchentoot's MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER)
+returns for CONTENT-TYPE and EXTERNAL-FORMAT, from *CHARSET-MEMO* when it
+holds them."
+  (if (not (stringp content-type))
+      (funcall original content-type external-format)
+      (let* ((name (flex:external-format-name external-format))
+             (memo *charset-memo*)
+             (entry (find-if (lambda (entry)
+                               (and (eq name (second entry))
+                                    (string= content-type (the string (first entry)))))
+                             memo)))
+        (if entry
+            (let ((result (cddr entry)))
+              (if (eq result :unchanged) content-type (copy-seq result)))
+            (let ((result (funcall original content-type external-format)))
+              (setf *charset-memo*
+                    (cons (list* (copy-seq content-type) name
+                                 (if (eq result content-type) :unchanged (copy-seq result)))
+                          (subseq memo 0 (min (length memo) (1- +charset-memo-size+)))))
+              result)))))
+
+;;; Wrapping Hunchentoot's functions (compat.lisp checks them).
+
+(wrap-hunchentoot-function (hunchentoot-rfc-1123-date)
+  (lambda (original &rest time)
+    (if time
+        (apply original time)
+        (current-rfc-1123-date original))))
+
+(wrap-hunchentoot-function (hunchentoot-get-peer-address-and-port)
+  (lambda (original socket)
+    (connection-address-and-port original socket
+                                 #'usocket-peer-names #'(setf usocket-peer-names))))
+
+(wrap-hunchentoot-function (hunchentoot-get-local-address-and-port)
+  (lambda (original socket)
+    (connection-address-and-port original socket
+                                 #'usocket-local-names #'(setf usocket-local-names))))
+
+(wrap-hunchentoot-function (hunchentoot-maybe-add-charset)
+  (lambda (original content-type external-format)
+    (content-type-with-charset original content-type external-format)))
