@@ -63,8 +63,8 @@
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "hunchentoot" "chunga" "flexi-streams" "usocket" "cl+ssl"
-               "bordeaux-threads" "sb-introspect")
+  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads"
+               "sb-introspect")
   :pathname "src/hunchentoot/"
   :serial t
   :components ((:file "package")

@@ -22,10 +22,13 @@
 ;;;;    1.3.x request gets too (the same strings for every request its
 ;;;;    PROCESS-CONNECTION reads); on any other socket, the original runs;
 ;;;;  - the content type with its charset, for the last few (content type,
-;;;;    external format name) pairs seen, the content type compared by its
-;;;;    characters: the original's result depends on nothing else.  When the
-;;;;    original would return its argument unchanged, so does this; an added
-;;;;    charset comes in a fresh string.
+;;;;    external format) pairs seen, the content type compared by its
+;;;;    characters, the external format by identity (the reply's default is
+;;;;    one object): the original's result depends on nothing else.  When
+;;;;    the original would return its argument unchanged, so does this; an
+;;;;    added charset comes in a fresh string.  (Not keyed by the format's
+;;;;    name: the original asks for it only for a text type without a
+;;;;    charset, and a reply's external format need not have one.)
 ;;;; The wrappers apply to every acceptor in the image, stock ones too: what
 ;;;; they return is the same.
 
@@ -64,10 +67,10 @@ CONNECTION-USOCKET (READER and WRITER its accessor's functions)."
 ;;; Content type with charset
 
 (defconstant +charset-memo-size+ 8
-  "How many (content type, external format name) pairs are remembered.")
+  "How many (content type, external format) pairs are remembered.")
 
 (sb-ext:define-load-time-global *charset-memo* '()
-  "((content-type external-format-name . result) ...), newest first, at most
+  "((content-type external-format . result) ...), newest first, at most
 +CHARSET-MEMO-SIZE+; RESULT is :UNCHANGED when the original returned its
 argument.  Each CONTENT-TYPE here is a copy nobody else holds.  The list is
 replaced, never mutated.")
@@ -78,10 +81,9 @@ returns for CONTENT-TYPE and EXTERNAL-FORMAT, from *CHARSET-MEMO* when it
 holds them."
   (if (not (stringp content-type))
       (funcall original content-type external-format)
-      (let* ((name (flex:external-format-name external-format))
-             (memo *charset-memo*)
+      (let* ((memo *charset-memo*)
              (entry (find-if (lambda (entry)
-                               (and (eq name (second entry))
+                               (and (eq external-format (second entry))
                                     (string= content-type (the string (first entry)))))
                              memo)))
         (if entry
@@ -89,7 +91,7 @@ holds them."
               (if (eq result :unchanged) content-type (copy-seq result)))
             (let ((result (funcall original content-type external-format)))
               (setf *charset-memo*
-                    (cons (list* (copy-seq content-type) name
+                    (cons (list* (copy-seq content-type) external-format
                                  (if (eq result content-type) :unchanged (copy-seq result)))
                           (subseq memo 0 (min (length memo) (1- +charset-memo-size+)))))
               result)))))
