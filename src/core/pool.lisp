@@ -277,11 +277,18 @@ USABLE-CPUS reads them), at least 1, so that all groups together keep no
 more than MAX-THREADS when they can."
   (max 1 (min (ceiling cpus groups) (floor max-threads groups))))
 
-(defun start-pool-thread (pool function name)
-  (let ((starter (pool-thread-starter pool)))
+(defun start-pool-thread (pool function name role)
+  "A thread of POOL running FUNCTION, named NAME for Lisp and \"gallop ROLE\"
+for the kernel (SET-THREAD-OS-NAME), so that top -H and perf tell a
+worker from the maker or the housekeeper."
+  (let ((starter (pool-thread-starter pool))
+        (body (let ((os-name (concatenate 'string "gallop " role)))
+                (lambda ()
+                  (set-thread-os-name os-name)
+                  (funcall function)))))
     (if starter
-        (funcall starter function name)
-        (sb-thread:make-thread function :name name))))
+        (funcall starter body name)
+        (sb-thread:make-thread body :name name))))
 
 (defun pool-start (pool)
   "Create the groups' epoll sets, the maker thread and MIN-THREADS workers
@@ -313,7 +320,7 @@ more than MAX-THREADS when they can."
     (setf (pool-groups pool) groups)
     (setf (pool-maker pool)
           (start-pool-thread pool (lambda () (maker-loop pool))
-                             (format nil "~A-thread-maker" (pool-name pool))))
+                             (format nil "~A-thread-maker" (pool-name pool)) "maker"))
     (loop for group across groups
           do (dotimes (i (group-min-threads group))
                (spawn-worker pool group))))
@@ -332,7 +339,7 @@ the maker thread, or from POOL-START."
     (when proceed
       (handler-case
           (let ((thread (start-pool-thread pool (lambda () (worker-loop pool group))
-                                           (format nil "~A-worker" (pool-name pool)))))
+                                           (format nil "~A-worker" (pool-name pool)) "worker")))
             (sb-thread:with-mutex ((pool-lock pool))
               (push thread (pool-threads pool))))
         (error (e)

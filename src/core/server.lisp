@@ -101,7 +101,7 @@ calls ENGINE-ADOPT-FD."
   (setf (engine-state engine) :running)
   (setf (engine-housekeeper engine)
         (start-pool-thread (engine-pool engine) (lambda () (housekeeper-loop engine))
-                           (format nil "~A-housekeeper" (engine-name engine))))
+                           (format nil "~A-housekeeper" (engine-name engine)) "keeper"))
   engine)
 
 (defun wait-for-in-flight (engine &optional timeout-ms)

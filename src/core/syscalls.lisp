@@ -218,6 +218,17 @@ accepted from a listening socket inherit it.  True if it was set."
 (defun shutdown-fd (fd how)
   (%shutdown fd how))
 
+(defconstant +pr-set-name+ 15)
+
+(defun set-thread-os-name (name)
+  "Give the calling thread NAME (its first 15 octets) where the kernel shows
+threads: /proc/self/task/TID/comm, top -H, ps -L, perf.  SBCL names threads
+for Lisp only; to the kernel every thread of the process is \"sbcl\"."
+  (declare (type simple-string name))
+  (sb-alien:alien-funcall
+   (sb-alien:extern-alien "prctl" (function sb-alien:int sb-alien:int sb-alien:c-string))
+   +pr-set-name+ name))
+
 (defun make-eventfd ()
   (let ((fd (%eventfd 0 (logior +efd-nonblock+ +efd-cloexec+))))
     (when (< fd 0) (error "eventfd failed: errno ~D" (%errno)))

@@ -151,3 +151,29 @@ request before it on the same connection is served."
                (is (string= (format nil "GET /~D HTTP/1.1" i)
                             (body-string (read-response socket))))))
         (usocket:socket-close socket)))))
+
+;;; The kernel's names of the engine's threads (/proc/self/task/TID/comm):
+;;; what top -H, ps -L and perf show.  SBCL leaves every thread "sbcl".
+
+(defun os-thread-names ()
+  "The kernel's name of each thread of this process."
+  (loop for task in (directory "/proc/self/task/*/")
+        for name = (ignore-errors
+                    (with-open-file (in (merge-pathnames "comm" task)) (read-line in nil)))
+        when name collect name))
+
+(test engine-threads-have-kernel-names
+  (with-engine (engine port :standby-thread-count 2)
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn (send socket (crlf "GET /named HTTP/1.1" "Host: x"))
+                  (is (string= "GET /named HTTP/1.1" (body-string (read-response socket)))))
+        (usocket:socket-close socket)))
+    (let ((names (os-thread-names)))
+      (is (= 1 (count "gallop maker" names :test #'string=)) "~S" names)
+      (is (= 1 (count "gallop keeper" names :test #'string=)) "~S" names)
+      (is (<= 2 (count "gallop worker" names :test #'string=)) "~S" names)))
+  ;; and once the engine stopped, none of them is left
+  (is (wait-until (lambda ()
+                    (notany (lambda (name) (search "gallop " name)) (os-thread-names))))
+      "~S" (os-thread-names)))
