@@ -76,9 +76,9 @@ address and port and the server's, exactly."
       (usocket:socket-close socket))))
 
 (test handlers-see-the-addresses-accept-gave
-  ;; Two connections to each, one after the other and then both at once:
-  ;; each its own port (Gallop remembers a connection's addresses,
-  ;; src/hunchentoot/memo.lisp).
+  ;; Two connections to each server one after the other, then two open at
+  ;; once: each sees its own port (Gallop remembers a connection's
+  ;; addresses, src/hunchentoot/memo.lisp).
   (flet ((check (port)
            (check-peer-names port)
            (check-peer-names port)
