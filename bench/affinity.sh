@@ -16,6 +16,7 @@
 # night of 2026-11-26".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+. "$HERE/bench/lib.sh"
 DUR=${DURATION:-4}; REPS=${REPS:-7}; CONNS=${CONNS:-400}
 TMP=$HERE/bench/results/tmp/affinity; mkdir -p "$TMP"
 rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
@@ -37,11 +38,9 @@ start 18952 "(:max-thread-count 1 :standby-thread-count 1)"
 start 18953 "(:max-thread-count 1 :standby-thread-count 1)"
 declare -A PID
 for port in 18951 18952 18953; do
-  for i in $(seq 240); do grep -q READY "$TMP/$port.out" 2>/dev/null && break; sleep 0.5; done
-  PID[$port]=$(awk '/READY/{print $2}' "$TMP/$port.out")
+  PID[$port]=$(ready_pid "$TMP/$port.out")
   [ -n "${PID[$port]}" ] || { echo "affinity.sh: server on $port did not start (see $TMP/$port.err)" >&2; exit 1; }
 done
-ticks() { local sum=0 p; for p in "$@"; do sum=$((sum + $(awk '{print $14 + $15}' /proc/$p/stat))); done; echo $sum; }
 requests() { awk '/requests in/{print $1}' "$1"; }
 half=$((CONNS / 2))
 wrk -t2 -c$CONNS -d1s http://127.0.0.1:18951/yo > /dev/null
@@ -54,16 +53,16 @@ report() { # NAME REQUESTS TICKS
 }
 : > "$TMP/runs"
 for r in $(seq "$REPS"); do
-  T0=$(ticks ${PID[18951]})
+  T0=$(cpu_ticks ${PID[18951]})
   wrk -t2 -c$CONNS -d${DUR}s http://127.0.0.1:18951/yo > "$TMP/one.txt"
-  T1=$(ticks ${PID[18951]})
+  T1=$(cpu_ticks ${PID[18951]})
   report one "$(requests "$TMP/one.txt")" $((T1 - T0)) | tee -a "$TMP/runs"
-  T0=$(ticks ${PID[18952]} ${PID[18953]})
+  T0=$(cpu_ticks ${PID[18952]} ${PID[18953]})
   wrk -t1 -c$half -d${DUR}s http://127.0.0.1:18952/yo > "$TMP/split1.txt" &
   W=$!
   wrk -t1 -c$half -d${DUR}s http://127.0.0.1:18953/yo > "$TMP/split2.txt"
   wait $W
-  T1=$(ticks ${PID[18952]} ${PID[18953]})
+  T1=$(cpu_ticks ${PID[18952]} ${PID[18953]})
   report split $(( $(requests "$TMP/split1.txt") + $(requests "$TMP/split2.txt") )) $((T1 - T0)) \
     | tee -a "$TMP/runs"
 done

@@ -46,12 +46,12 @@ for checkout in "$A" "$B"; do
   KIDS+=($!); i=$((i + 1))
 done
 . "$HERE/bench/nginx-yo.sh"
+. "$HERE/bench/lib.sh"
 nginx_yo_conf "$TMP/nginx" "${PORTS[2]}" "$NGINX_WORKERS"
 "${PIN[@]}" nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
 PIDS=()
 for i in 0 1; do
-  for t in $(seq 240); do grep -q READY "$TMP/server$i.out" 2>/dev/null && break; sleep 0.5; done
-  pid=$(awk '/READY/{print $2}' "$TMP/server$i.out")
+  pid=$(ready_pid "$TMP/server$i.out")
   [ -n "$pid" ] || { echo "checkouts-ab.sh: server ${NAMES[$i]} did not start (see $TMP/server$i.err)" >&2; exit 1; }
   PIDS+=("$pid")
 done
@@ -61,8 +61,6 @@ PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")
 echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
 echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
 echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared}: ${WRK[*]} -cN -d${DUR}s"
-# The clock ticks (utime + stime) of processes PIDS, comma separated.
-ticks() { local t=0 p; for p in ${1//,/ }; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
 hz=$(getconf CLK_TCK)
 for i in 0 1 2; do "${WRK[@]}" -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
 for c in $CONNS_LIST; do
@@ -71,9 +69,9 @@ for c in $CONNS_LIST; do
     RPS=(); US=()
     for k in 0 1 2; do
       if [ $((r % 2)) = 0 ]; then i=$(( (2 - k + r) % 3 )); else i=$(( (k + r) % 3 )); fi
-      t0=$(ticks "${PIDS[$i]}")
+      t0=$(cpu_ticks "${PIDS[$i]}")
       "${WRK[@]}" -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt"
-      t1=$(ticks "${PIDS[$i]}")
+      t1=$(cpu_ticks "${PIDS[$i]}")
       RPS[$i]=$(awk -v d="$DUR" '/requests in/ { print $1 / d }' "$TMP/wrk.txt")
       US[$i]=$(awk -v t=$((t1 - t0)) -v hz="$hz" '/requests in/ { printf "%.2f", t * 1e6 / hz / $1 }' "$TMP/wrk.txt")
       [ -n "${RPS[$i]}" ] || { echo "checkouts-ab.sh: wrk gave no result for ${NAMES[$i]}" >&2; cat "$TMP/wrk.txt" >&2; exit 1; }

@@ -43,18 +43,17 @@ start() { # PORT SETS (a number, or cpus)
 start 18961 1
 start 18962 cpus
 . "$HERE/bench/nginx-yo.sh"
+. "$HERE/bench/lib.sh"
 nginx_yo_conf "$TMP/nginx" 18963 "$(nproc)"
 nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
 declare -A PID
 for port in 18961 18962; do
-  for i in $(seq 240); do grep -q READY "$TMP/$port.out" 2>/dev/null && break; sleep 0.5; done
-  PID[$port]=$(awk '/READY/{print $2}' "$TMP/$port.out")
+  PID[$port]=$(ready_pid "$TMP/$port.out")
   [ -n "${PID[$port]}" ] || { echo "epoll-sets.sh: server on $port did not start (see $TMP/$port.err)" >&2; exit 1; }
 done
 sleep 0.5
 master=$(cat "$TMP/nginx/nginx.pid")
 PID[18963]="$master $(pgrep -P "$master" | tr '\n' ' ')"
-ticks() { local sum=0 p; for p in "$@"; do sum=$((sum + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $sum; }
 hz=$(getconf CLK_TCK)
 NAME=([18961]=sets1 [18962]=setsN [18963]=nginx)
 for port in 18961 18962 18963; do wrk -t2 -c400 -d1s "http://127.0.0.1:$port/yo" > /dev/null; done
@@ -65,9 +64,9 @@ for r in $(seq "$REPS"); do
   ORDER="18961 18962 18963"; [ $((r % 2)) = 0 ] && ORDER="18963 18962 18961"
   for c in $CONNS_LIST; do
     for port in $ORDER; do
-      T0=$(ticks ${PID[$port]})
+      T0=$(cpu_ticks ${PID[$port]})
       wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt"
-      T1=$(ticks ${PID[$port]})
+      T1=$(cpu_ticks ${PID[$port]})
       awk -v n="${NAME[$port]}" -v r="$r" -v c="$c" -v t="$((T1 - T0))" -v d="$DUR" -v hz="$hz" \
         '/requests in/ { printf "%d c%-4s %-6s %9.0f req/s %6.2f us/req\n", r, c, n, $1 / d, t * 1e6 / hz / $1 }' \
         "$TMP/wrk.txt" | tee -a "$TMP/runs"

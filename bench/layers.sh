@@ -20,6 +20,7 @@ DUR=${DURATION:-3}; REPS=${REPS:-3}
 LAYERS=("$@"); [ ${#LAYERS[@]} -eq 0 ] && LAYERS=(floor table env respond native)
 TMP=$HERE/bench/results/tmp/layers; mkdir -p "$TMP"
 . "$HERE/bench/nginx-yo.sh"
+. "$HERE/bench/lib.sh"
 nginx_yo_conf "$TMP" 18930
 declare -A PORT PID
 SERVERS=()
@@ -41,22 +42,20 @@ for layers in "${LAYERS[@]}"; do
 done
 taskset -c 0 nginx -c "$TMP/nginx.conf" -g 'daemon off;' 2>> "$TMP/error.log" &
 for layers in "${LAYERS[@]}"; do
-  for i in $(seq 240); do grep -q READY "$TMP/$layers.out" 2>/dev/null && break; sleep 0.5; done
-  PID[$layers]=$(awk '/READY/{print $2}' "$TMP/$layers.out")
+  PID[$layers]=$(ready_pid "$TMP/$layers.out")
   [ -n "${PID[$layers]}" ] || { echo "layers.sh: $layers did not start (see $TMP/$layers.err)" >&2; exit 1; }
 done
 sleep 1
 PORT[nginx]=18930; PID[nginx]=$(pgrep -P "$(cat "$TMP/nginx.pid")" | head -1)
 [ -n "${PID[nginx]}" ] || { echo "layers.sh: nginx did not start" >&2; exit 1; }
 NAMES=("${LAYERS[@]}" nginx)
-ticks() { awk '{print $14, $15}' /proc/$1/stat; }
 for n in "${NAMES[@]}"; do taskset -c 1 wrk -t1 -c100 -d1s http://127.0.0.1:${PORT[$n]}/yo > /dev/null; done
 : > "$TMP/runs"
 for r in $(seq "$REPS"); do
   for n in "${NAMES[@]}"; do
-    T0=$(ticks ${PID[$n]})
+    T0=$(cpu_user_system ${PID[$n]})
     N=$(taskset -c 1 wrk -t1 -c100 -d${DUR}s http://127.0.0.1:${PORT[$n]}/yo | awk '/requests in/{print $1}')
-    T1=$(ticks ${PID[$n]})
+    T1=$(cpu_user_system ${PID[$n]})
     echo "$n $N $T0 $T1" | awk -v d=$DUR -v hz=$(getconf CLK_TCK) '{
       u = ($5-$3)*1e6/hz/$2; s = ($6-$4)*1e6/hz/$2
       printf "%-8s req/s %7d  us/req user %5.2f sys %5.2f total %5.2f\n", $1, $2/d, u, s, u+s }' | tee -a "$TMP/runs"

@@ -1,5 +1,5 @@
 # nginx-yo.sh -- sourced by the bench scripts that compare with nginx
-# (layers.sh, quota-ab.sh, epoll-sets.sh, switches.sh): nginx answering /yo
+# (layers.sh, quota-ab.sh, epoll-sets.sh, switches.sh, checkouts-ab.sh): nginx answering /yo
 # as the Lisp servers do.
 #
 #   nginx_yo_conf DIR PORT [WORKERS]   writes DIR/nginx.conf (pid, logs and

@@ -29,6 +29,7 @@ limit() { # name pid
   echo $2 > $CG/gallop-ab-$1/cgroup.procs
 }
 . "$HERE/bench/nginx-yo.sh"
+. "$HERE/bench/lib.sh"
 nginx_yo_conf "$TMP" 18195
 PIDS=()
 cleanup() {
@@ -42,8 +43,7 @@ start_native() { # dir port -> pid
   # (its standard input stays open while `sleep` runs: end of file stops it)
   (cd "$1" && sleep 86399 | taskset -c 0 scripts/lisp.sh --load bench/server.lisp \
       --end-toplevel-options native $2 0 > "$TMP/out.$2" 2> "$TMP/err.$2") > /dev/null 2>&1 &
-  for i in $(seq 1 240); do grep -q READY "$TMP/out.$2" 2>/dev/null && break; sleep 0.5; done
-  awk '/READY/{print $2}' "$TMP/out.$2"
+  ready_pid "$TMP/out.$2"
 }
 taskset -c 0 nginx -p "$TMP" -e "$TMP/error.log" -c "$TMP/nginx.conf" -g 'daemon off;' &
 sleep 1; NGINX=$(pgrep -f "nginx: worker" | head -1); limit nginx $NGINX

@@ -15,6 +15,7 @@
 # per KIND, the medians of the per-round ratios.  Ports 18991 and up.
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+. "$HERE/bench/lib.sh"
 DUR=${DURATION:-3}; REPS=${REPS:-8}; SL=${SLEEP_MS:-1}
 KINDS=${KINDS:-"gallop gallop-tm"}; CONNS_LIST=${CONNS_LIST:-"100 400"}
 TMP=$HERE/bench/results/tmp/sets-ab; mkdir -p "$TMP"
@@ -37,8 +38,7 @@ for kind in $KINDS; do
   done
 done
 for port in "${PORTS[@]}"; do
-  for i in $(seq 240); do grep -q READY "$TMP/$port.out" 2>/dev/null && break; sleep 0.5; done
-  PID[$port]=$(awk '/READY/{print $2}' "$TMP/$port.out")
+  PID[$port]=$(ready_pid "$TMP/$port.out")
   [ -n "${PID[$port]}" ] || { echo "sets-ab.sh: server on $port did not start (see $TMP/$port.err)" >&2; exit 1; }
 done
 hz=$(getconf CLK_TCK)
@@ -49,9 +49,9 @@ for r in $(seq "$REPS"); do
   [ $((r % 2)) = 0 ] && ORDER=$(printf '%s\n' "${PORTS[@]}" | tac | tr '\n' ' ')
   for c in $CONNS_LIST; do
     for port in $ORDER; do
-      t0=$(awk '{print $14 + $15}' "/proc/${PID[$port]}/stat")
+      t0=$(cpu_ticks "${PID[$port]}")
       wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt"
-      t1=$(awk '{print $14 + $15}' "/proc/${PID[$port]}/stat")
+      t1=$(cpu_ticks "${PID[$port]}")
       threads=$(ls "/proc/${PID[$port]}/task" | wc -l)
       awk -v n="${NAME[$port]}" -v r="$r" -v c="$c" -v t="$((t1 - t0))" -v d="$DUR" -v hz="$hz" -v th="$threads" \
         '/requests in/ { printf "%d c%s %s %.0f %.2f %d\n", r, c, n, $1 / d, t * 1e6 / hz / $1, th }' \

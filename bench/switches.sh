@@ -26,19 +26,15 @@ rm -f "$TMP/hold"; mkfifo "$TMP/hold"; exec 9<> "$TMP/hold"
    --end-toplevel-options native 18981 0 < "$TMP/hold" > "$TMP/gallop.out" 2> "$TMP/gallop.err") &
 KID=$!
 . "$HERE/bench/nginx-yo.sh"
+. "$HERE/bench/lib.sh"
 nginx_yo_conf "$TMP/nginx" 18982 "$(nproc)"
 nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || { kill "$KID"; exit 1; }
 trap 'kill "$KID" 2>/dev/null; kill "$(cat "$TMP/nginx/nginx.pid")" 2>/dev/null' EXIT
-for i in $(seq 240); do grep -q READY "$TMP/gallop.out" 2>/dev/null && break; sleep 0.5; done
-GALLOP=$(awk '/READY/{print $2}' "$TMP/gallop.out")
+GALLOP=$(ready_pid "$TMP/gallop.out")
 [ -n "$GALLOP" ] || { echo "switches.sh: gallop:start did not start (see $TMP/gallop.err)" >&2; exit 1; }
 sleep 0.5
 MASTER=$(cat "$TMP/nginx/nginx.pid")
 NGINX="$MASTER,$(pgrep -P "$MASTER" | paste -sd,)"
-# USER SYSTEM: the clock ticks of processes PIDS (comma separated), summed.
-ticks() { local u=0 s=0 p; for p in ${1//,/ }; do
-            read -r pu ps < <(awk '{print $14, $15}' "/proc/$p/stat"); u=$((u + pu)); s=$((s + ps)); done
-          echo "$u $s"; }
 hz=$(getconf CLK_TCK)
 # Gallop's :STOLEN count (GALLOP:STATS, through the server's protocol).
 stolen() { local n; n=$(grep -c STATS "$TMP/gallop.out"); echo stats >&9
@@ -50,13 +46,13 @@ for r in $(seq "$REPS"); do
     for port in 18981 18982; do
       if [ "$port" = 18981 ]; then name=gallop; pids=$GALLOP; else name=nginx; pids=$NGINX; fi
       [ "$name" = gallop ] && st0=$(stolen)
-      read -r u0 s0 < <(ticks "$pids")
+      read -r u0 s0 < <(cpu_user_system "$pids")
       wrk -t2 -c"$c" -d"${DUR}s" "http://127.0.0.1:$port/yo" > "$TMP/wrk.txt" &
       wrk_pid=$!
       sleep 0.5
       perf stat -e context-switches,cpu-migrations -p "$pids" -o "$TMP/perf.txt" -- sleep $((DUR - 1)) > /dev/null 2>&1
       wait "$wrk_pid"
-      read -r u1 s1 < <(ticks "$pids")
+      read -r u1 s1 < <(cpu_user_system "$pids")
       stolen_per_req=""
       [ "$name" = gallop ] && stolen_per_req=$(awk -v n="$(( $(stolen) - st0 ))" '/requests in/ { printf " %.3f stolen/req", n / $1 }' "$TMP/wrk.txt")
       awk -v r="$r" -v c="$c" -v n="$name" -v d="$DUR" -v u="$((u1 - u0))" -v s="$((s1 - s0))" -v hz="$hz" \
