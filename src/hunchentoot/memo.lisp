@@ -82,10 +82,11 @@ holds them."
   (if (not (stringp content-type))
       (funcall original content-type external-format)
       (let* ((memo *charset-memo*)
-             (entry (find-if (lambda (entry)
-                               (and (eq external-format (second entry))
-                                    (string= content-type (the string (first entry)))))
-                             memo)))
+             ;; A loop, not FIND-IF with a closure: that consed on every call.
+             (entry (dolist (entry memo nil)
+                      (when (and (eq external-format (second entry))
+                                 (string= content-type (the string (first entry))))
+                        (return entry)))))
         (if entry
             (let ((result (cddr entry)))
               (if (eq result :unchanged) content-type (copy-seq result)))
