@@ -91,15 +91,15 @@
 ;;;; under +GROWTH-CPU-LIMIT+ of its CPUs, and the group's permit holders
 ;;;; that are not blocked are fewer than its share of the CPUs, or than half
 ;;;; its holders (with many workers blocked most of the time, those waking
-;;;; up at once may outnumber the CPUs), and no more than twice as many of
-;;;; its serving workers as its share of the CPUs were seen runnable (more
-;;;; means several wait for a CPU: on a machine shared with other processes
-;;;; the process may use well under its CPUs and still get no more, and each
-;;;; thread added to a 1 ms handler's pool then only lengthened the queue
-;;;; for the CPUs: 9 to 12 seconds of run-queue wait per second, from
-;;;; /proc/self/task/*/schedstat, on 79 to 93 threads; with this rule 68 to
-;;;; 73 threads served as many requests or more at 10-20% less CPU each;
-;;;; stopping at CPUs runnable instead of twice that lost requests), in two
+;;;; up at once may outnumber the CPUs), and no more than
+;;;; +RUNNABLE-PER-CPU+ times as many of its serving workers as its share of
+;;;; the CPUs were seen runnable (more means several wait for a CPU: on a
+;;;; machine shared with other processes the process may use well under its
+;;;; CPUs and still get no more, and each thread added to a 1 ms handler's
+;;;; pool then only lengthened the queue for the CPUs: 9 to 12 seconds of
+;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
+;;;; threads; with such a limit 68 to 73 threads served as many requests or
+;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value), in two
 ;;;; samples in a row, it adds a thread to the group when its permits are
 ;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
 ;;;; behind), else a permit and a thread for it (up to MAX-THREADS threads
@@ -157,6 +157,18 @@
   "epoll data of a group's nudge eventfd.")
 (defconstant +batch+ 32
   "The most events one epoll_wait takes.")
+(defconstant +runnable-per-cpu+ 3
+  "Serving workers seen runnable (state R) per CPU of a group's share beyond
+which the group does not grow (BLOCKED-WORKERS): they wait for a CPU, and
+another thread would wait too.  A snapshot catches a worker runnable for as
+long as it computes after its handler wakes, so the more CPU a request takes
+the more runnable workers a load shows at the same use of the CPUs: 1 held
+back even `gallop:start`'s pool at 1 ms handlers; 2 held back the
+Hunchentoot front ends, whose requests take twice its CPU; 3 gave the
+easy-acceptor 2-18% more requests per second at 1 ms, at c100 and c400, at
+less CPU per request, the taskmaster 2-8%, `gallop:start` the same (within
+its noise), and the same beside a CPU hog; 4 gave no more than 3
+\(BENCHMARKS.md, \"Runnable workers per CPU\").")
 
 (defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
@@ -531,9 +543,10 @@ and nudge that group.  EVENTS is the maker's event buffer."
 (defun blocked-workers (pool group limit cpus buffer)
   "How many of POOL's workers in GROUP (all of them, when GROUP is NIL) are
 blocked while serving an event (see the header), counting no further than
-LIMIT; 0 when more than twice CPUS of the serving workers read are runnable
-\(state R): the CPUs are taken, by this process or by others, and another
-thread would only wait for one too.  BUFFER is for THREAD-RUNNABLE-P."
+LIMIT; 0 when more than +RUNNABLE-PER-CPU+ times CPUS of the serving
+workers read are runnable \(state R): the CPUs are taken, by this process or
+by others, and another thread would only wait for one too.  BUFFER is for
+THREAD-RUNNABLE-P."
   (let ((count 0) (runnable 0))
     (declare (type fixnum count runnable))
     (when (plusp limit)
@@ -543,7 +556,7 @@ thread would only wait for one too.  BUFFER is for THREAD-RUNNABLE-P."
           (let ((before (worker-serving worker)))
             (when (oddp before)
               (cond ((thread-runnable-p (worker-tid worker) buffer)
-                     (when (> (incf runnable) (* 2 cpus))
+                     (when (> (incf runnable) (* +runnable-per-cpu+ cpus))
                        (return-from blocked-workers 0)))
                     ((= before (worker-serving worker))
                      (when (>= (incf count) limit)

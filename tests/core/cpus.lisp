@@ -106,12 +106,16 @@ controller, or v2); its directory, or NIL if this machine does not let us."
 event: serving (an odd count in their WORKER record) and not wanting a CPU
 \(state R in /proc/self/task/TID/stat).  A spinning thread is runnable, a
 thread waiting on a semaphore is not, a worker not serving is never blocked,
-and the count stops at its limit.  More serving workers runnable than twice
-the CPUs make it 0: the CPUs are taken, another thread would wait too."
+and the count stops at its limit.  More serving workers runnable than
++RUNNABLE-PER-CPU+ times the CPUs make it 0: the CPUs are taken, another
+thread would wait too."
   (let* ((stop nil)
          (gate (sb-thread:make-semaphore))
          (buffer (make-array 128 :element-type '(unsigned-byte 8)))
-         (spinner (sb-thread:make-thread (lambda () (loop until stop)) :name "spinning (test)"))
+         (spinners (loop repeat (1+ gallop.core::+runnable-per-cpu+)
+                         collect (sb-thread:make-thread (lambda () (loop until stop))
+                                                        :name "spinning (test)")))
+         (spinner (first spinners))
          (waiters (loop repeat 3 collect (sb-thread:make-thread
                                           (lambda () (sb-thread:wait-on-semaphore gate))
                                           :name "waiting (test)"))))
@@ -132,8 +136,10 @@ the CPUs make it 0: the CPUs are taken, another thread would wait too."
                                                          (sb-thread:thread-os-tid w) buffer))
                                             waiters))))
              (is-true (wait-until (lambda ()
-                                    (gallop.core::thread-runnable-p
-                                     (sb-thread:thread-os-tid spinner) buffer))))
+                                    (every (lambda (s)
+                                             (gallop.core::thread-runnable-p
+                                              (sb-thread:thread-os-tid s) buffer))
+                                           spinners))))
              (flet ((blocked (pool limit &optional (cpus 8))
                       (gallop.core::blocked-workers pool nil limit cpus buffer)))
                (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
@@ -146,9 +152,19 @@ the CPUs make it 0: the CPUs are taken, another thread would wait too."
                (is (= 1 (blocked (pool (worker spinner 3) (worker (first waiters) 5)
                                        (worker (second waiters) 6))
                                  10)))
-               ;; One serving worker runnable: within twice 1 CPU, over twice 0.
-               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
+               ;; One serving worker runnable: within the limit for 1 CPU,
+               ;; over it for 0; as many as the limit for 1 CPU still
+               ;; within it, one more over it.
+               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters))
+                     (at-limit (mapcar (lambda (s) (worker s 1))
+                                       (rest spinners))))
                  (is (= 3 (blocked (apply #'pool (worker spinner 1) serving) 10 1)))
+                 (is (= gallop.core::+runnable-per-cpu+ (length at-limit)))
+                 (is (= 3 (blocked (apply #'pool (append at-limit serving)) 10 1))
+                     "as many runnable serving workers as the limit for 1 CPU: growth")
+                 (is (= 0 (blocked (apply #'pool (worker spinner 1) (append at-limit serving))
+                                   10 1))
+                     "one runnable serving worker over the limit for 1 CPU: no growth")
                  (is (= 0 (blocked (apply #'pool (worker spinner 1) serving) 10 0))
                      "a runnable serving worker first, no CPU: no growth")
                  (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
@@ -157,4 +173,4 @@ the CPUs make it 0: the CPUs are taken, another thread would wait too."
                  "a thread that does not exist"))
         (setf stop t)
         (sb-thread:signal-semaphore gate 3)
-        (mapc #'sb-thread:join-thread (cons spinner waiters))))))
+        (mapc #'sb-thread:join-thread (append spinners waiters))))))
