@@ -163,12 +163,13 @@ which the group does not grow (BLOCKED-WORKERS): they wait for a CPU, and
 another thread would wait too.  A snapshot catches a worker runnable for as
 long as it computes after its handler wakes, so the more CPU a request takes
 the more runnable workers a load shows at the same use of the CPUs: 1 held
-back even `gallop:start`'s pool at 1 ms handlers; 2 held back the
-Hunchentoot front ends, whose requests take twice its CPU; 3 gave the
-easy-acceptor 2-18% more requests per second at 1 ms, at c100 and c400, at
-less CPU per request, the taskmaster 2-8%, `gallop:start` the same (within
-its noise), and the same beside a CPU hog; 4 gave no more than 3
-\(BENCHMARKS.md, \"Runnable workers per CPU\").")
+back even `gallop:start`'s pool with 1 ms handlers, and 2 the Hunchentoot
+front ends', whose requests take about twice its CPU.  With 3, in three
+A/B runs with 1 ms handlers, the easy-acceptor served 0-24% more requests
+per second at c100 and 4-15% at c400, at the same or less CPU per request,
+`gallop:start` as many as with 2 (within 4%), and 2-5% more beside a CPU
+hog; 4 served no more than 3 (BENCHMARKS.md, \"Runnable workers per
+CPU\").")
 
 (defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
