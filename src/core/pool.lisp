@@ -99,8 +99,8 @@
 ;;;; pool then only lengthened the queue for the CPUs: 9 to 12 seconds of
 ;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
 ;;;; threads; with such a limit 68 to 73 threads served as many requests or
-;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value), in two
-;;;; samples in a row, it adds a thread to the group when its permits are
+;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value), in
+;;;; two samples in a row, it adds a thread to the group when its permits are
 ;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
 ;;;; behind), else a permit and a thread for it (up to MAX-THREADS threads
 ;;;; and permits in all the groups).  Samples during which a garbage
