@@ -34,6 +34,7 @@
   "sizeof (struct epoll_event) on x86-64, where the struct is packed.")
 
 (defconstant +o-nonblock+ #o4000)
+(defconstant +o-cloexec+ #o2000000)
 (defconstant +sock-nonblock+ #o4000)
 (defconstant +sock-cloexec+ #o2000000)
 (defconstant +efd-nonblock+ #o4000)

@@ -119,7 +119,10 @@ thread would wait too."
          (waiters (loop repeat 3 collect (sb-thread:make-thread
                                           (lambda () (sb-thread:wait-on-semaphore gate))
                                           :name "waiting (test)"))))
-    (flet ((worker (thread serving)
+    (flet ((runnable (thread)
+             (gallop.core::thread-runnable-p
+              (gallop.core::thread-stat-path (sb-thread:thread-os-tid thread)) buffer))
+           (worker (thread serving)
              (let ((w (gallop.core::make-worker thread (sb-thread:thread-os-tid thread))))
                (setf (gallop.core::worker-serving w) serving)
                w))
@@ -131,15 +134,8 @@ thread would wait too."
            (progn
              ;; Until each is where the test put it (a thread just started
              ;; may still be running on its way to the semaphore).
-             (is-true (wait-until (lambda ()
-                                    (notany (lambda (w) (gallop.core::thread-runnable-p
-                                                         (sb-thread:thread-os-tid w) buffer))
-                                            waiters))))
-             (is-true (wait-until (lambda ()
-                                    (every (lambda (s)
-                                             (gallop.core::thread-runnable-p
-                                              (sb-thread:thread-os-tid s) buffer))
-                                           spinners))))
+             (is-true (wait-until (lambda () (notany #'runnable waiters))))
+             (is-true (wait-until (lambda () (every #'runnable spinners))))
              (flet ((blocked (pool limit &optional (cpus 8))
                       (gallop.core::blocked-workers pool nil limit cpus buffer)))
                (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
@@ -169,8 +165,35 @@ thread would wait too."
                      "a runnable serving worker first, no CPU: no growth")
                  (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
                      "a runnable serving worker last, no CPU: no growth")))
-             (is (null (gallop.core::thread-runnable-p 999999999 buffer))
+             (is (null (gallop.core::thread-runnable-p
+                             (gallop.core::thread-stat-path 999999999) buffer))
                  "a thread that does not exist"))
         (setf stop t)
         (sb-thread:signal-semaphore gate 3)
         (mapc #'sb-thread:join-thread (append spinners waiters))))))
+
+(test looks-at-a-group-whose-workers-never-block-are-spaced
+  "The maker reads a group's workers' states every sample until
++QUIET-LOOKS-BEFORE-SPACING+ looks in a row found too few blocked to grow,
+then one sample in +SPACED-LOOK-SAMPLES+; a look that finds enough blocked
+goes back to every sample, so that the next sample can confirm it (growth
+needs two in a row)."
+  (let* ((group (gallop.core::make-group))
+         (quiet gallop.core::+quiet-looks-before-spacing+)
+         (spacing gallop.core::+spaced-look-samples+)
+         (spaced (append (make-list (1- spacing) :initial-element nil) (list t))))
+    (flet ((samples (n blocked)
+             ;; Whether each of N samples looked, each look finding BLOCKED.
+             (loop repeat n
+                   collect (let ((look (gallop.core::look-for-blocked-p group)))
+                             (when look (gallop.core::note-look group blocked))
+                             look))))
+      (is (> spacing 1))
+      (is (every #'identity (samples quiet nil)) "every sample looks at first")
+      (is (equal (append spaced spaced) (samples (* 2 spacing) nil))
+          "then one sample in +SPACED-LOOK-SAMPLES+")
+      (is (equal spaced (samples spacing t)) "until a look finds workers blocked")
+      (is (every #'identity (samples 3 t)) "then every sample looks again")
+      (is (every #'identity (samples quiet nil))
+          "and goes on doing so for as many quiet looks as at first")
+      (is (equal spaced (samples spacing nil))))))
