@@ -125,13 +125,22 @@ closing parenthesis and a space.")
 (sb-alien:define-alien-routine ("open" %open) sb-alien:int
   (path sb-sys:system-area-pointer) (flags sb-alien:int))
 
+(defun thread-proc-path (tid file)
+  "The path of /proc/self/task/TID/FILE as octets ending in a NUL."
+  (let ((path (format nil "/proc/self/task/~D/~A" tid file)))
+    (map '(simple-array (unsigned-byte 8) (*)) #'char-code
+         (concatenate 'string path (string (code-char 0))))))
+
 (defun thread-stat-path (tid)
   "The path of /proc/self/task/TID/stat as octets ending in a NUL, for
 THREAD-RUNNABLE-P: made once per thread, so that the maker's look at a
 thread formats and encodes no string (they were a tenth of its time)."
-  (let ((path (format nil "/proc/self/task/~D/stat" tid)))
-    (map '(simple-array (unsigned-byte 8) (*)) #'char-code
-         (concatenate 'string path (string (code-char 0))))))
+  (thread-proc-path tid "stat"))
+
+(defun thread-syscall-path (tid)
+  "The path of /proc/self/task/TID/syscall as octets ending in a NUL, for
+THREAD-FUTEX-WAIT-P, made once per thread."
+  (thread-proc-path tid "syscall"))
 
 (defun thread-runnable-p (path buffer)
   "True when the thread whose stat file is at PATH (THREAD-STAT-PATH) is
@@ -154,3 +163,43 @@ thread has just exited)."
                                return i)))
             (and paren (< (+ paren +proc-stat-state-offset+) n)
                  (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))))) ; #\R
+
+;;; Which blocked threads wait on a lock.  A thread that is not R may be
+;;; sleeping in its handler, waiting on a socket, or waiting on a futex: a
+;;; mutex, a semaphore, a condition variable.  A handler may wait on a
+;;; semaphore for long (a database pool), but a futex wait is also what a
+;;; thread does for a few microseconds to milliseconds when a lock's holder
+;;; is preempted, and on a machine shared with other processes that happens
+;;; to handlers that never block (POOL: CONFIRMED-BLOCKED).
+;;; /proc/self/task/TID/syscall names the system call a blocked thread is in
+;;; ("running" when it is not blocked); only the thread's own process may
+;;; read it, which is all the pool needs.
+
+(defconstant +futex-syscall+
+  #+x86-64 202 #+arm64 98 #-(or x86-64 arm64) -1
+  "futex(2)'s system call number on this architecture (-1: unknown, no thread
+is ever taken to be in it).")
+
+(defun thread-futex-wait-p (path buffer)
+  "True when the thread whose syscall file is at PATH (THREAD-SYSCALL-PATH)
+is blocked inside futex(2).  BUFFER is an octet vector of at least 16
+octets.  NIL if the file can't be read or names another call."
+  (declare (type octets path buffer))
+  (let ((fd (sb-sys:with-pinned-objects (path)
+              (%open (sb-sys:vector-sap path) (logior sb-unix:o_rdonly +o-cloexec+)))))
+    (when (>= fd 0)
+      (let ((n (unwind-protect
+                    (sb-sys:with-pinned-objects (buffer)
+                      (%read fd (sb-sys:vector-sap buffer) (length buffer)))
+                 (close-fd fd))))
+        (declare (type fixnum n))
+        ;; The file begins with the call's number in decimal, then a space.
+        (and (plusp n)
+             (let ((number 0))
+               (declare (type fixnum number))
+               (loop for i of-type fixnum below (min n (length buffer) 8)
+                     for octet = (aref buffer i)
+                     do (cond ((<= 48 octet 57) (setf number (+ (* number 10) (- octet 48))))
+                              ((and (= octet 32) (plusp i)) (return (= number +futex-syscall+)))
+                              (t (return nil))))))))))
+

@@ -108,8 +108,12 @@
 ;;;; and permits in all the groups).  Samples during which a garbage
 ;;;; collection ran are skipped: it stops every thread but one.
 ;;;; When the CPUs are saturated, or a group's holders sit idle for a second,
-;;;; it takes a permit of that group back (down to its share of the CPUs);
-;;;; the holder that notices gives it up.  "CPUs" means the ones the process
+;;;; or 20 looks in a row found fewer of its workers blocked than half its
+;;;; permits above its share (+SPARE-LOOKS-BEFORE-SHRINK+: a lock whose
+;;;; holder another process preempted makes a worker wait now and then, and
+;;;; growth for such waits must not ratchet), it takes a permit of that
+;;;; group back (down to its share of the CPUs); the holder that notices
+;;;; gives it up.  "CPUs" means the ones the process
 ;;;; may use: its affinity mask, lowered by its cgroup's CPU quota
 ;;;; (cpus.lisp), re-read once a second (the number of groups stays).
 ;;;; Thread creation is serialised through the maker because SBCL creates
@@ -213,17 +217,22 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   ;; the next look.
   (quiet-looks 0 :type fixnum)
   (look-in 0 :type fixnum)
+  ;; and those in a row that found fewer blocked than half its permits
+  ;; above its share of the CPUs.
+  (spare-looks 0 :type fixnum)
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
 (defstruct (worker (:constructor make-worker (thread tid &optional group
-                                             &aux (stat-path (thread-stat-path tid))))
+                                             &aux (stat-path (thread-stat-path tid))
+                                                  (syscall-path (thread-syscall-path tid))))
                    (:copier nil))
   "What the maker thread reads of one worker.  Written by that worker only."
   (thread nil :read-only t)
   (tid 0 :type fixnum :read-only t)
   (group nil :read-only t)
   (stat-path nil :type octets :read-only t) ; THREAD-STAT-PATH of TID
+  (syscall-path nil :type octets :read-only t) ; THREAD-SYSCALL-PATH of TID
   ;; Seven words either side of SERVING, so that no other object (a garbage
   ;; collection may move another worker's record next to this one) shares
   ;; its 64-octet cache line: its worker writes it twice per event.
@@ -440,6 +449,10 @@ workers: given back to them, if any is idle)."
          (us-per-unit (/ 1000000 internal-time-units-per-second))
          (last-gc sb-ext:*gc-run-time*)
          (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         ;; For CONFIRMED-BLOCKED: the workers BLOCKED-WORKERS found, and
+         ;; those last seen waiting in futex(2).
+         (found (make-array (* 2 (pool-max-threads pool)) :initial-element nil))
+         (futex-waits (make-hash-table :test 'eq))
          (events (make-event-buffer +batch+)))
     (unwind-protect
          (loop
@@ -476,38 +489,78 @@ workers: given back to them, if any is idle)."
                                 (group-busy-samples group)
                                 (if (zerop (group-idle group)) (1+ (group-busy-samples group)) 0))
                           (unless collected
-                            (resize-group pool group load share stat-buffer)))
+                            (resize-group pool group load share stat-buffer
+                                          found futex-waits)))
                  (when (and (> (length groups) 1) (pool-maker-helps pool))
                    (help-busy-groups pool events))))))
       (free-event-buffer events))))
 
-(defun resize-group (pool group load share stat-buffer)
+(defconstant +spare-looks-before-shrink+ 20
+  "Looks in a row at a group's workers' states that found fewer of them
+blocked than half its permits above its share of the CPUs, after which the
+maker takes one of those permits back.  Without it a permit added for a
+worker seen blocked stayed while the group's workers were busy and the
+process under its CPUs, which on a machine shared with other processes is
+always: a handler that never blocks still waits at times on a lock whose
+holder another process preempted (the drop-in front ends take Hunchentoot's
+acceptor lock twice a request), and such waits, seen now and then as
+blocking, added permits that nothing took back (beside a busy loop on one
+CPU, 10 s of wrk -c100 grew the easy-acceptor's pool to 14 permits in one
+of nine runs, and to 3 or 4 in three).  With handlers that do block, most
+workers are blocked at any moment and the looks keep the permits.")
+
+(defun note-spare-look (group blocked above-share)
+  "Record a look at GROUP's workers that found BLOCKED of them blocked, with
+ABOVE-SHARE permits above its share of the CPUs (see
++SPARE-LOOKS-BEFORE-SHRINK+)."
+  (setf (group-spare-looks group)
+        (if (< (* 2 blocked) above-share) (1+ (group-spare-looks group)) 0)))
+
+(defun spare-permit-p (group)
+  "True when GROUP's last +SPARE-LOOKS-BEFORE-SHRINK+ looks found its permits
+above its share not covering blocked workers: one of them may go."
+  (>= (group-spare-looks group) +spare-looks-before-shrink+))
+
+(defun resize-group (pool group load share stat-buffer found futex-waits)
   "The maker's decision for GROUP in one sample (see the header): a thread, or
 a permit and a thread, for a group seen blocked two samples in a row; a
-permit back from one whose holders sat idle for a second, or when the
-process uses its CPUs.  LOAD is the process's share of its CPUs in the
-sample, SHARE the group's share of them."
-  (let ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
-        (room-for-thread (and (< (group-thread-count group) (group-allowed group))
-                              (< (pool-thread-count pool) (pool-max-threads pool)))))
+permit back from one whose holders sat idle for a second, whose permits
+above its share were not covering blocked workers in +SPARE-LOOKS-BEFORE-
+SHRINK+ looks in a row, or when the process uses its CPUs.  LOAD is the
+process's share of its CPUs in the sample, SHARE the group's share of them;
+FOUND and FUTEX-WAITS are the maker's, for CONFIRMED-BLOCKED."
+  (let* ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
+         (room-for-thread (and (< (group-thread-count group) (group-allowed group))
+                               (< (pool-thread-count pool) (pool-max-threads pool))))
+         (above-share (- (group-allowed group) share))
+         (grow nil))
+    (when (and (zerop (group-idle group))
+               (< load +growth-cpu-limit+)
+               (or room-for-permit room-for-thread (plusp above-share))
+               (look-for-blocked-p group))
+      ;; The permit holders not blocked are fewer than the group's CPUs, or
+      ;; than half the holders.  (Holders, not permits: threads that left
+      ;; idle may have left permits nobody holds.)  BLOCKED-WORKERS counts
+      ;; up to one past that edge, which is at least half of ABOVE-SHARE.
+      ;; At least half of those found must also be blocked on more than a
+      ;; lock's brief wait (CONFIRMED-BLOCKED), checked only then, since it
+      ;; reads another file.  (Half, not all: with handlers that do block,
+      ;; the many threads added for them also wait on the drop-in front
+      ;; ends' lock at times, and counting only the others held the
+      ;; easy-acceptor's 1 ms pool back: 0.84-0.92x the rate.)
+      (let* ((holders (group-holders group))
+             (enough (max share (ceiling holders 2))))
+        (multiple-value-bind (blocked saturated)
+            (blocked-workers pool group (- holders enough -1) share stat-buffer found)
+          (setf grow (and (or room-for-permit room-for-thread)
+                          (> blocked (- holders enough))
+                          (>= (* 2 (confirmed-blocked found blocked stat-buffer futex-waits))
+                              blocked)))
+          (note-look group grow)
+          ;; (Workers that want the CPUs are not spare either.)
+          (note-spare-look group (if saturated above-share blocked) above-share))))
     (setf (group-blocked-samples group)
-          (if (and (zerop (group-idle group))
-                   (< load +growth-cpu-limit+)
-                   (or room-for-permit room-for-thread)
-                   (look-for-blocked-p group)
-                   ;; The permit holders not blocked are fewer than the
-                   ;; group's CPUs, or than half the holders.  (Holders, not
-                   ;; permits: threads that left idle may have left permits
-                   ;; nobody holds.)
-                   (let* ((holders (group-holders group))
-                          (enough (max share (ceiling holders 2)))
-                          (blocked (> (blocked-workers pool group (- holders enough -1)
-                                                       share stat-buffer)
-                                      (- holders enough))))
-                     (note-look group blocked)
-                     blocked))
-              (1+ (group-blocked-samples group))
-              0))
+          (if grow (1+ (group-blocked-samples group)) 0))
     ;; Growth starts after two such samples in a row (a thread's state is a
     ;; snapshot) and goes on one permit a sample while they last; a thread
     ;; is added when fewer threads than permits remain (idle ones left since
@@ -519,9 +572,12 @@ sample, SHARE the group's share of them."
              (add-permit group))
            (when (< (group-thread-count group) (group-allowed group))
              (spawn-worker pool group)))
-          ((and (> (group-allowed group) share)
-                (or (> load +shrink-cpu-limit+) (> (group-idle-samples group) 200)))
-           (setf (group-idle-samples group) 0)
+          ((and (plusp above-share)
+                (or (> load +shrink-cpu-limit+)
+                    (> (group-idle-samples group) 200)
+                    (spare-permit-p group)))
+           (setf (group-idle-samples group) 0
+                 (group-spare-looks group) 0)
            (remove-permit group)))))
 
 (defconstant +quiet-looks-before-spacing+ 20
@@ -590,13 +646,15 @@ and nudge that group.  EVENTS is the maker's event buffer."
                        (incf (pool-moved pool) moved)
                        (signal-eventfd (group-nudge-fd helper)))))))))
 
-(defun blocked-workers (pool group limit cpus buffer)
+(defun blocked-workers (pool group limit cpus buffer &optional found)
   "How many of POOL's workers in GROUP (all of them, when GROUP is NIL) are
 blocked while serving an event (see the header), counting no further than
 LIMIT; 0 when more than +RUNNABLE-PER-CPU+ times CPUS of the serving
 workers read are runnable \(state R): the CPUs are taken, by this process or
-by others, and another thread would only wait for one too.  BUFFER is for
-THREAD-RUNNABLE-P."
+by others, and another thread would only wait for one too; then the second
+value is true.  BUFFER is for THREAD-RUNNABLE-P.  FOUND, a simple vector, receives the workers counted
+and the events they serve, a pair each, as far as it holds them (for
+CONFIRMED-BLOCKED)."
   (let ((count 0) (runnable 0))
     (declare (type fixnum count runnable))
     (when (plusp limit)
@@ -607,11 +665,42 @@ THREAD-RUNNABLE-P."
             (when (oddp before)
               (cond ((thread-runnable-p (worker-stat-path worker) buffer)
                      (when (> (incf runnable) (* +runnable-per-cpu+ cpus))
-                       (return-from blocked-workers 0)))
+                       (return-from blocked-workers (values 0 t))))
                     ((= before (worker-serving worker))
+                     (when (and found (< (1+ (* 2 count)) (length found)))
+                       (setf (svref found (* 2 count)) worker
+                             (svref found (1+ (* 2 count))) before))
                      (when (>= (incf count) limit)
                        (return)))))))))
-    count))
+    (values count nil)))
+
+(defun confirmed-blocked (found count buffer futex-waits)
+  "Of the COUNT blocked workers BLOCKED-WORKERS put in FOUND, how many are
+blocked outside futex(2), or inside it on an event on which an earlier call
+also found them there.  FUTEX-WAITS, an EQ hash table of the maker's,
+holds for each worker last found in a futex wait the event it served; it
+is updated here.  A wait on a lock whose holder was preempted (on a machine
+shared with other processes; the drop-in front ends take Hunchentoot's
+acceptor lock twice a request) lasts until that holder gets a CPU again,
+microseconds to a few milliseconds, and a thread added for it would only
+wait on the same lock; a handler waiting on a semaphore or condition for
+its database is still there a look later.  BUFFER is for
+THREAD-FUTEX-WAIT-P."
+  (let ((confirmed 0))
+    (declare (type fixnum confirmed))
+    (when (> (hash-table-count futex-waits) 1024)
+      (clrhash futex-waits))            ; workers that left
+    (dotimes (i (min count (floor (length found) 2)))
+      (let ((worker (svref found (* 2 i)))
+            (event (svref found (1+ (* 2 i)))))
+        (cond ((not (thread-futex-wait-p (worker-syscall-path worker) buffer))
+               (remhash worker futex-waits)
+               (incf confirmed))
+              ((eql event (gethash worker futex-waits))
+               (incf confirmed))
+              (t (setf (gethash worker futex-waits) event)))
+        (setf (svref found (* 2 i)) nil)))
+    confirmed))
 
 (defun join-workers (pool worker)
   (sb-thread:with-mutex ((pool-lock pool))

@@ -197,3 +197,85 @@ needs two in a row)."
       (is (every #'identity (samples quiet nil))
           "and goes on doing so for as many quiet looks as at first")
       (is (equal spaced (samples spacing nil))))))
+
+(test permits-above-the-share-that-cover-no-blocked-worker-go-back
+  "A group's permits above its share of the CPUs are for blocked workers: once
++SPARE-LOOKS-BEFORE-SHRINK+ looks in a row found fewer blocked than half of
+them, one may go back; a look that finds as many starts the count again."
+  (let ((group (gallop.core::make-group))
+        (needed gallop.core::+spare-looks-before-shrink+))
+    (flet ((looks (n blocked above-share)
+             (loop repeat n do (gallop.core::note-spare-look group blocked above-share))
+             (gallop.core::spare-permit-p group)))
+      (is (> needed 1))
+      (is (not (looks (1- needed) 0 2)) "not before that many looks")
+      (is (looks 1 0 2) "after them")
+      (setf (gallop.core::group-spare-looks group) 0)
+      (is (not (looks (1- needed) 1 3)) "1 blocked is fewer than half of 3")
+      (is (looks 1 1 3))
+      (setf (gallop.core::group-spare-looks group) 0)
+      (is (not (looks (* 2 needed) 1 2)) "1 blocked covers half of 2: they stay")
+      (is (not (looks (* 2 needed) 0 0)) "none above the share: nothing to give back")
+      (is (not (looks (* 2 needed) 0 -1)))
+      (is (not (progn (looks (1- needed) 0 2) (looks 1 3 4)))
+          "a look that finds enough starts the count again")
+      (is (not (looks (1- needed) 0 4)))
+      (is (looks 1 0 4)))))
+
+(test blocked-workers-in-a-futex-wait-count-from-their-second-look
+  "A worker blocked inside futex(2) (a lock, a semaphore) counts toward growth
+only when an earlier look found it there on the same event: a wait for a
+preempted lock holder ends before the next look, a handler waiting on a
+semaphore for its database does not.  A worker blocked elsewhere (sleeping)
+counts at once.  /proc/self/task/TID/syscall tells the futex wait from the
+others."
+  (let* ((gate (sb-thread:make-semaphore))
+         (buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         (stop nil)
+         (waiter (sb-thread:make-thread (lambda () (sb-thread:wait-on-semaphore gate))
+                                        :name "waiting (test)"))
+         (sleeper (sb-thread:make-thread (lambda () (sleep 60)) :name "sleeping (test)"))
+         (spinner (sb-thread:make-thread (lambda () (loop until stop)) :name "spinning (test)")))
+    (flet ((futex-p (thread)
+             (gallop.core::thread-futex-wait-p
+              (gallop.core::thread-syscall-path (sb-thread:thread-os-tid thread)) buffer))
+           (runnable (thread)
+             (gallop.core::thread-runnable-p
+              (gallop.core::thread-stat-path (sb-thread:thread-os-tid thread)) buffer))
+           (worker (thread serving)
+             (let ((w (gallop.core::make-worker thread (sb-thread:thread-os-tid thread))))
+               (setf (gallop.core::worker-serving w) serving)
+               w)))
+      (unwind-protect
+           (progn
+             (is-true (wait-until (lambda () (notany #'runnable (list waiter sleeper)))))
+             (is (futex-p waiter) "a thread waiting on a semaphore is in futex(2)")
+             (is (not (futex-p sleeper)) "a sleeping thread is not")
+             (is (not (futex-p spinner)) "nor a running one")
+             (let* ((waiting (worker waiter 7))
+                    (sleeping (worker sleeper 9))
+                    (pool (gallop.core::make-pool))
+                    (found (make-array 8 :initial-element nil))
+                    (futex-waits (make-hash-table :test 'eq)))
+               (setf (gallop.core::pool-workers pool) (list waiting sleeping))
+               (flet ((look ()
+                        (let ((blocked (gallop.core::blocked-workers pool nil 10 8 buffer found)))
+                          (list blocked (gallop.core::confirmed-blocked found blocked buffer
+                                                                        futex-waits)))))
+                 (is (equal '(2 1) (look)) "first look: the sleeper only")
+                 (is (equal '(2 2) (look)) "second look, same event: both")
+                 (is (equal '(2 2) (look)))
+                 (setf (gallop.core::worker-serving waiting) 11)
+                 (is (equal '(2 1) (look)) "a futex wait on another event starts again")
+                 (is (equal '(2 2) (look)))
+                 (is (equal '(1 1) (let ((short (make-array 2 :initial-element nil)))
+                                     (let ((blocked (gallop.core::blocked-workers
+                                                     pool nil 1 8 buffer short)))
+                                       (list blocked (gallop.core::confirmed-blocked
+                                                      short blocked buffer futex-waits)))))
+                     "FOUND holds as many as it can, and the count stops at its limit"))))
+        (setf stop t)
+        (sb-thread:signal-semaphore gate)
+        (sb-thread:terminate-thread sleeper)
+        (mapc #'sb-thread:join-thread (list waiter spinner))
+        (sb-thread:join-thread sleeper :default nil)))))
