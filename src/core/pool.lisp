@@ -934,10 +934,16 @@ if something was taken."
         while (< looked +sets-looked-at+)
         unless (eq other group)
           do (incf looked)
-             (when (= 1 (epoll-wait (group-epfd other) events 1 0))
-               (let ((item (take-from-other-set other events 0)))
-                 (when item
-                   (return-from steal-one (values item t))))))
+             ;; Up to twice: the first event may be OTHER's nudge (edge-
+             ;; triggered, for its idle workers; when it has none, it was
+             ;; signalled for work they will not take) or its wake, neither
+             ;; of which TAKE-FROM-OTHER-SET takes, and an event behind it
+             ;; would wait for the maker's help.
+             (loop repeat 2
+                   while (= 1 (epoll-wait (group-epfd other) events 1 0))
+                   do (let ((item (take-from-other-set other events 0)))
+                        (when item
+                          (return-from steal-one (values item t))))))
   (values nil nil))
 
 (defun nudge-idle-group (pool group)
