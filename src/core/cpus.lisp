@@ -164,26 +164,30 @@ thread has just exited)."
             (and paren (< (+ paren +proc-stat-state-offset+) n)
                  (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))))) ; #\R
 
-;;; Which blocked threads wait on a lock.  A thread that is not R may be
-;;; sleeping in its handler, waiting on a socket, or waiting on a futex: a
-;;; mutex, a semaphore, a condition variable.  A handler may wait on a
-;;; semaphore for long (a database pool), but a futex wait is also what a
-;;; thread does for a few microseconds to milliseconds when a lock's holder
-;;; is preempted, and on a machine shared with other processes that happens
-;;; to handlers that never block (POOL: CONFIRMED-BLOCKED).
-;;; /proc/self/task/TID/syscall names the system call a blocked thread is in
-;;; ("running" when it is not blocked); only the thread's own process may
-;;; read it, which is all the pool needs.
+;;; How a blocked thread waits.  A thread that is not R may be sleeping in
+;;; its handler or waiting on a socket (a system call), waiting on a futex
+;;; (a mutex, a semaphore, a condition variable), or stopped outside any
+;;; system call (a page fault waiting for the address space's lock).  A
+;;; handler may wait on a semaphore for long (a database pool), but a futex
+;;; wait, like a page fault's wait, is also what a thread does for
+;;; microseconds to milliseconds when a lock's holder is preempted, and on a
+;;; machine shared with other processes that happens to handlers that never
+;;; block (POOL: CONFIRMED-BLOCKED).  /proc/self/task/TID/syscall names the
+;;; system call a blocked thread is in, -1 when it is blocked outside one,
+;;; "running" when it is not blocked; only the thread's own process may read
+;;; it, which is all the pool needs.
 
 (defconstant +futex-syscall+
-  #+x86-64 202 #+arm64 98 #-(or x86-64 arm64) -1
-  "futex(2)'s system call number on this architecture (-1: unknown, no thread
+  #+x86-64 202 #+arm64 98 #-(or x86-64 arm64) -2
+  "futex(2)'s system call number on this architecture (-2: unknown, no thread
 is ever taken to be in it).")
 
-(defun thread-futex-wait-p (path buffer)
-  "True when the thread whose syscall file is at PATH (THREAD-SYSCALL-PATH)
-is blocked inside futex(2).  BUFFER is an octet vector of at least 16
-octets.  NIL if the file can't be read or names another call."
+(defun thread-wait-kind (path buffer)
+  "How the thread whose syscall file is at PATH (THREAD-SYSCALL-PATH) waits:
+:CALL inside a system call other than futex(2); :BRIEF inside futex(2) or
+blocked outside any system call (see above); :RUNNING not blocked (it woke
+since its state was read); NIL if the file can't be read or parsed.
+BUFFER is an octet vector of at least 16 octets."
   (declare (type octets path buffer))
   (let ((fd (sb-sys:with-pinned-objects (path)
               (%open (sb-sys:vector-sap path) (logior sb-unix:o_rdonly +o-cloexec+)))))
@@ -193,13 +197,18 @@ octets.  NIL if the file can't be read or names another call."
                       (%read fd (sb-sys:vector-sap buffer) (length buffer)))
                  (close-fd fd))))
         (declare (type fixnum n))
-        ;; The file begins with the call's number in decimal, then a space.
-        (and (plusp n)
-             (let ((number 0))
-               (declare (type fixnum number))
-               (loop for i of-type fixnum below (min n (length buffer) 8)
-                     for octet = (aref buffer i)
-                     do (cond ((<= 48 octet 57) (setf number (+ (* number 10) (- octet 48))))
-                              ((and (= octet 32) (plusp i)) (return (= number +futex-syscall+)))
-                              (t (return nil))))))))))
-
+        ;; The file begins with the call's number in decimal (-1 outside a
+        ;; call), then a space; or with "running".
+        (when (plusp n)
+          (let ((end (min n (length buffer) 8)))
+            (cond ((= (aref buffer 0) 114) :running) ; #\r
+                  ((= (aref buffer 0) 45) :brief)    ; #\-
+                  (t (let ((number 0))
+                       (declare (type fixnum number))
+                       (loop for i of-type fixnum below end
+                             for octet = (aref buffer i)
+                             do (cond ((<= 48 octet 57)
+                                       (setf number (+ (* number 10) (- octet 48))))
+                                      ((and (= octet 32) (plusp i))
+                                       (return (if (= number +futex-syscall+) :brief :call)))
+                                      (t (return nil)))))))))))))

@@ -86,7 +86,12 @@
 ;;;; CPU) or not (after 100 ms of such looks at a group that found too few
 ;;;; blocked to grow, every 20 ms until one finds enough:
 ;;;; +SPACED-LOOK-SAMPLES+).  A worker serving the same event before and
-;;;; after its state read, and not R, is blocked.  On a machine shared with other
+;;;; after its state read, and not R, is blocked.  Before growing, the maker
+;;;; also reads how the blocked workers it found wait (CONFIRMED-BLOCKED):
+;;;; one in futex(2) or in a page fault counts only when looks found it so
+;;;; on the same event for +BRIEF-WAIT-MS+, since a lock whose holder
+;;;; another process preempted makes handlers that never block wait so for
+;;;; milliseconds, and at least half of those found must count.  On a machine shared with other
 ;;;; processes the workers wait for CPUs others hold, in state R: that is
 ;;;; contention, not blocking, and more threads would only add to the wait.
 ;;;; When no permit holder of a group is free (all busy), the process uses
@@ -450,9 +455,9 @@ workers: given back to them, if any is idle)."
          (last-gc sb-ext:*gc-run-time*)
          (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
          ;; For CONFIRMED-BLOCKED: the workers BLOCKED-WORKERS found, and
-         ;; those last seen waiting in futex(2).
+         ;; those last seen waiting briefly (THREAD-WAIT-KIND).
          (found (make-array (* 2 (pool-max-threads pool)) :initial-element nil))
-         (futex-waits (make-hash-table :test 'eq))
+         (brief-waits (make-hash-table :test 'eq))
          (events (make-event-buffer +batch+)))
     (unwind-protect
          (loop
@@ -490,7 +495,7 @@ workers: given back to them, if any is idle)."
                                 (if (zerop (group-idle group)) (1+ (group-busy-samples group)) 0))
                           (unless collected
                             (resize-group pool group load share stat-buffer
-                                          found futex-waits)))
+                                          found brief-waits)))
                  (when (and (> (length groups) 1) (pool-maker-helps pool))
                    (help-busy-groups pool events))))))
       (free-event-buffer events))))
@@ -521,7 +526,7 @@ ABOVE-SHARE permits above its share of the CPUs (see
 above its share not covering blocked workers: one of them may go."
   (>= (group-spare-looks group) +spare-looks-before-shrink+))
 
-(defun resize-group (pool group load share stat-buffer found futex-waits)
+(defun resize-group (pool group load share stat-buffer found brief-waits)
   "The maker's decision for GROUP in one sample (see the header): a thread, or
 a permit and a thread, for a group seen blocked two samples in a row; a
 permit back from one whose holders sat idle for a second, whose permits
@@ -554,7 +559,8 @@ FOUND and FUTEX-WAITS are the maker's, for CONFIRMED-BLOCKED."
             (blocked-workers pool group (- holders enough -1) share stat-buffer found)
           (setf grow (and (or room-for-permit room-for-thread)
                           (> blocked (- holders enough))
-                          (>= (* 2 (confirmed-blocked found blocked stat-buffer futex-waits))
+                          (>= (* 2 (confirmed-blocked found blocked stat-buffer brief-waits
+                                                      (now-ms)))
                               blocked)))
           (note-look group grow)
           ;; (Workers that want the CPUs are not spare either.)
@@ -674,31 +680,45 @@ CONFIRMED-BLOCKED)."
                        (return)))))))))
     (values count nil)))
 
-(defun confirmed-blocked (found count buffer futex-waits)
+(defconstant +brief-wait-ms+ 50
+  "How long a worker must have been seen waiting briefly (THREAD-WAIT-KIND:
+in futex(2) or a page fault) on one event before it counts as blocked
+\(CONFIRMED-BLOCKED).  Beside a busy loop on one CPU, waits on Hunchentoot's
+acceptor lock spanned two looks 5 ms apart now and then, and grew the
+easy-acceptor's pool; a lock's holder preempted by another process gets a
+CPU back within a few of the scheduler's slices, a handler waiting on a
+semaphore for its database pool waits on.")
+
+(defun confirmed-blocked (found count buffer brief-waits now)
   "Of the COUNT blocked workers BLOCKED-WORKERS put in FOUND, how many are
-blocked outside futex(2), or inside it on an event on which an earlier call
-also found them there.  FUTEX-WAITS, an EQ hash table of the maker's,
-holds for each worker last found in a futex wait the event it served; it
-is updated here.  A wait on a lock whose holder was preempted (on a machine
-shared with other processes; the drop-in front ends take Hunchentoot's
-acceptor lock twice a request) lasts until that holder gets a CPU again,
-microseconds to a few milliseconds, and a thread added for it would only
-wait on the same lock; a handler waiting on a semaphore or condition for
-its database is still there a look later.  BUFFER is for
-THREAD-FUTEX-WAIT-P."
+blocked inside a system call other than futex(2), or waiting briefly
+\(THREAD-WAIT-KIND: inside futex(2), or outside any call) on an event on
+which they were found so at least +BRIEF-WAIT-MS+ before NOW (NOW-MS).
+BRIEF-WAITS, an EQ hash table of the maker's, holds for each worker found
+waiting so the event and the time it was first found so; it is updated
+here.  A wait on a lock whose holder was preempted (on a machine shared
+with other processes; the drop-in front ends take Hunchentoot's acceptor
+lock twice a request, and a page fault may wait on the address space's)
+lasts until that holder gets a CPU again, and a thread added for it would
+only wait on the same lock; a handler waiting on a semaphore or condition
+for its database is still there later.  A worker found running again is
+not blocked.  BUFFER is for THREAD-WAIT-KIND."
   (let ((confirmed 0))
     (declare (type fixnum confirmed))
-    (when (> (hash-table-count futex-waits) 1024)
-      (clrhash futex-waits))            ; workers that left
+    (when (> (hash-table-count brief-waits) 1024)
+      (clrhash brief-waits))            ; workers that left
     (dotimes (i (min count (floor (length found) 2)))
       (let ((worker (svref found (* 2 i)))
             (event (svref found (1+ (* 2 i)))))
-        (cond ((not (thread-futex-wait-p (worker-syscall-path worker) buffer))
-               (remhash worker futex-waits)
-               (incf confirmed))
-              ((eql event (gethash worker futex-waits))
-               (incf confirmed))
-              (t (setf (gethash worker futex-waits) event)))
+        (case (thread-wait-kind (worker-syscall-path worker) buffer)
+          (:running (remhash worker brief-waits))
+          (:brief (let ((seen (gethash worker brief-waits)))
+                    (cond ((not (and seen (eql event (car seen))))
+                           (setf (gethash worker brief-waits) (cons event now)))
+                          ((>= (- now (cdr seen)) +brief-wait-ms+)
+                           (incf confirmed)))))
+          (t (remhash worker brief-waits)
+           (incf confirmed)))
         (setf (svref found (* 2 i)) nil)))
     confirmed))
 

@@ -222,13 +222,13 @@ them, one may go back; a look that finds as many starts the count again."
       (is (not (looks (1- needed) 0 4)))
       (is (looks 1 0 4)))))
 
-(test blocked-workers-in-a-futex-wait-count-from-their-second-look
+(test blocked-workers-waiting-briefly-count-after-a-while
   "A worker blocked inside futex(2) (a lock, a semaphore) counts toward growth
-only when an earlier look found it there on the same event: a wait for a
-preempted lock holder ends before the next look, a handler waiting on a
-semaphore for its database does not.  A worker blocked elsewhere (sleeping)
-counts at once.  /proc/self/task/TID/syscall tells the futex wait from the
-others."
+only when looks found it there on the same event for +BRIEF-WAIT-MS+: a
+wait for a preempted lock holder ends before, a handler waiting on a
+semaphore for its database does not.  A worker blocked in another system
+call (sleeping) counts at once; one running again does not count.
+/proc/self/task/TID/syscall tells them apart (THREAD-WAIT-KIND)."
   (let* ((gate (sb-thread:make-semaphore))
          (buffer (make-array 128 :element-type '(unsigned-byte 8)))
          (stop nil)
@@ -236,8 +236,8 @@ others."
                                         :name "waiting (test)"))
          (sleeper (sb-thread:make-thread (lambda () (sleep 60)) :name "sleeping (test)"))
          (spinner (sb-thread:make-thread (lambda () (loop until stop)) :name "spinning (test)")))
-    (flet ((futex-p (thread)
-             (gallop.core::thread-futex-wait-p
+    (flet ((kind (thread)
+             (gallop.core::thread-wait-kind
               (gallop.core::thread-syscall-path (sb-thread:thread-os-tid thread)) buffer))
            (runnable (thread)
              (gallop.core::thread-runnable-p
@@ -249,31 +249,49 @@ others."
       (unwind-protect
            (progn
              (is-true (wait-until (lambda () (notany #'runnable (list waiter sleeper)))))
-             (is (futex-p waiter) "a thread waiting on a semaphore is in futex(2)")
-             (is (not (futex-p sleeper)) "a sleeping thread is not")
-             (is (not (futex-p spinner)) "nor a running one")
+             (is-true (wait-until (lambda () (runnable spinner))))
+             ;; Waited for, not read once: a garbage collection elsewhere in
+             ;; the tests stops every thread in futex(2) for a while.
+             (is-true (wait-until (lambda () (eq :brief (kind waiter))))
+                      "a thread waiting on a semaphore is in futex(2)")
+             (is-true (wait-until (lambda () (eq :call (kind sleeper))))
+                      "a sleeping thread is in another call")
+             (is-true (wait-until (lambda () (eq :running (kind spinner))))
+                      "a running one is in none")
              (let* ((waiting (worker waiter 7))
                     (sleeping (worker sleeper 9))
                     (pool (gallop.core::make-pool))
                     (found (make-array 8 :initial-element nil))
-                    (futex-waits (make-hash-table :test 'eq)))
+                    (brief-waits (make-hash-table :test 'eq)))
                (setf (gallop.core::pool-workers pool) (list waiting sleeping))
-               (flet ((look ()
-                        (let ((blocked (gallop.core::blocked-workers pool nil 10 8 buffer found)))
-                          (list blocked (gallop.core::confirmed-blocked found blocked buffer
-                                                                        futex-waits)))))
-                 (is (equal '(2 1) (look)) "first look: the sleeper only")
-                 (is (equal '(2 2) (look)) "second look, same event: both")
-                 (is (equal '(2 2) (look)))
-                 (setf (gallop.core::worker-serving waiting) 11)
-                 (is (equal '(2 1) (look)) "a futex wait on another event starts again")
-                 (is (equal '(2 2) (look)))
+               (flet ((look (now)
+                        ;; (No collection between the reads: see above.)
+                        (sb-sys:without-gcing
+                          (let ((blocked (gallop.core::blocked-workers pool nil 10 8 buffer found)))
+                            (list blocked (gallop.core::confirmed-blocked found blocked buffer
+                                                                          brief-waits now))))))
+                 (let ((wait gallop.core::+brief-wait-ms+))
+                   (is (equal '(2 1) (look 1000)) "first look: the sleeper only")
+                   (is (equal '(2 1) (look (+ 1000 (1- wait)))) "same event, not long enough")
+                   (is (equal '(2 2) (look (+ 1000 wait))) "long enough: both")
+                   (is (equal '(2 2) (look (+ 1005 wait))))
+                   (setf (gallop.core::worker-serving waiting) 11)
+                   (is (equal '(2 1) (look 2000)) "a futex wait on another event starts again")
+                   (is (equal '(2 2) (look (+ 2000 wait)))))
                  (is (equal '(1 1) (let ((short (make-array 2 :initial-element nil)))
-                                     (let ((blocked (gallop.core::blocked-workers
-                                                     pool nil 1 8 buffer short)))
-                                       (list blocked (gallop.core::confirmed-blocked
-                                                      short blocked buffer futex-waits)))))
-                     "FOUND holds as many as it can, and the count stops at its limit"))))
+                                     (sb-sys:without-gcing
+                                       (let ((blocked (gallop.core::blocked-workers
+                                                       pool nil 1 8 buffer short)))
+                                         (list blocked (gallop.core::confirmed-blocked
+                                                        short blocked buffer brief-waits
+                                                        3000))))))
+                     "FOUND holds as many as it can, and the count stops at its limit")
+                 ;; A worker that runs again between its state's read and
+                 ;; its call's: not counted.
+                 (let ((running (make-array 2 :initial-contents (list (worker spinner 3) 3))))
+                   (is (= 0 (sb-sys:without-gcing
+                              (gallop.core::confirmed-blocked running 1 buffer brief-waits
+                                                              3000))))))))
         (setf stop t)
         (sb-thread:signal-semaphore gate)
         (sb-thread:terminate-thread sleeper)
