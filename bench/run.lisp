@@ -139,6 +139,21 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
       (:id (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s))
       (:human (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D" y mo d h mi)))))
 
+(defun scenarios-from-env (scenarios)
+  "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
+separated)."
+  (let ((list (env "BENCH_SCENARIOS")))
+    (if (null list)
+        scenarios
+        (let ((keys (remove "" (mapcar (lambda (k) (string-trim " " k)) (split list #\,))
+                            :test #'string=)))
+          (dolist (key keys)
+            (unless (find key scenarios :key #'scenario-key :test #'string=)
+              (error "BENCH_SCENARIOS: unknown scenario ~S (known: ~{~A~^, ~})"
+                     key (mapcar #'scenario-key scenarios))))
+          (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
+                         scenarios)))))
+
 (defun make-cfg (mode)
   (let* ((pin (>= (cpu-count) 2))
          (run-id (format nil "~A-~(~A~)" (timestamp) mode))
@@ -193,21 +208,6 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
                 (merge-pathnames "BENCHMARKS.svg" *repo*)
                 (merge-pathnames (format nil "~A.svg" run-id) out))
        :splice splice))))
-
-(defun scenarios-from-env (scenarios)
-  "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
-separated)."
-  (let ((list (env "BENCH_SCENARIOS")))
-    (if (null list)
-        scenarios
-        (let ((keys (remove "" (mapcar (lambda (k) (string-trim " " k)) (split list #\,))
-                            :test #'string=)))
-          (dolist (key keys)
-            (unless (find key scenarios :key #'scenario-key :test #'string=)
-              (error "BENCH_SCENARIOS: unknown scenario ~S (known: ~{~A~^, ~})"
-                     key (mapcar #'scenario-key scenarios))))
-          (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
-                         scenarios)))))
 
 (defun apply-setup (cfg setup)
   "Make SETUP the one CFG runs: its CPUs for servers and clients and wrk's

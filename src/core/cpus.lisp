@@ -139,14 +139,12 @@ thread formats and encodes no string (they were a tenth of its time)."
 
 (defun thread-syscall-path (tid)
   "The path of /proc/self/task/TID/syscall as octets ending in a NUL, for
-THREAD-FUTEX-WAIT-P, made once per thread."
+THREAD-WAIT-KIND, made once per thread."
   (thread-proc-path tid "syscall"))
 
-(defun thread-runnable-p (path buffer)
-  "True when the thread whose stat file is at PATH (THREAD-STAT-PATH) is
-running or waiting for a CPU (state R).  BUFFER is an octet vector of at
-least 64 octets to read into.  NIL if its stat file can't be read (the
-thread has just exited)."
+(defun read-proc-file (path buffer)
+  "Read the start of the file at PATH (octets ending in a NUL) into BUFFER,
+without a stream: the octets read, or NIL if it can't be opened or read."
   (declare (type octets path buffer))
   (let ((fd (sb-sys:with-pinned-objects (path)
               (%open (sb-sys:vector-sap path) (logior sb-unix:o_rdonly +o-cloexec+)))))
@@ -155,14 +153,23 @@ thread has just exited)."
                     (sb-sys:with-pinned-objects (buffer)
                       (%read fd (sb-sys:vector-sap buffer) (length buffer)))
                  (close-fd fd))))
-        (when (plusp n)
-          ;; The command name may hold any character but is at most 16
-          ;; octets, so its closing parenthesis is within the first 64.
-          (let ((paren (loop for i of-type fixnum from (1- (min n (length buffer))) downto 0
-                             when (= (aref buffer i) 41) ; #\)
-                               return i)))
-            (and paren (< (+ paren +proc-stat-state-offset+) n)
-                 (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))))) ; #\R
+        (and (plusp n) (min n (length buffer)))))))
+
+(defun thread-runnable-p (path buffer)
+  "True when the thread whose stat file is at PATH (THREAD-STAT-PATH) is
+running or waiting for a CPU (state R).  BUFFER is an octet vector of at
+least 64 octets to read into.  NIL if its stat file can't be read (the
+thread has just exited)."
+  (declare (type octets path buffer))
+  (let ((n (read-proc-file path buffer)))
+    (when n
+      ;; The command name may hold any character but is at most 16
+      ;; octets, so its closing parenthesis is within the first 64.
+      (let ((paren (loop for i of-type fixnum from (1- n) downto 0
+                         when (= (aref buffer i) 41) ; #\)
+                           return i)))
+        (and paren (< (+ paren +proc-stat-state-offset+) n)
+             (= (aref buffer (+ paren +proc-stat-state-offset+)) 82)))))) ; #\R
 
 ;;; How a blocked thread waits.  A thread that is not R may be sleeping in
 ;;; its handler or waiting on a socket (a system call), waiting on a futex
@@ -189,26 +196,18 @@ blocked outside any system call (see above); :RUNNING not blocked (it woke
 since its state was read); NIL if the file can't be read or parsed.
 BUFFER is an octet vector of at least 16 octets."
   (declare (type octets path buffer))
-  (let ((fd (sb-sys:with-pinned-objects (path)
-              (%open (sb-sys:vector-sap path) (logior sb-unix:o_rdonly +o-cloexec+)))))
-    (when (>= fd 0)
-      (let ((n (unwind-protect
-                    (sb-sys:with-pinned-objects (buffer)
-                      (%read fd (sb-sys:vector-sap buffer) (length buffer)))
-                 (close-fd fd))))
-        (declare (type fixnum n))
-        ;; The file begins with the call's number in decimal (-1 outside a
-        ;; call), then a space; or with "running".
-        (when (plusp n)
-          (let ((end (min n (length buffer) 8)))
-            (cond ((= (aref buffer 0) 114) :running) ; #\r
-                  ((= (aref buffer 0) 45) :brief)    ; #\-
-                  (t (let ((number 0))
-                       (declare (type fixnum number))
-                       (loop for i of-type fixnum below end
-                             for octet = (aref buffer i)
-                             do (cond ((<= 48 octet 57)
-                                       (setf number (+ (* number 10) (- octet 48))))
-                                      ((and (= octet 32) (plusp i))
-                                       (return (if (= number +futex-syscall+) :brief :call)))
-                                      (t (return nil)))))))))))))
+  (let ((n (read-proc-file path buffer)))
+    ;; The file begins with the call's number in decimal (-1 outside a
+    ;; call), then a space; or with "running".
+    (when n
+      (cond ((= (aref buffer 0) 114) :running) ; #\r
+            ((= (aref buffer 0) 45) :brief)    ; #\-
+            (t (let ((number 0))
+                 (declare (type fixnum number))
+                 (loop for i of-type fixnum below (min n 8)
+                       for octet = (aref buffer i)
+                       do (cond ((<= 48 octet 57)
+                                 (setf number (+ (* number 10) (- octet 48))))
+                                ((and (= octet 32) (plusp i))
+                                 (return (if (= number +futex-syscall+) :brief :call)))
+                                (t (return nil))))))))))

@@ -91,9 +91,10 @@
 ;;;; one in futex(2) or in a page fault counts only when looks found it so
 ;;;; on the same event for +BRIEF-WAIT-MS+, since a lock whose holder
 ;;;; another process preempted makes handlers that never block wait so for
-;;;; milliseconds, and at least half of those found must count.  On a machine shared with other
-;;;; processes the workers wait for CPUs others hold, in state R: that is
-;;;; contention, not blocking, and more threads would only add to the wait.
+;;;; milliseconds, and at least half of those found must count.  On a
+;;;; machine shared with other processes the workers wait for CPUs others
+;;;; hold, in state R: that is contention, not blocking, and more threads
+;;;; would only add to the wait.
 ;;;; When no permit holder of a group is free (all busy), the process uses
 ;;;; under +GROWTH-CPU-LIMIT+ of its CPUs, and the group's permit holders
 ;;;; that are not blocked are fewer than its share of the CPUs, or than half
@@ -118,9 +119,9 @@
 ;;;; holder another process preempted makes a worker wait now and then, and
 ;;;; growth for such waits must not ratchet), it takes a permit of that
 ;;;; group back (down to its share of the CPUs); the holder that notices
-;;;; gives it up.  "CPUs" means the ones the process
-;;;; may use: its affinity mask, lowered by its cgroup's CPU quota
-;;;; (cpus.lisp), re-read once a second (the number of groups stays).
+;;;; gives it up.  "CPUs" means the ones the process may use: its affinity
+;;;; mask, lowered by its cgroup's CPU quota (cpus.lisp), re-read once a
+;;;; second (the number of groups stays).
 ;;;; Thread creation is serialised through the maker because SBCL creates
 ;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
 ;;;; without work leaves while its group has more than its share of
@@ -511,7 +512,8 @@ holder another process preempted (the drop-in front ends take Hunchentoot's
 acceptor lock twice a request), and such waits, seen now and then as
 blocking, added permits that nothing took back (beside a busy loop on one
 CPU, 10 s of wrk -c100 grew the easy-acceptor's pool to 14 permits in one
-of nine runs, and to 3 or 4 in three).  With handlers that do block, most
+whole run of the tests, and to 3 or 4 in 7 of 16 runs of that test's
+load).  With handlers that do block, most
 workers are blocked at any moment and the looks keep the permits.")
 
 (defun note-spare-look (group blocked above-share)
@@ -533,7 +535,7 @@ permit back from one whose holders sat idle for a second, whose permits
 above its share were not covering blocked workers in +SPARE-LOOKS-BEFORE-
 SHRINK+ looks in a row, or when the process uses its CPUs.  LOAD is the
 process's share of its CPUs in the sample, SHARE the group's share of them;
-FOUND and FUTEX-WAITS are the maker's, for CONFIRMED-BLOCKED."
+FOUND and BRIEF-WAITS are the maker's, for CONFIRMED-BLOCKED."
   (let* ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
          (room-for-thread (and (< (group-thread-count group) (group-allowed group))
                                (< (pool-thread-count pool) (pool-max-threads pool))))
@@ -550,9 +552,9 @@ FOUND and FUTEX-WAITS are the maker's, for CONFIRMED-BLOCKED."
       ;; At least half of those found must also be blocked on more than a
       ;; lock's brief wait (CONFIRMED-BLOCKED), checked only then, since it
       ;; reads another file.  (Half, not all: with handlers that do block,
-      ;; the many threads added for them also wait on the drop-in front
-      ;; ends' lock at times, and counting only the others held the
-      ;; easy-acceptor's 1 ms pool back: 0.84-0.92x the rate.)
+      ;; the many threads added for them also wait on locks at times, the
+      ;; drop-in front ends' acceptor lock among them, and those waits
+      ;; should not hold growth back.)
       (let* ((holders (group-holders group))
              (enough (max share (ceiling holders 2))))
         (multiple-value-bind (blocked saturated)
@@ -658,9 +660,9 @@ blocked while serving an event (see the header), counting no further than
 LIMIT; 0 when more than +RUNNABLE-PER-CPU+ times CPUS of the serving
 workers read are runnable \(state R): the CPUs are taken, by this process or
 by others, and another thread would only wait for one too; then the second
-value is true.  BUFFER is for THREAD-RUNNABLE-P.  FOUND, a simple vector, receives the workers counted
-and the events they serve, a pair each, as far as it holds them (for
-CONFIRMED-BLOCKED)."
+value is true.  BUFFER is for THREAD-RUNNABLE-P.  FOUND, a simple vector,
+receives the workers counted and the events they serve, a pair each, as
+far as it holds them (for CONFIRMED-BLOCKED)."
   (let ((count 0) (runnable 0))
     (declare (type fixnum count runnable))
     (when (plusp limit)
