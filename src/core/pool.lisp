@@ -513,8 +513,8 @@ acceptor lock twice a request), and such waits, seen now and then as
 blocking, added permits that nothing took back (beside a busy loop on one
 CPU, 10 s of wrk -c100 grew the easy-acceptor's pool to 14 permits in one
 whole run of the tests, and to 3 or 4 in 7 of 16 runs of that test's
-load).  With handlers that do block, most
-workers are blocked at any moment and the looks keep the permits.")
+load).  With handlers that do block, most workers are blocked at any
+moment and the looks keep the permits.")
 
 (defun note-spare-look (group blocked above-share)
   "Record a look at GROUP's workers that found BLOCKED of them blocked, with
@@ -704,7 +704,8 @@ lock twice a request, and a page fault may wait on the address space's)
 lasts until that holder gets a CPU again, and a thread added for it would
 only wait on the same lock; a handler waiting on a semaphore or condition
 for its database is still there later.  A worker found running again is
-not blocked.  BUFFER is for THREAD-WAIT-KIND."
+not blocked; one whose syscall file can't be read counts, as its state
+said.  BUFFER is for THREAD-WAIT-KIND."
   (let ((confirmed 0))
     (declare (type fixnum confirmed))
     (when (> (hash-table-count brief-waits) 1024)
