@@ -73,6 +73,7 @@
                (:file "wire")
                (:file "memo")
                (:file "taskmaster")
+               (:file "in-progress")
                (:file "defer")
                (:file "acceptor"))
   :in-order-to ((test-op (test-op "gallop/tests"))))

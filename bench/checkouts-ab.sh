@@ -4,7 +4,7 @@
 # does to throughput on a machine whose speed moves from run to run.
 #
 #   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
-#     [SETUP=shared] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#     [SETUP=shared] [HOG=1] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
 #
 # Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
 # easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
@@ -18,7 +18,9 @@
 # the medians of those per-round ratios, for each connection count.  Give
 # the same checkout twice for an A/A run: how far two identical servers
 # drift apart here is the least difference one such run can show
-# (BENCHMARKS.md, "Where the noise is").  Ports 19001-19003.  Needs wrk and
+# (BENCHMARKS.md, "Where the noise is").  HOG=1: a busy loop on the last
+# CPU for the whole run, as in `make bench`'s -hog scenarios (in the shared
+# setup only).  Ports 19001-19003.  Needs wrk and
 # nginx (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +38,10 @@ KIDS=()
 cleanup() { for k in "${KIDS[@]}"; do kill "$k" 2>/dev/null; done
             [ -f "$TMP/nginx/nginx.pid" ] && kill "$(cat "$TMP/nginx/nginx.pid")" 2>/dev/null; }
 trap cleanup EXIT
+if [ "${HOG:-0}" = 1 ]; then
+  [ "${SETUP:-shared}" = shared ] || { echo "checkouts-ab.sh: HOG=1 needs SETUP=shared" >&2; exit 2; }
+  taskset -c $(( $(nproc) - 1 )) sh -c 'while :; do :; done' & KIDS+=($!)
+fi
 PORTS=(19001 19002 19003); NAMES=(A B nginx)
 i=0
 for checkout in "$A" "$B"; do
@@ -60,7 +66,7 @@ MASTER=$(cat "$TMP/nginx/nginx.pid")
 PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")
 echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
 echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
-echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared}: ${WRK[*]} -cN -d${DUR}s"
+echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared} HOG=${HOG:-0}: ${WRK[*]} -cN -d${DUR}s"
 hz=$(getconf CLK_TCK)
 for i in 0 1 2; do "${WRK[@]}" -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
 for c in $CONNS_LIST; do

@@ -213,6 +213,32 @@ answer of its own)."
 (defun hunchentoot-get-local-address-and-port ()
   (load-time-value (check-internal-function "GET-LOCAL-ADDRESS-AND-PORT" '("SOCKET")) t))
 
+;;; Hunchentoot's count of requests in progress, kept without its lock on a
+;;; Gallop connection (in-progress.lisp): the function PROCESS-CONNECTION
+;;; wraps each request in, the slot of the count, and the lock and queue a
+;;; soft STOP waits with.  Internal, the same in 1.2.38 and 1.3.x (only the
+;;; count's reader is named differently, so the slot is used by name).
+(defun hunchentoot-request-count-incremented ()
+  (load-time-value (check-internal-function "DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED"
+                                            '("*ACCEPTOR*" "FUNCTION"))
+                   t))
+
+(defun requests-in-progress-slot ()
+  "The name of the slot of a HUNCHENTOOT:ACCEPTOR that counts its requests in
+progress."
+  (let ((slot (find "REQUESTS-IN-PROGRESS"
+                    (sb-mop:class-direct-slots (find-class 'hunchentoot:acceptor))
+                    :key (lambda (slot) (symbol-name (sb-mop:slot-definition-name slot)))
+                    :test #'string=)))
+    (unless (and slot (eql 0 (funcall (sb-mop:slot-definition-initfunction slot))))
+      (error "This Hunchentoot's ACCEPTOR has no REQUESTS-IN-PROGRESS slot counting from 0."))
+    (sb-mop:slot-definition-name slot)))
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (dolist (name '("ACCEPTOR-SHUTDOWN-LOCK" "ACCEPTOR-SHUTDOWN-QUEUE" "ACCEPTOR-SHUTDOWN-P"))
+    (unless (fboundp (find-symbol name '#:hunchentoot))
+      (error "This Hunchentoot has no ~A." name))))
+
 (defun hunchentoot-maybe-add-charset ()
   (load-time-value (check-internal-function "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER"
                                             '("CONTENT-TYPE" "EXTERNAL-FORMAT"))

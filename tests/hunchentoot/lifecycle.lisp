@@ -77,3 +77,50 @@
     (is (= 200 (response-status (get-request (port-of server) "/yo"))))
     (hunchentoot:stop server)
     (is (= threads (thread-count)))))
+
+;;; Hunchentoot counts requests in progress (a soft STOP waits for them) under
+;;; the acceptor's shutdown lock; on Gallop the count is kept without it
+;;; (src/hunchentoot/in-progress.lisp).
+
+(defun requests-in-progress (acceptor)
+  (slot-value acceptor (gallop::requests-in-progress-slot)))
+
+(hunchentoot:define-easy-handler (handle-in-progress :uri "/in-progress") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (princ-to-string (requests-in-progress hunchentoot:*acceptor*)))
+
+(test requests-in-progress-are-counted-without-the-acceptors-lock
+  (with-globals ((*sleep-seconds* 0.5) (*entered* (sb-thread:make-semaphore)))
+    (with-server (server 'gallop:easy-acceptor)
+      ;; Served while another thread holds the lock (Hunchentoot's own count
+      ;; would wait for it), and counted: the request itself is in progress.
+      (let ((lock (hunchentoot::acceptor-shutdown-lock server))
+            (response nil))
+        (bt:with-lock-held (lock)
+          (let ((socket (connect (port-of server) :timeout 5)))
+            (unwind-protect
+                 (progn (send socket (crlf "GET /in-progress HTTP/1.1" "Host: x"))
+                        (setf response (handler-case (read-response socket)
+                                         (sb-sys:io-timeout () :timeout))))
+              (usocket:socket-close socket))))
+        (is (response-p response) "no answer while the lock was held: ~S" response)
+        (when (response-p response)
+          (is (= 200 (response-status response)))
+          (is (equal "1" (header response "Content-Length")))
+          (is (equal "text/plain; charset=utf-8" (header response "Content-Type")))
+          (is (string= "1" (body-string response)))))
+      ;; Three at once are three in progress, and none once they are answered.
+      (let* ((responses (make-array 3 :initial-element nil))
+             (clients (loop for i below 3
+                            collect (let ((i i))
+                                      (sb-thread:make-thread
+                                       (lambda ()
+                                         (setf (aref responses i)
+                                               (get-request (port-of server) "/sleep"))))))))
+        (is (loop repeat 3 always (sb-thread:wait-on-semaphore *entered* :timeout 10)))
+        (is (= 3 (requests-in-progress server)))
+        (mapc #'sb-thread:join-thread clients)
+        (loop for response across responses
+              do (is (= 200 (response-status response)))
+                 (is (string= "slept" (body-string response))))
+        (is (wait-until (lambda () (zerop (requests-in-progress server)))))))))
