@@ -355,27 +355,23 @@ order of repetition."
   (let ((at (and note (search "threads=" note))))
     (and at (parse-integer note :start (+ at (length "threads=")) :junk-allowed t))))
 
-(defun goal-lines (rows meta)
-  "The goals of the every-core issue that this run measured, as markdown
-table lines: each goal's median, its value in each repetition (the machine
-is shared and noisy: a goal that holds only in the median shows it), and
-whether the median holds.  NIL when the run measured none of them."
+;;; A goal of the every-core issue, as measured in one run: TEXT says what
+;;; it is, VALUES are its ratio (or, when COUNT, its count) in each
+;;; repetition, TEST is true of a median that meets it (NIL: a reference
+;;; line, not a goal).
+(defstruct goal text values test count)
+
+(defun goals (rows meta)
+  "The goals of the every-core issue that this run measured (GOAL records, in
+the order of the report), each with its value in every repetition; NIL when
+the run measured none of them."
   (let ((pinned (rows-in-setup rows "pinned"))
         (shared (rows-in-setup rows "shared"))
         (cores (parse-integer (princ-to-string (meta meta "cores" "0")) :junk-allowed t))
-        (lines '()))
-    (labels ((line (text values goal-test)
-               ;; GOAL-TEST NIL: a reference line, no goal ("–").
-               (let ((m (median values)))
-                 (when m
-                   ;; Three decimals: a median shown as 1.15 may be over 1.15.
-                   (push (format nil "| ~A | ~,3F× | ~{~A~^, ~} | ~A |"
-                                 text m
-                                 (mapcar (lambda (v) (format nil "~,2F" v)) values)
-                                 (cond ((null goal-test) "–")
-                                       ((funcall goal-test m) "yes")
-                                       (t "**no**")))
-                         lines))))
+        (goals '()))
+    (labels ((goal (text values test &optional count)
+               (when values
+                 (push (make-goal :text text :values values :test test :count count) goals)))
              (scenario (sleep conns &optional hog)
                (format nil "s~D-ka-c~D~:[~;-hog~]" sleep conns hog))
              (cpu-ratios (server conns)
@@ -383,24 +379,24 @@ whether the median holds.  NIL when the run measured none of them."
                (rep-ratios (rep-values shared (scenario 0 conns) server "cpu_us_per_req")
                            (rep-values pinned (scenario 0 conns) server "cpu_us_per_req"))))
       (dolist (conns '(10 100 400))
-        (line (format nil "`gallop:start` shared vs nginx, 0 ms keep-alive, ~D connections (≥ 0.95×)" conns)
+        (goal (format nil "`gallop:start` shared vs nginx, 0 ms keep-alive, ~D connections (≥ 0.95×)" conns)
               (rep-ratios (rep-values shared (scenario 0 conns) "native" "ok_rps")
                           (rep-values shared (scenario 0 conns) "nginx" "ok_rps"))
               (lambda (m) (>= m 0.95))))
       (dolist (server '("native" "gallop"))
         (dolist (conns '(10 100 400))
-          (line (format nil "`~A` shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections (≤ 1.15×)"
+          (goal (format nil "`~A` shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections (≤ 1.15×)"
                         (if (string= server "native") "gallop:start" "gallop:easy-acceptor") conns)
                 (cpu-ratios server conns)
                 (lambda (m) (<= m 1.15)))))
       ;; The same ratio for nginx, which has no pool to misjudge: how far
       ;; this run's host moved the ratio by itself.
       (dolist (conns '(10 100 400))
-        (line (format nil "reference, not a goal: nginx shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections" conns)
+        (goal (format nil "reference, not a goal: nginx shared ÷ pinned CPU µs/req, 0 ms keep-alive, ~D connections" conns)
               (cpu-ratios "nginx" conns)
               nil))
       (dolist (server '("native" "gallop" "gallop-tm"))
-        (line (format nil "~A shared, 1 ms keep-alive, 400 ÷ 100 connections (≥ 0.9×)" (server-label server))
+        (goal (format nil "~A shared, 1 ms keep-alive, 400 ÷ 100 connections (≥ 0.9×)" (server-label server))
               (rep-ratios (rep-values shared (scenario 1 400) server "ok_rps")
                           (rep-values shared (scenario 1 100) server "ok_rps"))
               (lambda (m) (>= m 0.9))))
@@ -408,22 +404,85 @@ whether the median holds.  NIL when the run measured none of them."
       ;; c100 is what 400 connections cost this host against 100 for a
       ;; server that is CPU-bound at both, as the Lisp servers' 1 ms rows
       ;; are here.
-      (line "reference, not a goal: nginx shared, \"1 ms\" keep-alive (it does not sleep), 400 ÷ 100 connections"
+      (goal "reference, not a goal: nginx shared, \"1 ms\" keep-alive (it does not sleep), 400 ÷ 100 connections"
             (rep-ratios (rep-values shared (scenario 1 400) "nginx" "ok_rps")
                         (rep-values shared (scenario 1 100) "nginx" "ok_rps"))
             nil)
       ;; The pool after the 0 ms run beside the CPU hog: no more than the CPUs
-      ;; plus 2 workers.  A count, not a ratio: its own lines.
-      (dolist (server '("native" "gallop" "gallop-tm"))
-        (let ((counts (loop for r in (rows-of shared (scenario 0 100 t) server)
-                            for n = (and (row-ok-p r) (pool-threads-in-note (gethash "note" r)))
-                            when n collect n)))
-          (when (and counts cores (plusp cores))
-            (push (format nil "| ~A's pool after 0 ms beside a CPU hog, threads (≤ ~D CPUs + 2) | ~D | ~{~D~^, ~} | ~A |"
-                          (server-label server) cores (median counts) counts
-                          (if (<= (median counts) (+ cores 2)) "yes" "**no**"))
-                  lines)))))
-    (nreverse lines)))
+      ;; plus 2 workers.  A count, not a ratio.
+      (when (and cores (plusp cores))
+        (dolist (server '("native" "gallop" "gallop-tm"))
+          (goal (format nil "~A's pool after 0 ms beside a CPU hog, threads (≤ ~D CPUs + 2)"
+                        (server-label server) cores)
+                (loop for r in (rows-of shared (scenario 0 100 t) server)
+                      for n = (and (row-ok-p r) (pool-threads-in-note (gethash "note" r)))
+                      when n collect n)
+                (let ((most (+ cores 2))) (lambda (m) (<= m most)))
+                t))))
+    (nreverse goals)))
+
+(defun fmt-goal-value (goal x)
+  "One of GOAL's values: a count as it is, a ratio with two decimals."
+  (if (goal-count goal) (format nil "~D" x) (format nil "~,2F" x)))
+
+(defun fmt-goal-median (goal x)
+  "GOAL's median X: a count as a number (the median of an even number of
+counts may be half-way), a ratio with three decimals (a median shown as
+1.15 may be over 1.15)."
+  (cond ((not (goal-count goal)) (format nil "~,3F×" x))
+        ((integerp x) (format nil "~D" x))
+        (t (format nil "~,1F" x))))
+
+(defun held-cell (goal median)
+  (cond ((null (goal-test goal)) "–")
+        ((funcall (goal-test goal) median) "yes")
+        (t "**no**")))
+
+(defun goal-lines (rows meta)
+  "The goals of the every-core issue that this run measured, as markdown
+table lines: each goal's median, its value in each repetition (the machine
+is shared and noisy: a goal that holds only in the median shows it), and
+whether the median holds.  NIL when the run measured none of them."
+  (loop for goal in (goals rows meta)
+        for m = (median (goal-values goal))
+        collect (format nil "| ~A | ~A | ~{~A~^, ~} | ~A |"
+                        (goal-text goal) (fmt-goal-median goal m)
+                        (mapcar (lambda (x) (fmt-goal-value goal x)) (goal-values goal))
+                        (held-cell goal m))))
+
+(defun goals-across (tsv-paths &key (stream *standard-output*))
+  "Write to STREAM a markdown table of the every-core goals over several runs
+\(TSV-PATHS, in the order given): each run's median, in how many runs the
+median held, and the median of every repetition of all the runs pooled.  On
+a host whose speed moves from minute to minute, one run's median can miss
+by the noise alone; a line that misses in most runs, or pooled, does not."
+  (let* ((runs (mapcar (lambda (path)
+                         (multiple-value-bind (meta rows) (read-tsv path)
+                           (cons (pathname-name path) (goals rows meta))))
+                       tsv-paths))
+         (texts (remove-duplicates (loop for (nil . goals) in runs
+                                         append (mapcar #'goal-text goals))
+                                   :test #'string= :from-end t)))
+    (format stream "| goal |~{ `~A` |~} held in | all repetitions pooled (n) | held |~%"
+            (mapcar #'car runs))
+    (format stream "|---|~{~A~}--:|--:|---|~%" (make-list (length runs) :initial-element "--:|"))
+    (dolist (text texts)
+      (let* ((found (loop for (nil . goals) in runs
+                          collect (find text goals :key #'goal-text :test #'string=)))
+             (some-goal (find-if #'identity found))
+             (medians (mapcar (lambda (g) (and g (median (goal-values g)))) found))
+             (pooled (loop for g in found when g append (goal-values g)))
+             (pooled-median (median pooled)))
+        (format stream "| ~A |~{ ~A |~} ~A | ~A (~D) | ~A |~%"
+                text
+                (mapcar (lambda (m) (if m (fmt-goal-median some-goal m) "–")) medians)
+                (if (goal-test some-goal)
+                    (format nil "~D of ~D" (count-if (lambda (m) (and m (funcall (goal-test some-goal) m)))
+                                                     medians)
+                            (count-if #'identity medians))
+                    "–")
+                (fmt-goal-median some-goal pooled-median) (length pooled)
+                (held-cell some-goal pooled-median))))))
 
 (defun idle-summary (rows server)
   "Medians of the idle-connections scenario for SERVER, pairing each

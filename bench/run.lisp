@@ -62,7 +62,7 @@
 
 (defpackage #:gallop-bench
   (:use #:common-lisp #:gallop-bench-process)
-  (:export #:main #:report))
+  (:export #:main #:report #:goals-across))
 (in-package #:gallop-bench)
 
 (defparameter *bench-dir*

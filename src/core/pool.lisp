@@ -508,8 +508,9 @@ maker takes one of those permits back.  Without it a permit added for a
 worker seen blocked stayed while the group's workers were busy and the
 process under its CPUs, which on a machine shared with other processes is
 always: a handler that never blocks still waits at times on a lock whose
-holder another process preempted (the drop-in front ends take Hunchentoot's
-acceptor lock twice a request), and such waits, seen now and then as
+holder another process preempted (the drop-in front ends took Hunchentoot's
+acceptor lock twice a request, before src/hunchentoot/in-progress.lisp),
+and such waits, seen now and then as
 blocking, added permits that nothing took back (beside a busy loop on one
 CPU, 10 s of wrk -c100 grew the easy-acceptor's pool to 14 permits in one
 whole run of the tests, and to 3 or 4 in 7 of 16 runs of that test's
@@ -552,8 +553,8 @@ FOUND and BRIEF-WAITS are the maker's, for CONFIRMED-BLOCKED."
       ;; At least half of those found must also be blocked on more than a
       ;; lock's brief wait (CONFIRMED-BLOCKED), checked only then, since it
       ;; reads another file.  (Half, not all: with handlers that do block,
-      ;; the many threads added for them also wait on locks at times, the
-      ;; drop-in front ends' acceptor lock among them, and those waits
+      ;; the many threads added for them also wait on locks at times, on
+      ;; the allocator's or on one the handlers share, and those waits
       ;; should not hold growth back.)
       (let* ((holders (group-holders group))
              (enough (max share (ceiling holders 2))))
@@ -699,9 +700,8 @@ which they were found so at least +BRIEF-WAIT-MS+ before NOW (NOW-MS).
 BRIEF-WAITS, an EQ hash table of the maker's, holds for each worker found
 waiting so the event and the time it was first found so; it is updated
 here.  A wait on a lock whose holder was preempted (on a machine shared
-with other processes; the drop-in front ends take Hunchentoot's acceptor
-lock twice a request, and a page fault may wait on the address space's)
-lasts until that holder gets a CPU again, and a thread added for it would
+with other processes: a lock the handlers share, the allocator's, or the
+address space's in a page fault) lasts until that holder gets a CPU again, and a thread added for it would
 only wait on the same lock; a handler waiting on a semaphore or condition
 for its database is still there later.  A worker found running again is
 not blocked; one whose syscall file can't be read counts, as its state
