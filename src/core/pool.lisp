@@ -513,8 +513,9 @@ acceptor lock twice a request, before src/hunchentoot/in-progress.lisp),
 and such waits, seen now and then as blocking, added permits that nothing
 took back (beside a busy loop on one CPU, 10 s of wrk -c100 grew the
 easy-acceptor's pool to 14 permits in one whole run of the tests, and to
-3 or 4 in 7 of 16 runs of that test's load).  With handlers that do block, most workers are blocked at any
-moment and the looks keep the permits.")
+3 or 4 in 7 of 16 runs of that test's load).  With handlers that do
+block, most workers are blocked at any moment and the looks keep the
+permits.")
 
 (defun note-spare-look (group blocked above-share)
   "Record a look at GROUP's workers that found BLOCKED of them blocked, with
@@ -701,8 +702,8 @@ waiting so the event and the time it was first found so; it is updated
 here.  A wait on a lock whose holder was preempted (on a machine shared
 with other processes: a lock the handlers share, the allocator's, or the
 address space's in a page fault) lasts until that holder gets a CPU again,
-and a thread added for it would only wait on the same lock; a handler waiting on a semaphore or condition
-for its database is still there later.  A worker found running again is
+and a thread added for it would only wait on the same lock; a handler
+waiting on a semaphore or condition for its database is still there later.  A worker found running again is
 not blocked; one whose syscall file can't be read counts, as its state
 said.  BUFFER is for THREAD-WAIT-KIND."
   (let ((confirmed 0))
