@@ -211,3 +211,106 @@ BUFFER is an octet vector of at least 16 octets."
                                 ((and (= octet 32) (plusp i))
                                  (return (if (= number +futex-syscall+) :brief :call)))
                                 (t (return nil))))))))))
+
+;;; Whether the CPUs have time to spare.  Serving workers seen runnable
+;;; (state R) beyond +RUNNABLE-PER-CPU+ per CPU keep a group from growing
+;;; (BLOCKED-WORKERS), and so do runnable holders as many as the blocked
+;;; ones (RESIZE-GROUP): they wait for a CPU.  But a state is a snapshot, and
+;;; workers whose handlers sleep wake in bursts: on one CPU, with 1 ms
+;;; handlers, looks 5 ms apart found more than three workers runnable every
+;;; other time, about half the holders blocked, and the CPU idle a third of
+;;; the time.  A burst is not saturation when the CPUs went idle meanwhile:
+;;; a runnable thread waits for a CPU only while none is idle.  So the maker
+;;; also reads, every +IDLE-READ-MS+, the idle time of the CPUs the process
+;;; may run on from /proc/stat (clock ticks: idle and iowait, against all the
+;;; time of those CPUs), and when they were idle at least +IDLE-CPUS-SHARE+
+;;; of the last two readings' interval, any blocked worker is reason enough
+;;; to grow.  On a machine whose CPUs other processes keep busy they are
+;;; never idle, and nothing changes.  Under a cgroup CPU quota the CPUs may
+;;; be idle while the process may not use them: there the idle time says
+;;; nothing, and is not read.
+
+(defconstant +idle-read-ms+ 100
+  "How often the maker reads its CPUs' idle time (IDLE-METER): the share is
+over the last two intervals, 20 clock ticks per CPU, so that one tick, the
+unit of /proc/stat, is 5% of a CPU at most.")
+
+(defconstant +idle-cpus-share+ 1/10
+  "Share of their time the CPUs the process may use must have been idle for
+runnable workers not to count as waiting for a CPU (see above).")
+
+(defun parse-cpus-idle (buffer end mask)
+  "From the text of /proc/stat in BUFFER[0,END): the clock ticks the CPUs
+whose bits are set in MASK (an integer, bit N for CPU N) spent idle (its
+idle and iowait fields) and in all (user, nice, system, idle, iowait, irq,
+softirq and steal: the guest fields are counted in user already), as two
+values.  Lines other than \"cpuN ...\", and a last line cut short without
+its newline, count for nothing."
+  (declare (type octets buffer) (type fixnum end) (type integer mask))
+  (let ((idle 0) (total 0) (i 0))
+    (declare (type fixnum i) (type (integer 0) idle total))
+    (flet ((digit (k)
+             (declare (type fixnum k))
+             (and (< k end) (<= 48 (aref buffer k) 57) (- (aref buffer k) 48))))
+      (loop while (< i end)
+            do (let ((line-end (or (position 10 buffer :start i :end end) end)))
+                 (declare (type fixnum line-end))
+                 (when (and (< line-end end)
+                            (< (+ i 3) line-end)
+                            (= (aref buffer i) 99) (= (aref buffer (+ i 1)) 112) ; "cp"
+                            (= (aref buffer (+ i 2)) 117)                        ; "u"
+                            (digit (+ i 3)))
+                   (let ((k (+ i 3)) (cpu 0))
+                     (declare (type fixnum k cpu))
+                     (loop for d = (digit k) while d
+                           do (setf cpu (+ (* 10 cpu) d)) (incf k))
+                     (when (logbitp cpu mask)
+                       ;; Up to eight fields, each after one or more spaces.
+                       (loop for field of-type fixnum from 0 below 8
+                             do (loop while (and (< k line-end) (= (aref buffer k) 32))
+                                      do (incf k))
+                                (unless (digit k) (return))
+                                (let ((n 0))
+                                  (declare (type (integer 0) n))
+                                  (loop for d = (and (< k line-end) (digit k)) while d
+                                        do (setf n (+ (* 10 n) d)) (incf k))
+                                  (incf total n)
+                                  (when (or (= field 3) (= field 4))
+                                    (incf idle n)))))))
+                 (setf i (1+ line-end)))))
+    (values idle total)))
+
+(defstruct (idle-meter (:constructor make-idle-meter ()) (:copier nil))
+  "The maker's readings of the idle time of the CPUs in MASK: the last two,
++IDLE-READ-MS+ apart, as (idle . total) clock ticks.  A reading of another
+mask (the affinity changed) starts over."
+  (mask 0 :type integer)
+  (buffer (make-array 0 :element-type '(unsigned-byte 8)) :type octets)
+  (last nil)
+  (before-last nil))
+
+(sb-ext:define-load-time-global *proc-stat-path*
+    (map 'octets #'char-code (format nil "/proc/stat~C" (code-char 0)))
+  "/proc/stat as octets ending in a NUL, for READ-PROC-FILE.")
+
+(defun idle-meter-share (meter mask)
+  "Read the idle time of the CPUs in MASK into METER; the share of their
+time they were idle between the reading before last and this one, or NIL
+when not known (fewer than three readings of this mask, or /proc/stat can't
+be read)."
+  (unless (eql mask (idle-meter-mask meter))
+    ;; Room for the lines of CPUs up to the highest in MASK: a line is at
+    ;; most 11 fields of 20 digits.
+    (setf (idle-meter-mask meter) mask
+          (idle-meter-buffer meter) (make-array (* 256 (+ 2 (integer-length mask)))
+                                                :element-type '(unsigned-byte 8))
+          (idle-meter-last meter) nil
+          (idle-meter-before-last meter) nil))
+  (let ((n (read-proc-file *proc-stat-path* (idle-meter-buffer meter))))
+    (if (null n)
+        (setf (idle-meter-last meter) nil (idle-meter-before-last meter) nil)
+        (multiple-value-bind (idle total) (parse-cpus-idle (idle-meter-buffer meter) n mask)
+          (let ((then (shiftf (idle-meter-before-last meter) (idle-meter-last meter)
+                              (cons idle total))))
+            (and then (> total (cdr then))
+                 (/ (- idle (car then)) (- total (cdr then)))))))))

@@ -96,10 +96,11 @@
 ;;;; hold, in state R: that is contention, not blocking, and more threads
 ;;;; would only add to the wait.
 ;;;; When no permit holder of a group is free (all busy), the process uses
-;;;; under +GROWTH-CPU-LIMIT+ of its CPUs, and the group's permit holders
-;;;; that are not blocked are fewer than its share of the CPUs, or than half
-;;;; its holders (with many workers blocked most of the time, those waking
-;;;; up at once may outnumber the CPUs), and no more than
+;;;; under +GROWTH-CPU-LIMIT+ of its CPUs (over the last +LOAD-SAMPLES+
+;;;; samples), and the group's permit holders that are not blocked are
+;;;; fewer than its share of the CPUs, or than half its holders (with many
+;;;; workers blocked most of the time, those waking up at once may
+;;;; outnumber the CPUs), and no more than
 ;;;; +RUNNABLE-PER-CPU+ times as many of its serving workers as its share of
 ;;;; the CPUs were seen runnable (more means several wait for a CPU: on a
 ;;;; machine shared with other processes the process may use well under its
@@ -107,7 +108,12 @@
 ;;;; pool then only lengthened the queue for the CPUs: 9 to 12 seconds of
 ;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
 ;;;; threads; with such a limit 68 to 73 threads served as many requests or
-;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value), in
+;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value),
+;;;; or, when the CPUs the process may use were idle lately (at least
+;;;; +IDLE-CPUS-SHARE+ of the last 200 ms, from /proc/stat: cpus.lisp), any
+;;;; holder is blocked, whatever the runnable ones (they are a burst of
+;;;; wake-ups, not a queue for the CPUs: on one CPU, with 1 ms handlers, the
+;;;; pool otherwise left a third of it idle), in
 ;;;; two samples in a row, it adds a thread to the group when its permits are
 ;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
 ;;;; behind), else a permit and a thread for it (up to MAX-THREADS threads
@@ -181,7 +187,8 @@ A/B runs with 1 ms handlers, the easy-acceptor served 0-24% more requests
 per second at c100 and 4-15% at c400, at the same or less CPU per request,
 `gallop:start` as many as with 2 (within 4%), and 2-5% more beside a CPU
 hog; 4 served no more than 3 (BENCHMARKS.md, \"Runnable workers per
-CPU\").")
+CPU\").  Not when the CPUs were idle lately (cpus.lisp, \"Whether the CPUs
+have time to spare\"): then runnable workers are a burst of wake-ups.")
 
 (defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
@@ -398,6 +405,41 @@ the maker thread, or from POOL-START."
 (defconstant +growth-cpu-limit+ 0.85
   "Permits are added only while the process uses less than this share of its CPUs.")
 
+(defconstant +load-samples+ 4
+  "The process's use of its CPUs that the maker compares with
++GROWTH-CPU-LIMIT+ and +SHRINK-CPU-LIMIT+ is over this many samples (20 ms),
+not one: in 5 ms, handlers that sleep 1 ms make the use jump (on one CPU,
+between 33% and 96% of it in the samples of one run that used 66% in all),
+so that a sample over the limits came every few, and with it a permit back
+and no growth.")
+
+(defstruct (load-history (:constructor make-load-history
+                             (cpu-us wall
+                              &aux (cpu-then (make-array +load-samples+ :initial-element cpu-us))
+                                   (wall-then (make-array +load-samples+ :initial-element wall))))
+                         (:copier nil))
+  "The process's CPU time (microseconds, PROCESS-CPU-US) and the time
+\(internal real time) at each of the maker's last +LOAD-SAMPLES+ samples; the
+oldest at index COUNT mod +LOAD-SAMPLES+."
+  (cpu-then nil :type simple-vector)
+  (wall-then nil :type simple-vector)
+  (count 0 :type fixnum))
+
+(defun note-load (history cpu-us wall cpus)
+  "Record in HISTORY a sample taken at WALL (internal real time, later than
+the last) when the process had used CPU-US; the share of CPUS the process
+used since the oldest sample HISTORY kept."
+  (let* ((k (mod (load-history-count history) +load-samples+))
+         (cpu-then (load-history-cpu-then history))
+         (wall-then (load-history-wall-then history))
+         (load (/ (- cpu-us (svref cpu-then k))
+                  (* cpus (/ 1000000 internal-time-units-per-second)
+                     (max 1 (- wall (svref wall-then k)))))))
+    (setf (svref cpu-then k) cpu-us
+          (svref wall-then k) wall)
+    (incf (load-history-count history))
+    load))
+
 (defconstant +shrink-cpu-limit+ 0.95
   "Above this share of its CPUs, the process gives permits back.")
 
@@ -449,9 +491,14 @@ workers: given back to them, if any is idle)."
   (let* ((groups (pool-groups pool))
          (cpus (usable-cpus))
          (share (group-cpu-share cpus (length groups) (pool-max-threads pool)))
+         ;; The CPUs' idle time, when no quota applies (cpus.lisp).
+         (mask (allowed-cpu-mask))
+         (idle-meter (make-idle-meter))
+         (cpus-idle nil)
+         (idle-read (get-internal-real-time))
          (cpus-read (get-internal-real-time))
-         (last-cpu (process-cpu-us))
          (last-wall (get-internal-real-time))
+         (history (make-load-history (process-cpu-us) last-wall))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
          (last-gc sb-ext:*gc-run-time*)
          (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
@@ -467,7 +514,14 @@ workers: given back to them, if any is idle)."
            (when (>= (- (get-internal-real-time) cpus-read) internal-time-units-per-second)
              (setf cpus (usable-cpus)
                    share (group-cpu-share cpus (length groups) (pool-max-threads pool))
+                   mask (allowed-cpu-mask)
                    cpus-read (get-internal-real-time)))
+           (when (>= (- (get-internal-real-time) idle-read)
+                     (* +idle-read-ms+ (/ internal-time-units-per-second 1000)))
+             (setf idle-read (get-internal-real-time)
+                   cpus-idle (and (= cpus (logcount mask)) ; no quota
+                                  (let ((idle (idle-meter-share idle-meter mask)))
+                                    (and idle (>= idle +idle-cpus-share+))))))
            (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
            (join-retired pool)
            (when (pool-stopping pool)
@@ -481,14 +535,12 @@ workers: given back to them, if any is idle)."
            ;; next.
            (let ((wall (get-internal-real-time)))
              (when (>= (* us-per-unit (- wall last-wall)) 5000)
-               (let* ((cpu (process-cpu-us))
-                      (load (/ (- cpu last-cpu) (* cpus us-per-unit (- wall last-wall))))
+               (let* ((load (note-load history (process-cpu-us) wall cpus))
                       ;; (A sample in which a garbage collection stopped every
                       ;; thread but one says nothing about blocked handlers:
                       ;; skipped.)
                       (collected (/= (shiftf last-gc sb-ext:*gc-run-time*) last-gc)))
-                 (setf last-cpu cpu
-                       last-wall wall)
+                 (setf last-wall wall)
                  (loop for group across groups
                        do (setf (group-idle-samples group)
                                 (if (plusp (group-idle group)) (1+ (group-idle-samples group)) 0)
@@ -496,7 +548,7 @@ workers: given back to them, if any is idle)."
                                 (if (zerop (group-idle group)) (1+ (group-busy-samples group)) 0))
                           (unless collected
                             (resize-group pool group load share stat-buffer
-                                          found brief-waits)))
+                                          found brief-waits cpus-idle)))
                  (when (and (> (length groups) 1) (pool-maker-helps pool))
                    (help-busy-groups pool events))))))
       (free-event-buffer events))))
@@ -529,14 +581,16 @@ ABOVE-SHARE permits above its share of the CPUs (see
 above its share not covering blocked workers: one of them may go."
   (>= (group-spare-looks group) +spare-looks-before-shrink+))
 
-(defun resize-group (pool group load share stat-buffer found brief-waits)
+(defun resize-group (pool group load share stat-buffer found brief-waits cpus-idle)
   "The maker's decision for GROUP in one sample (see the header): a thread, or
 a permit and a thread, for a group seen blocked two samples in a row; a
 permit back from one whose holders sat idle for a second, whose permits
 above its share were not covering blocked workers in +SPARE-LOOKS-BEFORE-
 SHRINK+ looks in a row, or when the process uses its CPUs.  LOAD is the
-process's share of its CPUs in the sample, SHARE the group's share of them;
-FOUND and BRIEF-WAITS are the maker's, for CONFIRMED-BLOCKED."
+process's share of its CPUs over the last samples (NOTE-LOAD), SHARE the
+group's share of them; FOUND and BRIEF-WAITS are the maker's, for
+CONFIRMED-BLOCKED; CPUS-IDLE true when the CPUs were idle lately (cpus.lisp),
+for BLOCKED-WORKERS and growth."
   (let* ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
          (room-for-thread (and (< (group-thread-count group) (group-allowed group))
                                (< (pool-thread-count pool) (pool-max-threads pool))))
@@ -547,9 +601,12 @@ FOUND and BRIEF-WAITS are the maker's, for CONFIRMED-BLOCKED."
                (or room-for-permit room-for-thread (plusp above-share))
                (look-for-blocked-p group))
       ;; The permit holders not blocked are fewer than the group's CPUs, or
-      ;; than half the holders.  (Holders, not permits: threads that left
-      ;; idle may have left permits nobody holds.)  BLOCKED-WORKERS counts
-      ;; up to one past that edge, which is at least half of ABOVE-SHARE.
+      ;; than half the holders; or, when the CPUs were idle lately
+      ;; (CPUS-IDLE), any is blocked: with every worker busy and a CPU
+      ;; free, a blocked worker is work no thread can run.  (Holders, not
+      ;; permits: threads that left idle may have left permits nobody
+      ;; holds.)  BLOCKED-WORKERS counts up to one past that edge, which is
+      ;; at least half of ABOVE-SHARE.
       ;; At least half of those found must also be blocked on more than a
       ;; lock's brief wait (CONFIRMED-BLOCKED), checked only then, since it
       ;; reads another file.  (Half, not all: with handlers that do block,
@@ -559,9 +616,11 @@ FOUND and BRIEF-WAITS are the maker's, for CONFIRMED-BLOCKED."
       (let* ((holders (group-holders group))
              (enough (max share (ceiling holders 2))))
         (multiple-value-bind (blocked saturated)
-            (blocked-workers pool group (- holders enough -1) share stat-buffer found)
+            (blocked-workers pool group (- holders enough -1) share stat-buffer found
+                             cpus-idle)
           (setf grow (and (or room-for-permit room-for-thread)
-                          (> blocked (- holders enough))
+                          (or (> blocked (- holders enough))
+                              (and cpus-idle (plusp blocked)))
                           (>= (* 2 (confirmed-blocked found blocked stat-buffer brief-waits
                                                       (now-ms)))
                               blocked)))
@@ -655,15 +714,18 @@ and nudge that group.  EVENTS is the maker's event buffer."
                        (incf (pool-moved pool) moved)
                        (signal-eventfd (group-nudge-fd helper)))))))))
 
-(defun blocked-workers (pool group limit cpus buffer &optional found)
+(defun blocked-workers (pool group limit cpus buffer &optional found cpus-idle)
   "How many of POOL's workers in GROUP (all of them, when GROUP is NIL) are
 blocked while serving an event (see the header), counting no further than
 LIMIT; 0 when more than +RUNNABLE-PER-CPU+ times CPUS of the serving
-workers read are runnable \(state R): the CPUs are taken, by this process or
-by others, and another thread would only wait for one too; then the second
-value is true.  BUFFER is for THREAD-RUNNABLE-P.  FOUND, a simple vector,
-receives the workers counted and the events they serve, a pair each, as
-far as it holds them (for CONFIRMED-BLOCKED)."
+workers read are runnable \(state R) and CPUS-IDLE is false: the CPUs are
+taken, by this process or by others, and another thread would only wait for
+one too; then the second value is true.  CPUS-IDLE true says the CPUs were
+idle lately (IDLE-METER-SHARE in cpus.lisp): runnable workers are then a
+burst of wake-ups, not a queue for the CPUs.  BUFFER is for
+THREAD-RUNNABLE-P.  FOUND, a simple vector, receives the workers counted and
+the events they serve, a pair each, as far as it holds them (for
+CONFIRMED-BLOCKED)."
   (let ((count 0) (runnable 0))
     (declare (type fixnum count runnable))
     (when (plusp limit)
@@ -673,7 +735,8 @@ far as it holds them (for CONFIRMED-BLOCKED)."
           (let ((before (worker-serving worker)))
             (when (oddp before)
               (cond ((thread-runnable-p (worker-stat-path worker) buffer)
-                     (when (> (incf runnable) (* +runnable-per-cpu+ cpus))
+                     (when (and (> (incf runnable) (* +runnable-per-cpu+ cpus))
+                                (not cpus-idle))
                        (return-from blocked-workers (values 0 t))))
                     ((= before (worker-serving worker))
                      (when (and found (< (1+ (* 2 count)) (length found)))

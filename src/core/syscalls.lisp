@@ -399,13 +399,21 @@ Returns the new soft limit, and T as a second value when it is below WANTED
 (sb-alien:define-alien-routine ("sched_getaffinity" %sched-getaffinity) sb-alien:int
   (pid sb-alien:int) (size sb-alien:unsigned-long) (mask sb-sys:system-area-pointer))
 
-(defun allowed-cpu-count ()
-  "How many CPUs this process may run on (its affinity mask, e.g. under taskset)."
+(defun allowed-cpu-mask ()
+  "The CPUs this process may run on (its affinity mask, e.g. under taskset),
+as an integer whose bit N is set for CPU N (the first 1024 CPUs); CPU 0
+alone if the mask can't be read."
   (sb-alien:with-alien ((mask (array (sb-alien:unsigned 64) 16)))
     (let ((sap (sb-alien:alien-sap mask)))
       (if (zerop (%sched-getaffinity 0 128 sap))
-          (max 1 (loop for i below 16 sum (logcount (sb-sys:sap-ref-64 sap (* 8 i)))))
+          (let ((bits (loop for i below 16
+                            sum (ash (sb-sys:sap-ref-64 sap (* 8 i)) (* 64 i)))))
+            (if (zerop bits) 1 bits))
           1))))
+
+(defun allowed-cpu-count ()
+  "How many CPUs this process may run on (its affinity mask, e.g. under taskset)."
+  (logcount (allowed-cpu-mask)))
 
 (defun process-cpu-us ()
   "CPU time (user + system) this process has used, in microseconds."

@@ -164,13 +164,111 @@ thread would wait too."
                  (is (= 0 (blocked (apply #'pool (worker spinner 1) serving) 10 0))
                      "a runnable serving worker first, no CPU: no growth")
                  (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
-                     "a runnable serving worker last, no CPU: no growth")))
+                     "a runnable serving worker last, no CPU: no growth")
+                 (is (equal '(3 nil)
+                            (multiple-value-list
+                             (gallop.core::blocked-workers
+                              (apply #'pool (worker spinner 1) (append at-limit serving))
+                              nil 10 1 buffer nil t)))
+                     "over the limit for 1 CPU, but the CPUs were idle lately: a burst, growth")))
              (is (null (gallop.core::thread-runnable-p
                              (gallop.core::thread-stat-path 999999999) buffer))
                  "a thread that does not exist"))
         (setf stop t)
         (sb-thread:signal-semaphore gate 3)
         (mapc #'sb-thread:join-thread (append spinners waiters))))))
+
+;;; The CPUs' idle time (cpus.lisp, "Whether the CPUs have time to spare").
+
+(test proc-stat-idle-is-read-for-the-cpus-the-process-may-use
+  "PARSE-CPUS-IDLE sums, over the cpuN lines of /proc/stat whose CPU is in the
+mask, the idle and iowait fields (the 4th and 5th) as idle, and the first
+eight fields as all: not the \"cpu\" line of all CPUs, not the guest fields,
+not a line cut short."
+  (flet ((parse (text mask)
+           (let ((octets (map 'gallop.core::octets #'char-code text)))
+             (multiple-value-list (gallop.core::parse-cpus-idle octets (length octets) mask)))))
+    (let ((stat (format nil "cpu  100 0 100 1000 0 0 0 0 0 0~@
+                             cpu0 10 1 20 300 5 1 2 3 7 9~@
+                             cpu1 40 0 30 500 10 0 0 0 0 0~@
+                             cpu12 1 2 3 4 5 6 7 8 9 10~@
+                             intr 123 4 5~%")))
+      (is (equal '(815 922) (parse stat #b11)) "CPUs 0 and 1")
+      (is (equal '(510 580) (parse stat #b10)) "CPU 1 alone")
+      (is (equal '(9 36) (parse stat (ash 1 12))) "a CPU number of two digits")
+      (is (equal '(0 0) (parse stat #b100)) "a CPU /proc/stat does not list")
+      (is (equal '(305 342) (parse (subseq stat 0 (+ (search "cpu1" stat) 12)) #b11))
+          "a last line cut short counts for nothing")
+      (is (equal '(0 0) (parse "" #b1))))
+    ;; This machine's: unknown until three readings, then a share.
+    (let ((meter (gallop.core::make-idle-meter))
+          (mask (gallop.core::allowed-cpu-mask)))
+      (is (plusp mask))
+      (is (= (logcount mask) (gallop.core::allowed-cpu-count)))
+      (is (null (gallop.core::idle-meter-share meter mask)))
+      (sleep 0.05)
+      (is (null (gallop.core::idle-meter-share meter mask)))
+      (sleep 0.05)
+      (let ((share (gallop.core::idle-meter-share meter mask)))
+        (is (and (realp share) (<= 0 share 1)) "a share: ~S" share))
+      (is (null (gallop.core::idle-meter-share meter (logand mask (- mask))))
+          "another mask starts over"))))
+
+(test with-idle-cpus-a-blocked-worker-is-enough-to-grow
+  "A group whose workers are all busy grows when more than half its permit
+holders are blocked; when the CPUs were idle lately (CPUS-IDLE), for any one
+blocked, however many of its workers are runnable: a CPU is free, and what
+the blocked worker's connections wait for is a thread (on one CPU, with
+handlers that sleep 1 ms, the pool left a third of the CPU idle)."
+  (let* ((stop nil)
+         (buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         (sleeper (sb-thread:make-thread (lambda () (sleep 60)) :name "sleeping (test)"))
+         (spinners (loop repeat (1+ gallop.core::+runnable-per-cpu+)
+                         collect (sb-thread:make-thread (lambda () (loop until stop))
+                                                        :name "spinning (test)"))))
+    (flet ((runnable (thread)
+             (gallop.core::thread-runnable-p
+              (gallop.core::thread-stat-path (sb-thread:thread-os-tid thread)) buffer)))
+      (unwind-protect
+           (progn
+             (is-true (wait-until (lambda () (not (runnable sleeper)))))
+             (is-true (wait-until (lambda () (every #'runnable spinners))))
+             (let* ((pool (gallop.core::make-pool))
+                    (group (gallop.core::make-group))
+                    (holders (+ 1 (length spinners)))
+                    (found (make-array 16 :initial-element nil))
+                    (brief-waits (make-hash-table :test 'eq)))
+               ;; Every worker serving: the spinners first (runnable, over
+               ;; the limit for one CPU), then the sleeper, the only blocked.
+               (setf (gallop.core::pool-groups pool) (vector group)
+                     (gallop.core::pool-workers pool)
+                     (loop for thread in (append spinners (list sleeper))
+                           collect (let ((w (gallop.core::make-worker
+                                             thread (sb-thread:thread-os-tid thread) group)))
+                                     (setf (gallop.core::worker-serving w) 1)
+                                     w))
+                     (gallop.core::group-holders group) holders
+                     (gallop.core::group-allowed group) holders
+                     ;; More threads than permits: growth adds a permit, no thread.
+                     (gallop.core::group-thread-count group) (* 2 holders))
+               (flet ((samples (cpus-idle)
+                        ;; Two samples (growth needs two in a row), the
+                        ;; process at half its CPUs, its share 1 CPU.
+                        (loop repeat 2
+                              do (sb-sys:without-gcing
+                                   (gallop.core::resize-group pool group 0.5 1 buffer found
+                                                              brief-waits cpus-idle)))
+                        (gallop.core::group-allowed group)))
+                 (is (= holders (samples nil)) "CPUs not idle: runnable workers hold it back")
+                 (is (= (1+ holders) (samples t)) "CPUs idle: one blocked worker, one permit more")
+                 (setf (gallop.core::pool-workers pool)
+                       (remove sleeper (gallop.core::pool-workers pool)
+                               :key #'gallop.core::worker-thread))
+                 (is (= (1+ holders) (samples t)) "none blocked: no growth, CPUs idle or not"))))
+        (setf stop t)
+        (sb-thread:terminate-thread sleeper)
+        (mapc #'sb-thread:join-thread spinners)
+        (sb-thread:join-thread sleeper :default nil)))))
 
 (test looks-at-a-group-whose-workers-never-block-are-spaced
   "The maker reads a group's workers' states every sample until
@@ -221,6 +319,22 @@ them, one may go back; a look that finds as many starts the count again."
           "a look that finds enough starts the count again")
       (is (not (looks (1- needed) 0 4)))
       (is (looks 1 0 4)))))
+
+(test the-makers-load-is-over-its-last-samples
+  "The share of its CPUs the process used, which the maker compares with its
+limits, is over its last +LOAD-SAMPLES+ samples (NOTE-LOAD), not the last
+one: handlers that sleep make one 5 ms sample jump."
+  (let ((ms (/ internal-time-units-per-second 1000))
+        (history (gallop.core::make-load-history 0 0)))
+    (is (= 4 gallop.core::+load-samples+))
+    (flet ((note (cpu-us at-ms cpus)
+             (gallop.core::note-load history cpu-us (* at-ms ms) cpus)))
+      (is (= 1 (note 5000 5 1)) "one CPU used 5 ms of 5")
+      (is (= 1/2 (note 5000 10 1)) "then none: 5 ms of 10")
+      (is (= 1/3 (note 5000 15 1)))
+      (is (= 1/4 (note 5000 20 1)))
+      (is (= 0 (note 5000 25 1)) "the first sample's 5 ms fell out of the window")
+      (is (= 1/4 (note 15000 30 2)) "10 ms of two CPUs' 20 ms"))))
 
 (test blocked-workers-waiting-briefly-count-after-a-while
   "A worker blocked inside futex(2) (a lock, a semaphore) counts toward growth
