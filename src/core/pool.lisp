@@ -440,6 +440,11 @@ used since the oldest sample HISTORY kept."
     (incf (load-history-count history))
     load))
 
+(defun load-history-last-wall (history)
+  "The time (internal real time) of the last sample HISTORY recorded."
+  (svref (load-history-wall-then history)
+         (mod (1- (load-history-count history)) +load-samples+)))
+
 (defconstant +shrink-cpu-limit+ 0.95
   "Above this share of its CPUs, the process gives permits back.")
 
@@ -497,8 +502,7 @@ workers: given back to them, if any is idle)."
          (cpus-idle nil)
          (idle-read (get-internal-real-time))
          (cpus-read (get-internal-real-time))
-         (last-wall (get-internal-real-time))
-         (history (make-load-history (process-cpu-us) last-wall))
+         (history (make-load-history (process-cpu-us) (get-internal-real-time)))
          (us-per-unit (/ 1000000 internal-time-units-per-second))
          (last-gc sb-ext:*gc-run-time*)
          (stat-buffer (make-array 128 :element-type '(unsigned-byte 8)))
@@ -534,13 +538,12 @@ workers: given back to them, if any is idle)."
            ;; sample, so the effect of the last change is measured before the
            ;; next.
            (let ((wall (get-internal-real-time)))
-             (when (>= (* us-per-unit (- wall last-wall)) 5000)
+             (when (>= (* us-per-unit (- wall (load-history-last-wall history))) 5000)
                (let* ((load (note-load history (process-cpu-us) wall cpus))
                       ;; (A sample in which a garbage collection stopped every
                       ;; thread but one says nothing about blocked handlers:
                       ;; skipped.)
                       (collected (/= (shiftf last-gc sb-ext:*gc-run-time*) last-gc)))
-                 (setf last-wall wall)
                  (loop for group across groups
                        do (setf (group-idle-samples group)
                                 (if (plusp (group-idle group)) (1+ (group-idle-samples group)) 0)
@@ -766,9 +769,9 @@ here.  A wait on a lock whose holder was preempted (on a machine shared
 with other processes: a lock the handlers share, the allocator's, or the
 address space's in a page fault) lasts until that holder gets a CPU again,
 and a thread added for it would only wait on the same lock; a handler
-waiting on a semaphore or condition for its database is still there later.  A worker found running again is
-not blocked; one whose syscall file can't be read counts, as its state
-said.  BUFFER is for THREAD-WAIT-KIND."
+waiting on a semaphore or condition for its database is still there later.
+A worker found running again is not blocked; one whose syscall file can't
+be read counts, as its state said.  BUFFER is for THREAD-WAIT-KIND."
   (let ((confirmed 0))
     (declare (type fixnum confirmed))
     (when (> (hash-table-count brief-waits) 1024)

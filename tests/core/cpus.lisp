@@ -334,7 +334,8 @@ one: handlers that sleep make one 5 ms sample jump."
       (is (= 1/3 (note 5000 15 1)))
       (is (= 1/4 (note 5000 20 1)))
       (is (= 0 (note 5000 25 1)) "the first sample's 5 ms fell out of the window")
-      (is (= 1/4 (note 15000 30 2)) "10 ms of two CPUs' 20 ms"))))
+      (is (= 1/4 (note 15000 30 2)) "10 ms of two CPUs' 20 ms")
+      (is (= (* 30 ms) (gallop.core::load-history-last-wall history))))))
 
 (test blocked-workers-waiting-briefly-count-after-a-while
   "A worker blocked inside futex(2) (a lock, a semaphore) counts toward growth
