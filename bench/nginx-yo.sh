@@ -1,6 +1,6 @@
 # nginx-yo.sh -- sourced by the bench scripts that compare with nginx
-# (layers.sh, quota-ab.sh, epoll-sets.sh, switches.sh, checkouts-ab.sh): nginx answering /yo
-# as the Lisp servers do.
+# (layers.sh, quota-ab.sh, epoll-sets.sh, switches.sh, checkouts-ab.sh,
+# at-rest.sh): nginx answering /yo as the Lisp servers do.
 #
 #   nginx_yo_conf DIR PORT [WORKERS]   writes DIR/nginx.conf (pid, logs and
 #                                      temporary directories under DIR) for

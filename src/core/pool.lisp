@@ -69,8 +69,9 @@
 ;;;; pool may not grow (MAX-THREADS); and it also grows (below).
 ;;;;
 ;;;; Elasticity has two levels, both decided by the maker thread, which
-;;;; wakes every 5 ms (workers never wake it: that would cost a context switch
-;;;; per request), for each group on its own.  RUN PERMITS bound how many of
+;;;; wakes every 5 ms while the pool works (workers do not wake it per
+;;;; request: that would cost a context switch each; see RESTING below for
+;;;; when it sleeps longer), for each group on its own.  RUN PERMITS bound how many of
 ;;;; a group's workers wait in or serve from epoll at once (its ALLOWED); the
 ;;;; group's other threads wait for a permit.  ALLOWED starts at the group's
 ;;;; share of the CPUs this process may run on (1 for one group per CPU),
@@ -128,6 +129,22 @@
 ;;;; gives it up.  "CPUs" means the ones the process may use: its affinity
 ;;;; mask, lowered by its cgroup's CPU quota (cpus.lisp), re-read once a
 ;;;; second (the number of groups stays).
+;;;; RESTING.  A pool with nothing to do costs next to no CPU: after
+;;;; +STILL-SAMPLES-BEFORE-REST+ samples (100 ms) in which no worker began or
+;;;; ended an event, with every permit holder waiting in epoll_wait and no
+;;;; group above its share of the CPUs, the maker stops sampling and sleeps
+;;;; for up to a second at a time (its once-a-second chores: the CPUs, the
+;;;; retired threads), with MAKER-RESTING true.  The first worker to leave
+;;;; epoll_wait with work clears it and wakes the maker (WAKE-RESTING-MAKER),
+;;;; which starts its samples afresh.  Each side writes, fences, then reads
+;;;; the other's word (the maker MAKER-RESTING then the groups' IDLE, a worker
+;;;; its group's IDLE, with an atomic decrement, then MAKER-RESTING), so one
+;;;; of them sees the other: no work begins unseen while the maker rests.
+;;;; Before, the maker woke about 194 times a second however idle the
+;;;; server, and an idle server used 1.5-1.6% of a CPU (nginx and stock
+;;;; Hunchentoot: none measurable); resting, 0.13%, and of its 11 wake-ups
+;;;; a second 10 are the housekeeper's tick (bench/at-rest.sh;
+;;;; BENCHMARKS.md, "A pool at rest").
 ;;;; Thread creation is serialised through the maker because SBCL creates
 ;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
 ;;;; without work leaves while its group has more than its share of
@@ -159,6 +176,11 @@
 ;;;;    finds nothing to read, and parks it again.  Events still queued at
 ;;;;    stop belong to connections that are still parked, which the engine
 ;;;;    then closes.
+;;;;  - MAKER-RESTING is set only by the maker, after 20 still samples, and
+;;;;    cleared by compare-and-swap: by the worker that then signals the
+;;;;    maker's semaphore, or by the maker when its second look finds a
+;;;;    worker out of epoll_wait.  While it is true the maker takes no
+;;;;    sample and every permit holder was, at its last look, in epoll_wait.
 ;;;;  - Whoever queues on a group's READY queue reads that group's IDLE count
 ;;;;    after its enqueue (a worker queuing a batch, when it reads 0, reads
 ;;;;    the other groups' too), and nudges a group it finds idle; a worker
@@ -274,6 +296,9 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (retired '() :type list)
   (maker nil)
   (maker-semaphore (sb-thread:make-semaphore :name "gallop thread maker"))
+  ;; True while the maker rests (RESTING in the header): the first worker
+  ;; that leaves epoll_wait with work sets it to NIL and wakes the maker.
+  (maker-resting nil)
   (stopping nil)
   (dispatch nil :type (or null function))
   (timers nil) ; the engine's application timers (timers.lisp), while it runs
@@ -510,7 +535,13 @@ workers: given back to them, if any is idle)."
          ;; those last seen waiting briefly (THREAD-WAIT-KIND).
          (found (make-array (* 2 (pool-max-threads pool)) :initial-element nil))
          (brief-waits (make-hash-table :test 'eq))
-         (events (make-event-buffer +batch+)))
+         (events (make-event-buffer +batch+))
+         ;; RESTING (see the header), and the samples in a row in which no
+         ;; event began or ended (EVENTS-SERVED).
+         (resting nil)
+         (still-samples 0)
+         (last-served -1))
+    (declare (type fixnum still-samples last-served))
     (unwind-protect
          (loop
            ;; The CPUs may change (taskset, a new cgroup quota): look again
@@ -520,13 +551,15 @@ workers: given back to them, if any is idle)."
                    share (group-cpu-share cpus (length groups) (pool-max-threads pool))
                    mask (allowed-cpu-mask)
                    cpus-read (get-internal-real-time)))
-           (when (>= (- (get-internal-real-time) idle-read)
-                     (* +idle-read-ms+ (/ internal-time-units-per-second 1000)))
+           (when (and (not resting)
+                      (>= (- (get-internal-real-time) idle-read)
+                          (* +idle-read-ms+ (/ internal-time-units-per-second 1000))))
              (setf idle-read (get-internal-real-time)
                    cpus-idle (and (= cpus (logcount mask)) ; no quota
                                   (let ((idle (idle-meter-share idle-meter mask)))
                                     (and idle (>= idle +idle-cpus-share+))))))
-           (sb-thread:wait-on-semaphore (pool-maker-semaphore pool) :timeout 0.005)
+           (sb-thread:wait-on-semaphore (pool-maker-semaphore pool)
+                                        :timeout (if resting 1 0.005))
            (join-retired pool)
            (when (pool-stopping pool)
              (return))
@@ -534,11 +567,24 @@ workers: given back to them, if any is idle)."
            (let ((piled (sb-thread:semaphore-count (pool-maker-semaphore pool))))
              (when (plusp piled)
                (sb-thread:try-semaphore (pool-maker-semaphore pool) piled)))
+           (when (and resting (not (pool-maker-resting pool)))
+             ;; A worker woke the maker: the load's samples start afresh,
+             ;; over the time from now on, not over the rest.  The CPUs'
+             ;; idle time is read at once; over the rest, they were idle
+             ;; (as before resting was built, when a load began on idle
+             ;; CPUs).
+             (let ((now (get-internal-real-time)))
+               (setf resting nil
+                     still-samples 0
+                     history (make-load-history (process-cpu-us) now)
+                     idle-read (- now (* +idle-read-ms+ (/ internal-time-units-per-second 1000)))
+                     last-gc sb-ext:*gc-run-time*)))
            ;; One CPU sample per 5 ms, and at most one change per group and
            ;; sample, so the effect of the last change is measured before the
            ;; next.
            (let ((wall (get-internal-real-time)))
-             (when (>= (* us-per-unit (- wall (load-history-last-wall history))) 5000)
+             (when (and (not resting)
+                        (>= (* us-per-unit (- wall (load-history-last-wall history))) 5000))
                (let* ((load (note-load history (process-cpu-us) wall cpus))
                       ;; (A sample in which a garbage collection stopped every
                       ;; thread but one says nothing about blocked handlers:
@@ -553,8 +599,65 @@ workers: given back to them, if any is idle)."
                             (resize-group pool group load share stat-buffer
                                           found brief-waits cpus-idle)))
                  (when (and (> (length groups) 1) (pool-maker-helps pool))
-                   (help-busy-groups pool events))))))
+                   (help-busy-groups pool events))
+                 ;; Still: no event begun or ended since the last sample,
+                 ;; every holder waiting (under load, the sum is not read).
+                 (if (all-holders-idle-p pool)
+                     (let ((served (events-served pool)))
+                       (setf still-samples (if (= served last-served) (1+ still-samples) 0)
+                             last-served served))
+                     (setf still-samples 0))
+                 (when (and (>= still-samples +still-samples-before-rest+)
+                            (rest-maker-p pool share))
+                   (setf resting t))))))
       (free-event-buffer events))))
+
+(defconstant +still-samples-before-rest+ 20
+  "Samples of the maker in a row (100 ms) in which every permit holder of
+the pool waited in epoll_wait and none of its workers began or ended an
+event, after which the maker may rest (RESTING in the header).  At a few
+requests a second the maker so rests between them, woken once a request;
+at more it does not rest.")
+
+(defun events-served (pool)
+  "The sum of POOL's workers' SERVING counts, which changes whenever one of
+them begins or ends an event (or a worker comes or goes)."
+  (sb-thread:with-mutex ((pool-lock pool))
+    (let ((sum 0))
+      (declare (type fixnum sum))
+      (dolist (worker (pool-workers pool) sum)
+        (setf sum (logand most-positive-fixnum (+ sum (worker-serving worker))))))))
+
+(defun all-holders-idle-p (pool)
+  "True when every permit holder of every group of POOL waits in epoll_wait."
+  (every (lambda (group) (= (group-idle group) (group-holders group)))
+         (pool-groups pool)))
+
+(defun rest-maker-p (pool share)
+  "Called by the maker after a sample that ends +STILL-SAMPLES-BEFORE-REST+
+still ones: true, with MAKER-RESTING set, when it may rest (see RESTING in
+the header): every permit holder waits in epoll_wait and no group has
+permits above SHARE to give back."
+  (when (and (every (lambda (group) (<= (group-allowed group) share)) (pool-groups pool))
+             (all-holders-idle-p pool))
+    (setf (pool-maker-resting pool) t)
+    ;; Then the groups' IDLE again, after a fence: a worker that left
+    ;; epoll_wait before this read is seen here, one that leaves after it
+    ;; sees MAKER-RESTING (WAKE-RESTING-MAKER).
+    (sb-thread:barrier (:memory))
+    (or (all-holders-idle-p pool)
+        ;; A worker left: no rest.  (When it already took MAKER-RESTING
+        ;; back, it also signalled: the maker's next wait returns at once.)
+        (progn (sb-ext:compare-and-swap (pool-maker-resting pool) t nil)
+               nil))))
+
+(declaim (inline wake-resting-maker))
+(defun wake-resting-maker (pool)
+  "Called by a worker that just left epoll_wait with work (after its atomic
+decrement of its group's IDLE, which fences): wake the maker if it rests."
+  (when (and (pool-maker-resting pool)
+             (sb-ext:compare-and-swap (pool-maker-resting pool) t nil))
+    (sb-thread:signal-semaphore (pool-maker-semaphore pool))))
 
 (defconstant +spare-looks-before-shrink+ 20
   "Looks in a row at a group's workers' states that found fewer of them
@@ -934,7 +1037,8 @@ permits than its ALLOWED."
                    (sb-ext:atomic-incf (group-idle group))
                    (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
                    (when found
-                     (sb-ext:atomic-decf (group-idle group)))
+                     (sb-ext:atomic-decf (group-idle group))
+                     (wake-resting-maker pool))
                    ;; STEALING: with nothing queued here, this group's own
                    ;; set first, without waiting (what it holds comes
                    ;; before another group's work, and when it holds
@@ -950,6 +1054,7 @@ permits than its ALLOWED."
                                (steal-one pool group events (ash (worker-serving worker) -1))
                              (when took
                                (sb-ext:atomic-decf (group-idle group))
+                               (wake-resting-maker pool)
                                (sb-ext:atomic-incf (pool-stolen pool))
                                (setf queued item
                                      found t)))))))
@@ -972,6 +1077,9 @@ permits than its ALLOWED."
                         (let ((started (now-ms)))
                           (let ((n (or polled (epoll-wait epfd events +batch+ timeout))))
                             (sb-ext:atomic-decf (group-idle group))
+                            ;; (Not for a wait that timed out: no work.)
+                            (when (plusp n)
+                              (wake-resting-maker pool))
                             (when (pool-stopping pool)
                               (return))
                             (when (and (zerop n)

@@ -421,3 +421,36 @@ sibling failed once in a whole run of the tests, this way)."
          (is-true x)
          (when x
            (gallop.core::signal-eventfd (gallop.core::group-nudge-fd x))))))))
+
+;;; A pool with nothing to do: the maker rests
+
+(defun thread-switches (thread)
+  "The context switches THREAD made so far, voluntary or not, from the kernel."
+  (with-open-file (in (format nil "/proc/self/task/~D/status" (sb-thread:thread-os-tid thread)))
+    (loop for line = (read-line in nil)
+          while line
+          when (or (uiop:string-prefix-p "voluntary_ctxt_switches:" line)
+                   (uiop:string-prefix-p "nonvoluntary_ctxt_switches:" line))
+            sum (parse-integer line :start (1+ (position #\: line))))))
+
+(test a-resting-maker-sleeps-and-wakes-for-blocked-handlers
+  "With no work, the pool's maker stops sampling (pool.lisp, RESTING): it
+wakes about once a second instead of every 5 ms.  Work wakes it: handlers
+that block, more than there are CPUs, still make the pool grow, and it
+shrinks back and rests again after."
+  (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 1)
+    (let* ((pool (gallop.core::engine-pool (gallop::server-engine server)))
+           (maker (gallop.core::pool-maker pool)))
+      (is (exact-answer-p (strict-get (native-port server) "/yo") "Hey!"))
+      (is-true (wait-until (lambda () (gallop.core::pool-maker-resting pool)) :timeout 10)
+               "the maker never rested")
+      (let ((before (thread-switches maker)))
+        (sleep 1)
+        ;; Sampling, it would switch about 200 times.
+        (is (< (- (thread-switches maker) before) 20)
+            "the resting maker switched ~D times in a second"
+            (- (thread-switches maker) before)))
+      (is-true (gallop.core::pool-maker-resting pool))
+      (blocked-handlers-case (native-port server) (lambda () (gallop:stats server)))
+      (is-true (wait-until (lambda () (gallop.core::pool-maker-resting pool)) :timeout 10)
+               "the maker did not rest again"))))
