@@ -162,6 +162,15 @@ always stop it."
 
 (defun fd-count () (length (directory #p"/proc/self/fd/*" :resolve-symlinks nil)))
 
+(defun thread-switches (thread)
+  "The context switches THREAD made so far, voluntary or not, from the kernel."
+  (with-open-file (in (format nil "/proc/self/task/~D/status" (sb-thread:thread-os-tid thread)))
+    (loop for line = (read-line in nil)
+          while line
+          when (or (uiop:string-prefix-p "voluntary_ctxt_switches:" line)
+                   (uiop:string-prefix-p "nonvoluntary_ctxt_switches:" line))
+            sum (parse-integer line :start (1+ (position #\: line))))))
+
 (defun wait-until (predicate &key (timeout 10) (interval 0.05))
   "Poll PREDICATE until it is true or TIMEOUT seconds pass; return its value."
   (loop with deadline = (+ (get-internal-real-time) (* timeout internal-time-units-per-second))

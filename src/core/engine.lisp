@@ -31,6 +31,9 @@
   "epoll data of the stop eventfd in the housekeeper's epoll set.")
 (defconstant +timer-data+ (- (expt 2 64) 5)
   "epoll data of the application timers' timerfd in the housekeeper's epoll set.")
+(defconstant +keeper-wake-data+ (- (expt 2 64) 6)
+  "epoll data of the eventfd that ends the housekeeper's rest (WHEEL-WAKE-FD)
+in its epoll set.")
 
 ;;; Default limits (the README compares them with other servers').
 (defconstant +default-max-head-bytes+ (* 1024 1024)

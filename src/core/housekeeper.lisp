@@ -95,6 +95,13 @@ housekeeper has exited."
   "How long a soft stop keeps serving requests that clients had already sent
 on idle keep-alive connections when it began.")
 
+(defconstant +rest-tick-ms+ 1000
+  "The housekeeper's tick while its wheel holds no connection (resting, see
+wheel.lisp): then nothing can come due before something wakes it (a new
+connection, an application timer, a deadline pushed by another thread), and
+it only keeps the wheel's clock near the time.  Without it, an idle server
+woke ten times a second for nothing.")
+
 (defun housekeeper-loop (engine)
   (let ((events (make-event-buffer 64))
         (epfd (engine-housekeeper-epfd engine))
@@ -103,11 +110,13 @@ on idle keep-alive connections when it began.")
         (accept-paused nil))
     (unwind-protect
          (loop
-           (let ((n (epoll-wait epfd events 64 +tick-ms+)))
+           (let ((n (epoll-wait epfd events 64
+                                (if (wheel-resting wheel) +rest-tick-ms+ +tick-ms+))))
              (dotimes (i n)
                (let ((data (event-data events i)))
                  (cond ((= data +stop-data+)
                         (return-from housekeeper-loop))
+                       ((= data +keeper-wake-data+))  ; WHEEL-SCHEDULE ended the rest
                        ((= data +timer-data+)
                         (handler-case
                             (timers-fire (pool-timers (engine-pool engine))
@@ -126,5 +135,11 @@ on idle keep-alive connections when it began.")
                  (when accept-paused
                    (setf accept-paused nil)
                    (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
-                              +epollin+ +listen-data+))))))
+                              +epollin+ +listen-data+))
+                 ;; No connection's deadline to look at: rest (once a
+                 ;; second) until a push wakes this thread.
+                 (unless (wheel-resting wheel)
+                   (wheel-rest wheel))))))
+      ;; No wake-ups once this thread is gone (ENGINE-STOP closes WAKE-FD).
+      (setf (wheel-resting wheel) nil)
       (free-event-buffer events))))

@@ -517,6 +517,13 @@ workers: given back to them, if any is idle)."
            nil)
           (t (encode-event data (event-flags events i))))))
 
+(defconstant +still-samples-before-rest+ 20
+  "Samples of the maker in a row (100 ms) in which every permit holder of
+the pool waited in epoll_wait and none of its workers began or ended an
+event, after which the maker may rest (RESTING in the header).  At a few
+requests a second the maker so rests between them, woken once a request;
+at more it does not rest.")
+
 (defun maker-loop (pool)
   (let* ((groups (pool-groups pool))
          (cpus (usable-cpus))
@@ -611,13 +618,6 @@ workers: given back to them, if any is idle)."
                             (rest-maker-p pool share))
                    (setf resting t))))))
       (free-event-buffer events))))
-
-(defconstant +still-samples-before-rest+ 20
-  "Samples of the maker in a row (100 ms) in which every permit holder of
-the pool waited in epoll_wait and none of its workers began or ended an
-event, after which the maker may rest (RESTING in the header).  At a few
-requests a second the maker so rests between them, woken once a request;
-at more it does not rest.")
 
 (defun events-served (pool)
   "The sum of POOL's workers' SERVING counts, which changes whenever one of

@@ -87,6 +87,11 @@ calls ENGINE-ADOPT-FD."
         (engine-listen-fd engine) (or listen-fd -1))
   (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ (engine-stop-fd engine)
              +epollin+ +stop-data+)
+  ;; Edge-triggered: each signal wakes the housekeeper once, none is read.
+  (setf (wheel-wake-fd (engine-wheel engine)) (make-eventfd))
+  (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+
+             (wheel-wake-fd (engine-wheel engine))
+             (logior +epollin+ +epollet+) +keeper-wake-data+)
   (when listen-fd
     (set-nonblocking listen-fd)
     ;; Inherited by every socket accepted from it: no system call per accept.
@@ -175,6 +180,9 @@ belongs to the caller, who closes it afterwards."
     (close-idle-connections engine)
     (close-fd (engine-housekeeper-epfd engine))
     (close-fd (engine-stop-fd engine))
+    ;; After POOL-STOP: no worker is left to push a deadline and wake the
+    ;; housekeeper through it (which, gone, left the wheel not resting).
+    (close-fd (shiftf (wheel-wake-fd (engine-wheel engine)) -1))
     (setf (engine-housekeeper-epfd engine) -1
           (engine-stop-fd engine) -1
           (engine-listen-fd engine) -1

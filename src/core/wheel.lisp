@@ -28,6 +28,14 @@
 ;;;;    housekeeper itself, so none is missed by a full turn;
 ;;;;    deadlines beyond the wheel's span go in its last slot and are
 ;;;;    rescheduled from there.
+;;;;  - RESTING is set only by the housekeeper, once it found no entry holding
+;;;;    a connection (WHEEL-EMPTY-P), and it then ticks once a second instead
+;;;;    of every +TICK-MS+; it is cleared by compare-and-swap, by the
+;;;;    housekeeper itself or by the thread whose push ends the rest, which
+;;;;    then signals WAKE-FD (WHEEL-SCHEDULE).  The push is a compare-and-
+;;;;    swap and the housekeeper looks at the slots again after setting
+;;;;    RESTING and a fence, so one of the two sees the other: no deadline
+;;;;    waits for a rest to end.
 
 (in-package #:gallop.core)
 
@@ -38,7 +46,11 @@
 (defstruct (wheel (:constructor make-wheel (&optional (current (floor (now-ms) +tick-ms+))))
                   (:copier nil))
   (slots (make-array +slots+ :initial-element nil) :type simple-vector)
-  (current 0 :type fixnum))
+  (current 0 :type fixnum)
+  ;; While the housekeeper rests (see the invariants), and the eventfd that
+  ;; wakes it (in its epoll set), or -1.
+  (resting nil)
+  (wake-fd -1 :type fixnum))
 
 (declaim (inline deadline-tick))
 (defun deadline-tick (deadline-ms)
@@ -67,7 +79,29 @@ FROM-ADVANCE when called by WHEEL-ADVANCE's FUNCTION (the housekeeper)."
           (let ((entry (cons connection tick)))
             (setf (conn-slot connection wheel-entry) entry)
             (sb-ext:atomic-push entry (svref (wheel-slots wheel) (mod tick +slots+))))
+          ;; The push fenced (compare-and-swap): a resting housekeeper
+          ;; either saw it, or is seen resting here and woken.
+          (when (and (wheel-resting wheel)
+                     (sb-ext:compare-and-swap (wheel-resting wheel) t nil))
+            (signal-eventfd (wheel-wake-fd wheel)))
           (return))))))
+
+(defun wheel-empty-p (wheel)
+  "True when no entry of WHEEL holds a connection (entries of closed ones,
+emptied by WHEEL-FORGET, wait for their tick to be dropped)."
+  (every (lambda (entries) (every (lambda (entry) (null (car entry))) entries))
+         (wheel-slots wheel)))
+
+(defun wheel-rest (wheel)
+  "Called by the housekeeper: true, with RESTING set, when WHEEL holds no
+connection's entry, looked at again after setting RESTING (see the
+invariants)."
+  (when (wheel-empty-p wheel)
+    (setf (wheel-resting wheel) t)
+    (sb-thread:barrier (:memory))
+    (or (wheel-empty-p wheel)
+        (progn (sb-ext:compare-and-swap (wheel-resting wheel) t nil)
+               nil))))
 
 (defun wheel-advance (wheel now-ms function)
   "Process every tick up to NOW-MS: call FUNCTION on each connection whose

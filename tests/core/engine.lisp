@@ -128,6 +128,35 @@ request before it on the same connection is served."
     ;; still serving
     (is (= 200 (response-status (get-request port "/"))))))
 
+(test the-housekeeper-rests-while-no-connection-is-open
+  "With no connection open the housekeeper ticks once a second, not ten times
+\(wheel.lisp, RESTING); a connection that then sends half a head still gets
+its 408 after the header timeout."
+  (with-engine (engine port :header-timeout 1)
+    (is (= 200 (response-status (get-request port "/"))))
+    (let ((wheel (gallop.core::engine-wheel engine))
+          (keeper (gallop.core::engine-housekeeper engine)))
+      (is-true (wait-until (lambda () (gallop.core::wheel-resting wheel)) :timeout 10)
+               "the housekeeper never rested")
+      (let ((before (thread-switches keeper)))
+        (sleep 2)
+        ;; Ticking, it would switch about 20 times.
+        (is (< (- (thread-switches keeper) before) 8)
+            "the resting housekeeper switched ~D times in two seconds"
+            (- (thread-switches keeper) before)))
+      (let ((socket (connect port)))
+        (unwind-protect
+             (progn
+               (send socket "GET / HTTP/1.1")
+               (let ((response (read-response socket)))
+                 (is (= 408 (response-status response)))
+                 (is (equalp "close" (header response "Connection"))))
+               (is (closed-by-peer-p socket)))
+          (usocket:socket-close socket)))
+      (is (= 1 (engine-stat engine :timeouts)))
+      (is-true (wait-until (lambda () (gallop.core::wheel-resting wheel)) :timeout 10)
+               "the housekeeper did not rest again"))))
+
 (test idle-keep-alive-connection-is-closed-after-the-idle-timeout
   (with-engine (engine port :idle-timeout 1)
     (let ((socket (connect port)))

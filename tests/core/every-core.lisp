@@ -424,15 +424,6 @@ sibling failed once in a whole run of the tests, this way)."
 
 ;;; A pool with nothing to do: the maker rests
 
-(defun thread-switches (thread)
-  "The context switches THREAD made so far, voluntary or not, from the kernel."
-  (with-open-file (in (format nil "/proc/self/task/~D/status" (sb-thread:thread-os-tid thread)))
-    (loop for line = (read-line in nil)
-          while line
-          when (or (uiop:string-prefix-p "voluntary_ctxt_switches:" line)
-                   (uiop:string-prefix-p "nonvoluntary_ctxt_switches:" line))
-            sum (parse-integer line :start (1+ (position #\: line))))))
-
 (test a-resting-maker-sleeps-and-wakes-for-blocked-handlers
   "With no work, the pool's maker stops sampling (pool.lisp, RESTING): it
 wakes about once a second instead of every 5 ms.  Work wakes it: handlers

@@ -361,3 +361,35 @@ scheduled again)."
              unless (equal times (if due (list end) '()))
                collect (list :deadline deadline :due due :expired times))))
     (is (null (wheel-step wheel (+ base (* 20 span)))) "and nothing after")))
+
+(test a-resting-wheel-is-woken-by-the-push-that-ends-its-rest
+  "The housekeeper rests while its wheel holds no connection (WHEEL-REST),
+and the thread whose push ends the rest signals its eventfd: a deadline set
+by another thread while it rests is not left a second late."
+  (let* ((wheel (test-wheel))
+         (fd (gallop.core::make-eventfd))
+         (c (wheel-connection)))
+    (unwind-protect
+         (flet ((signalled-p ()
+                  ;; Whether the (non-blocking) eventfd had a count to read;
+                  ;; reading resets it.
+                  (= 8 (gallop.core::read-timerfd fd))))
+           (setf (gallop.core::wheel-wake-fd wheel) fd)
+           (is-true (gallop.core::wheel-rest wheel) "an empty wheel rests")
+           (is-true (gallop.core::wheel-resting wheel))
+           (is (not (signalled-p)))
+           (sb-thread:join-thread
+            (sb-thread:make-thread (lambda () (wheel-set wheel c (+ (wheel-base-ms) 5000)))))
+           (is (null (gallop.core::wheel-resting wheel)) "the push ended the rest")
+           (is-true (signalled-p) "and woke the housekeeper")
+           (is (null (gallop.core::wheel-rest wheel)) "a wheel holding a connection does not rest")
+           (is (null (gallop.core::wheel-resting wheel)))
+           ;; A later deadline pushes nothing, and wakes no one.
+           (wheel-set wheel c (+ (wheel-base-ms) 9000))
+           (is (not (signalled-p)))
+           ;; Closed: its entry is emptied, and the wheel may rest again.
+           (gallop.core::wheel-forget c)
+           (is-true (gallop.core::wheel-rest wheel))
+           (wheel-set wheel (wheel-connection) (+ (wheel-base-ms) 5000))
+           (is-true (signalled-p)))
+      (gallop.core::close-fd fd))))
