@@ -4,6 +4,8 @@
 ;;;; connections whose deadline passed (408 when part of a head had arrived,
 ;;;; a write timeout when the client read nothing of its answer).  When an
 ;;;; application timer comes due (timers.lisp) it hands its thunk to the pool.
+;;;; A tick is every +TICK-MS+, or every +REST-TICK-MS+ while no connection
+;;;; is open (the wheel rests, wheel.lisp).
 
 (in-package #:gallop.core)
 

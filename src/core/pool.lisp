@@ -142,9 +142,9 @@
 ;;;; of them sees the other: no work begins unseen while the maker rests.
 ;;;; Before, the maker woke about 194 times a second however idle the
 ;;;; server, and an idle server used 1.5-1.6% of a CPU (nginx and stock
-;;;; Hunchentoot: none measurable); resting, 0.13%, and of its 11 wake-ups
-;;;; a second 10 are the housekeeper's tick (bench/at-rest.sh;
-;;;; BENCHMARKS.md, "A pool at rest").
+;;;; Hunchentoot: none measurable); with the maker and the housekeeper
+;;;; resting (wheel.lisp), 0.07-0.10% and 2.4 wake-ups a second
+;;;; (bench/at-rest.sh; BENCHMARKS.md, "A pool at rest").
 ;;;; Thread creation is serialised through the maker because SBCL creates
 ;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
 ;;;; without work leaves while its group has more than its share of
