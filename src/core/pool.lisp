@@ -68,11 +68,11 @@
 ;;;; about two samples (10 ms), not for as long as they block, even when the
 ;;;; pool may not grow (MAX-THREADS); and it also grows (below).
 ;;;;
-;;;; Elasticity has two levels, both decided by the maker thread, which
-;;;; wakes every 5 ms while the pool works (workers do not wake it per
-;;;; request: that would cost a context switch each; see RESTING below for
-;;;; when it sleeps longer), for each group on its own.  RUN PERMITS bound how many of
-;;;; a group's workers wait in or serve from epoll at once (its ALLOWED); the
+;;;; Elasticity has two levels, both decided by the maker thread, which wakes
+;;;; every 5 ms while the pool works (workers do not wake it per request: that
+;;;; would cost a context switch each; see RESTING below for when it sleeps
+;;;; longer), for each group on its own.  RUN PERMITS bound how many of a
+;;;; group's workers wait in or serve from epoll at once (its ALLOWED); the
 ;;;; group's other threads wait for a permit.  ALLOWED starts at the group's
 ;;;; share of the CPUs this process may run on (1 for one group per CPU),
 ;;;; because for work that computes, more runnable workers than CPUs only
