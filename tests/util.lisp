@@ -171,6 +171,12 @@ always stop it."
                    (uiop:string-prefix-p "nonvoluntary_ctxt_switches:" line))
             sum (parse-integer line :start (1+ (position #\: line))))))
 
+(defun switches-during (thread seconds)
+  "The context switches THREAD makes while this thread sleeps SECONDS."
+  (let ((before (thread-switches thread)))
+    (sleep seconds)
+    (- (thread-switches thread) before)))
+
 (defun wait-until (predicate &key (timeout 10) (interval 0.05))
   "Poll PREDICATE until it is true or TIMEOUT seconds pass; return its value."
   (loop with deadline = (+ (get-internal-real-time) (* timeout internal-time-units-per-second))
