@@ -532,6 +532,7 @@ at more it does not rest.")
          (mask (allowed-cpu-mask))
          (idle-meter (make-idle-meter))
          (cpus-idle nil)
+         (idle-interval (* +idle-read-ms+ (/ internal-time-units-per-second 1000)))
          (idle-read (get-internal-real-time))
          (cpus-read (get-internal-real-time))
          (history (make-load-history (process-cpu-us) (get-internal-real-time)))
@@ -559,8 +560,7 @@ at more it does not rest.")
                    mask (allowed-cpu-mask)
                    cpus-read (get-internal-real-time)))
            (when (and (not resting)
-                      (>= (- (get-internal-real-time) idle-read)
-                          (* +idle-read-ms+ (/ internal-time-units-per-second 1000))))
+                      (>= (- (get-internal-real-time) idle-read) idle-interval))
              (setf idle-read (get-internal-real-time)
                    cpus-idle (and (= cpus (logcount mask)) ; no quota
                                   (let ((idle (idle-meter-share idle-meter mask)))
@@ -584,7 +584,7 @@ at more it does not rest.")
                (setf resting nil
                      still-samples 0
                      history (make-load-history (process-cpu-us) now)
-                     idle-read (- now (* +idle-read-ms+ (/ internal-time-units-per-second 1000)))
+                     idle-read (- now idle-interval)
                      last-gc sb-ext:*gc-run-time*)))
            ;; One CPU sample per 5 ms, and at most one change per group and
            ;; sample, so the effect of the last change is measured before the
@@ -635,15 +635,15 @@ them begins or ends an event (or a worker comes or goes)."
 
 (defun rest-maker-p (pool share)
   "Called by the maker after a sample that ends +STILL-SAMPLES-BEFORE-REST+
-still ones: true, with MAKER-RESTING set, when it may rest (see RESTING in
-the header): every permit holder waits in epoll_wait and no group has
-permits above SHARE to give back."
-  (when (and (every (lambda (group) (<= (group-allowed group) share)) (pool-groups pool))
-             (all-holders-idle-p pool))
+still ones (the last found every permit holder in epoll_wait): true, with
+MAKER-RESTING set, when it may rest (see RESTING in the header): no group
+has permits above SHARE to give back, and every permit holder still waits
+in epoll_wait once MAKER-RESTING is set."
+  (when (every (lambda (group) (<= (group-allowed group) share)) (pool-groups pool))
     (setf (pool-maker-resting pool) t)
-    ;; Then the groups' IDLE again, after a fence: a worker that left
-    ;; epoll_wait before this read is seen here, one that leaves after it
-    ;; sees MAKER-RESTING (WAKE-RESTING-MAKER).
+    ;; Then the groups' IDLE, after a fence: a worker that left epoll_wait
+    ;; before this read is seen here, one that leaves after it sees
+    ;; MAKER-RESTING (WAKE-RESTING-MAKER).
     (sb-thread:barrier (:memory))
     (or (all-holders-idle-p pool)
         ;; A worker left: no rest.  (When it already took MAKER-RESTING
