@@ -55,6 +55,16 @@
     (write-sequence (octets string) stream)
     (force-output stream)))
 
+(defun set-socket-option (fd level option value)
+  "setsockopt(2) of an int VALUE on the socket FD; signals on failure."
+  (sb-alien:with-alien ((int sb-alien:int value))
+    (assert (zerop (sb-alien:alien-funcall
+                    (sb-alien:extern-alien "setsockopt"
+                                           (function sb-alien:int sb-alien:int sb-alien:int
+                                                     sb-alien:int (* t) sb-alien:unsigned))
+                    fd level option (sb-alien:cast (sb-alien:addr int) (* t)) 4))
+            () "setsockopt ~D ~D ~D failed" level option value)))
+
 (defun read-line-crlf (stream)
   "Read a line ending in LF (CR dropped); NIL at end of file."
   (let ((chars '()))

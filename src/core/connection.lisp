@@ -96,7 +96,8 @@ TALLY) this connection's requests count in: its group's.")
    (gone :initform nil
          :documentation "True once a send failed because the client went away.")
    (peer-closed :initform nil
-                :documentation "True once an event said the client half-closed.")
+                :documentation "True once an event said the client half-closed, or a TLS
+read found the end of the TLS stream behind its octets (SSL-RECV).")
    (drained :initform nil
             :documentation "True when the last read from the socket returned less
 than it asked for: the socket had nothing more then, so any later input
@@ -533,7 +534,14 @@ timeout): a handshake message is a few KiB, which a fresh socket takes."
       (when (zerop address)
         (return (values -1 +econnreset+)))
       (if (eq (conn-slot c tls-phase) :open)
-          (multiple-value-bind (n errno) (ssl-recv address buffer start end)
+          (multiple-value-bind (n errno ended) (ssl-recv address buffer start end)
+            (when ended
+              ;; The stream's end (the client's close_notify, or a failure)
+              ;; came with its last octets, and OpenSSL has read it: the
+              ;; socket may raise no further event (a client that waits for
+              ;; its answer before its FIN), so the short count must not
+              ;; park C as drained.
+              (setf (conn-slot c peer-closed) t))
             (if (and (minusp n) (= errno +want-write+))
                 (unless (wait-for-socket c +pollout+ "TLS write")
                   (return (tls-outcome c -1 +econnreset+)))

@@ -19,6 +19,10 @@
 ;;;;    octets or further records, so SSL-RECV reads until the buffer is full
 ;;;;    or OpenSSL wants more from the socket: a short count then means the
 ;;;;    same as on a plain socket, and nothing waits unseen inside OpenSSL.
+;;;;    Except the stream's end: a client's close_notify read together with
+;;;;    its last request raises no event later (the client may wait for its
+;;;;    answer before its FIN), so SSL-RECV says when one came behind the
+;;;;    octets it returns.
 ;;;;  - A write that OpenSSL could not finish must be retried with the same
 ;;;;    octets.  The engine's output queue retries its front segment
 ;;;;    unchanged (connection.lisp, Output), SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
@@ -218,9 +222,11 @@ connection is over)."
 (defun ssl-recv (address buffer start end)
   "Read plaintext into BUFFER[START,END) from the SSL at ADDRESS (handshake
 done) until END or until OpenSSL wants more from the socket.  Returns the
-count (short only when the socket is drained, see above), 0 at the end of
-the stream, or -1 and EAGAIN (nothing yet), +WANT-WRITE+ or ECONNRESET (the
-stream failed)."
+count, 0 at the end of the stream, or -1 and EAGAIN (nothing yet),
++WANT-WRITE+ or ECONNRESET (the stream failed).  A short count means the
+socket is drained (see above), unless the third value is true: then the
+stream ended right behind the octets read (the client's close_notify, or a
+failure), and the next call says so; no event will."
   (declare (type sb-ext:word address) (type octets buffer) (type fixnum start end))
   (let ((ssl (sb-sys:int-sap address))
         (total 0))
@@ -234,7 +240,10 @@ stream failed)."
               (when (= (incf total n) (- end start))
                 (return (values total 0)))
               (let ((answer (ssl-failure ssl n)))
-                (return (cond ((plusp total) (values total 0)) ; the failure comes again
+                (return (cond ((plusp total)
+                               ;; An end comes again on the next call.
+                               (values total 0 (not (or (= answer +eagain+)
+                                                        (= answer +want-write+)))))
                               ((zerop answer) (values 0 0))
                               (t (values -1 answer)))))))))))
 

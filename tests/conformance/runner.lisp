@@ -21,7 +21,11 @@
 ;;;;                    :TASKMASTER (make-instance 'gallop:taskmaster)
 ;;;;   :ssl-acceptor    GALLOP:EASY-SSL-ACCEPTOR (subclass, the certificate
 ;;;;                    of hunchentoot/ssl.lisp) with the same handler
-;;;; Their timeouts are 2 s, a safety net only.
+;;;; Their timeouts (*CONFORMANCE-SERVER-TIMEOUT*) are longer than the
+;;;; client waits for them: no case may end by a server's timeout, since each
+;;;; ends its input.  A server that waited for one instead of closing at the
+;;;; client's end of input (its FIN, or over TLS its close_notify) fails the
+;;;; case ("did not close within the time-out").
 ;;;;
 ;;;; Over TLS (hunchentoot/tls.lisp's client) each case gets a handshake of
 ;;;; its own; the octets are written a TLS record of at most 16 KiB at a
@@ -113,6 +117,10 @@ answering every request with CONFORMANCE-HANDLER."))
 (defun hunchentoot-front-end-p (front-end)
   (member front-end '(:gallop-acceptor :stock-acceptor :ssl-acceptor)))
 
+(defparameter *conformance-server-timeout* 20
+  "The front ends' timeouts, in seconds: over the client's 6 s wait (see the
+top of this file).")
+
 (defun call-with-conformance-front-end (front-end function)
   "Start FRONT-END on 127.0.0.1 and a free port, call FUNCTION with the port,
 and always stop it."
@@ -120,8 +128,10 @@ and always stop it."
     (:native
      (let ((server (gallop:start #'conformance-app
                                  :address "127.0.0.1" :port 0
-                                 :header-timeout 2 :idle-timeout 2
-                                 :read-timeout 2 :write-timeout 2
+                                 :header-timeout *conformance-server-timeout*
+                                 :idle-timeout *conformance-server-timeout*
+                                 :read-timeout *conformance-server-timeout*
+                                 :write-timeout *conformance-server-timeout*
                                  :log (if (uiop:getenv "GALLOP_TEST_LOG") *error-output* nil))))
        (unwind-protect (funcall function (gallop:server-port server))
          (gallop:stop server))))
@@ -129,14 +139,17 @@ and always stop it."
      (let ((acceptor (ecase front-end
                        (:gallop-acceptor
                         (make-server 'conformance-gallop-acceptor
-                                     :read-timeout 2 :write-timeout 2))
+                                     :read-timeout *conformance-server-timeout*
+                                     :write-timeout *conformance-server-timeout*))
                        (:stock-acceptor
                         (make-server 'conformance-stock-acceptor
-                                     :read-timeout 2 :write-timeout 2
+                                     :read-timeout *conformance-server-timeout*
+                                     :write-timeout *conformance-server-timeout*
                                      :taskmaster (make-instance 'gallop:taskmaster)))
                        (:ssl-acceptor
                         (make-ssl-server 'conformance-ssl-acceptor
-                                         :read-timeout 2 :write-timeout 2)))))
+                                         :read-timeout *conformance-server-timeout*
+                                     :write-timeout *conformance-server-timeout*)))))
        (hunchentoot:start acceptor)
        (unwind-protect (funcall function (port-of acceptor))
          (hunchentoot:stop acceptor))))))

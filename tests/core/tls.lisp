@@ -7,6 +7,8 @@
 ;;;;   - a 2 MiB file and a 1 MiB body to a client that does not read at
 ;;;;     first: the answer waits in epoll (:WRITING), OpenSSL's retried
 ;;;;     writes lose and repeat no octet;
+;;;;   - a close_notify that arrives with the last request ends the
+;;;;     connection after its answer, not at the idle timeout;
 ;;;;   - 2,000 idle TLS keep-alive connections hold no thread;
 ;;;;   - a stalled handshake is closed at the header timeout, without a
 ;;;;     plaintext 408; a dribbled head after a handshake gets 408 over TLS;
@@ -118,13 +120,8 @@ as FRAMING says (Content-Length equal to the body, or chunked)."
   "A TLS client whose socket has a 4 KiB receive buffer: what it does not
 read fills the server's socket after a few KiB."
   (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
-    (sb-alien:with-alien ((size sb-alien:int 4096))
-      ;; SOL_SOCKET, SO_RCVBUF: before connect, so the window is small from the start.
-      (sb-alien:alien-funcall
-       (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int
-                                                     sb-alien:int (* t) sb-alien:unsigned))
-       (sb-bsd-sockets:socket-file-descriptor socket) 1 8
-       (sb-alien:cast (sb-alien:addr size) (* t)) 4))
+    ;; SOL_SOCKET, SO_RCVBUF: before connect, so the window is small from the start.
+    (set-socket-option (sb-bsd-sockets:socket-file-descriptor socket) 1 8 4096)
     (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port)
     (make-tls-client
      :socket socket
@@ -212,6 +209,28 @@ Then they go away and every one is closed."
       (hunchentoot:stop server))))
 
 ;;; The handshake and the head are bounded by the header timeout
+
+(test a-close-notify-behind-the-last-request-ends-the-connection
+  ;; A client that sends its last request and its close_notify together,
+  ;; then waits for the answer before it closes: OpenSSL reads both at once,
+  ;; and the socket raises no further event.  The server must end the
+  ;; connection after the answer (its own close_notify), not at its idle
+  ;; timeout (60 s here, past the client's wait).
+  (with-tls-app (server #'tls-app :idle-timeout 60)
+    (let* ((client (tls-connect (native-port server)))
+           (fd (sb-bsd-sockets:socket-file-descriptor (tls-socket client))))
+      (unwind-protect
+           (progn
+             ;; TCP_CORK: the request's record and the alert leave as one
+             ;; segment when it is taken off.
+             (set-socket-option fd 6 3 1)
+             (tls-send client (octets (crlf "GET / HTTP/1.1" "Host: x")))
+             (is (tls-end-output client))
+             (set-socket-option fd 6 3 0)
+             (check-exact-tls-answer "the last answer" (tls-read-wire client :close t :timeout 10)
+                                     "Hey!"))
+        (tls-close client)))
+    (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))
 
 (test a-stalled-tls-handshake-is-closed-at-the-header-timeout-without-an-answer
   (with-tls-app (server #'tls-app :header-timeout 1)
