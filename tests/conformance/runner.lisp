@@ -149,7 +149,7 @@ and always stop it."
                        (:ssl-acceptor
                         (make-ssl-server 'conformance-ssl-acceptor
                                          :read-timeout *conformance-server-timeout*
-                                     :write-timeout *conformance-server-timeout*)))))
+                                         :write-timeout *conformance-server-timeout*)))))
        (hunchentoot:start acceptor)
        (unwind-protect (funcall function (port-of acceptor))
          (hunchentoot:stop acceptor))))))

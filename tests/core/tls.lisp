@@ -208,7 +208,7 @@ Then they go away and every one is closed."
          (check-idle-tls-connections (port-of server) (lambda () (gallop:stats server)) 2)
       (hunchentoot:stop server))))
 
-;;; The handshake and the head are bounded by the header timeout
+;;; The client's close_notify
 
 (test a-close-notify-behind-the-last-request-ends-the-connection
   ;; A client that sends its last request and its close_notify together,
@@ -221,8 +221,8 @@ Then they go away and every one is closed."
            (fd (sb-bsd-sockets:socket-file-descriptor (tls-socket client))))
       (unwind-protect
            (progn
-             ;; TCP_CORK: the request's record and the alert leave as one
-             ;; segment when it is taken off.
+             ;; IPPROTO_TCP, TCP_CORK: the request's record and the alert
+             ;; leave as one segment when the cork is taken off.
              (set-socket-option fd 6 3 1)
              (tls-send client (octets (crlf "GET / HTTP/1.1" "Host: x")))
              (is (tls-end-output client))
@@ -231,6 +231,8 @@ Then they go away and every one is closed."
                                      "Hey!"))
         (tls-close client)))
     (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))
+
+;;; The handshake and the head are bounded by the header timeout
 
 (test a-stalled-tls-handshake-is-closed-at-the-header-timeout-without-an-answer
   (with-tls-app (server #'tls-app :header-timeout 1)
