@@ -55,15 +55,28 @@
     (write-sequence (octets string) stream)
     (force-output stream)))
 
+(defun setsockopt (fd level option pointer size)
+  "setsockopt(2) on the socket FD with the SIZE octets at POINTER (an alien
+pointer); signals on failure."
+  (assert (zerop (sb-alien:alien-funcall
+                  (sb-alien:extern-alien "setsockopt"
+                                         (function sb-alien:int sb-alien:int sb-alien:int
+                                                   sb-alien:int (* t) sb-alien:unsigned))
+                  fd level option pointer size))
+          () "setsockopt ~D ~D on fd ~D failed" level option fd))
+
 (defun set-socket-option (fd level option value)
-  "setsockopt(2) of an int VALUE on the socket FD; signals on failure."
+  "setsockopt(2) of an int VALUE on the socket FD."
   (sb-alien:with-alien ((int sb-alien:int value))
-    (assert (zerop (sb-alien:alien-funcall
-                    (sb-alien:extern-alien "setsockopt"
-                                           (function sb-alien:int sb-alien:int sb-alien:int
-                                                     sb-alien:int (* t) sb-alien:unsigned))
-                    fd level option (sb-alien:cast (sb-alien:addr int) (* t)) 4))
-            () "setsockopt ~D ~D ~D failed" level option value)))
+    (setsockopt fd level option (sb-alien:cast (sb-alien:addr int) (* t)) 4)))
+
+(defun set-reset-on-close (fd)
+  "Make closing the socket FD send a TCP RST instead of a FIN (SOL_SOCKET,
+SO_LINGER on, 0 s)."
+  (sb-alien:with-alien ((linger (array (sb-alien:signed 32) 2)))
+    (setf (sb-alien:deref linger 0) 1
+          (sb-alien:deref linger 1) 0)
+    (setsockopt fd 1 13 (sb-alien:cast (sb-alien:addr linger) (* t)) 8)))
 
 (defun read-line-crlf (stream)
   "Read a line ending in LF (CR dropped); NIL at end of file."

@@ -11,15 +11,7 @@
 
 (defun reset-on-close (socket)
   "Make closing SOCKET send a TCP RST instead of a FIN (SO_LINGER, 0 s)."
-  (let ((fd (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket))))
-    (sb-alien:with-alien ((linger (array (sb-alien:signed 32) 2)))
-      (setf (sb-alien:deref linger 0) 1
-            (sb-alien:deref linger 1) 0)
-      (assert (zerop (sb-alien:alien-funcall
-                      (sb-alien:extern-alien "setsockopt"
-                                             (function sb-alien:int sb-alien:int sb-alien:int
-                                                       sb-alien:int (* t) sb-alien:unsigned))
-                      fd 1 13 (sb-alien:cast (sb-alien:addr linger) (* t)) 8))))))
+  (set-reset-on-close (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket))))
 
 (defun abort-connection (socket how)
   "Give up on SOCKET: HOW is :CLOSE (FIN) or :RESET (RST)."

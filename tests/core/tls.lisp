@@ -279,13 +279,7 @@ Then they go away and every one is closed."
   "Give up on CLIENT: HOW is :CLOSE (FIN, no close_notify) or :RESET (RST)."
   (let ((socket (tls-socket client)))
     (when (eq how :reset)
-      (sb-alien:with-alien ((linger (array (sb-alien:signed 32) 2)))
-        (setf (sb-alien:deref linger 0) 1 (sb-alien:deref linger 1) 0)
-        (sb-alien:alien-funcall
-         (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int
-                                                       sb-alien:int (* t) sb-alien:unsigned))
-         (sb-bsd-sockets:socket-file-descriptor socket) 1 13
-         (sb-alien:cast (sb-alien:addr linger) (* t)) 8)))
+      (set-reset-on-close (sb-bsd-sockets:socket-file-descriptor socket)))
     (ignore-errors (sb-bsd-sockets:socket-close socket))
     (ignore-errors (close (tls-stream client) :abort t))))
 
