@@ -95,69 +95,65 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
                (return nil))
              (setf start (1+ comma)))))))
 
-(defstruct (peer (:constructor make-peer ()) (:copier nil))
-  "What the native layer remembers about one connection (its USER-DATA), so
-that requests after the first reuse it: the peer's address as a string, and
-the last Host header value with its host part."
-  (address nil :type (or null simple-string))
-  (host nil :type (or null simple-string))
-  (host-name nil :type (or null simple-string)))
+;;; The Host of the request.  A client sends the same Host on every request,
+;;; and most clients of one server send the same one, so the server keeps the
+;;; last it read (HOST-MEMO), and a request whose Host has the same octets
+;;; reuses its string and its :SERVER-NAME.  One memo per server rather than
+;;; one per connection: every worker reads the same two strings, which stay
+;;; in the cache, where a memo per connection was cold memory to read on
+;;; every request once hundreds of connections take turns.  It is written
+;;; only when the Host changes; a new memo replaces the old one whole, so a
+;;; reader sees one Host and its own name, never a mix.
 
-(declaim (inline connection-peer))
-(defun connection-peer (c)
-  (or (gallop.core:connection-user-data c)
-      (setf (gallop.core:connection-user-data c) (make-peer))))
+(defstruct (host-memo (:constructor make-host-memo (host name)) (:copier nil) (:predicate nil))
+  "A Host value a server read, and its host part (see SERVER-NAME)."
+  (host "" :type (simple-array character (*)) :read-only t)
+  (name "" :type simple-string :read-only t))
 
-(defun remote-address-string (c peer)
-  "The peer address of C as a string, computed once per connection."
-  (or (peer-address peer)
-      (let ((address (connection-remote-address c)))
-        (setf (peer-address peer)
-              (coerce (cond ((null address) "0.0.0.0")
-                            ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
-                            (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))
-                      'simple-string)))))
+(defun host-value (server buffer start end)
+  "The Host header value in BUFFER[START,END) as a string: the one of SERVER's
+memo when the octets are the same, so that neither the string nor its
+:SERVER-NAME is made again."
+  (declare (type octets buffer) (type fixnum start end) (optimize speed))
+  (let ((memo (server-host-memo server)))
+    (if (and memo
+             (let ((last (host-memo-host memo)))
+               (and (= (length last) (- end start))
+                    (loop for i of-type fixnum from start below end
+                          for j of-type fixnum from 0
+                          always (= (aref buffer i) (char-code (schar last j)))))))
+        (host-memo-host memo)
+        (latin1-string buffer start end))))
 
-(defun same-string-p (a b)
-  "STRING= for two simple strings, the common representation first."
-  (declare (type simple-string a b))
-  (and (= (length a) (length b))
-       (if (and (typep a '(simple-array character (*))) (typep b '(simple-array character (*))))
-           (locally (declare (type (simple-array character (*)) a b) (optimize speed))
-             (dotimes (i (length a) t)
-               (unless (char= (schar a i) (schar b i)) (return nil))))
-           (string= a b))))
-
-(defun server-name (peer host)
+(defun server-name (server host)
   "The host part of the Host header value HOST, for :SERVER-NAME: without its
-port, if any (an IPv6 literal keeps its brackets).  A client sends the same
-Host on every request of a connection, so the last answer is kept in PEER."
+port, if any (an IPv6 literal keeps its brackets).  Kept in SERVER's memo with
+HOST (see HOST-VALUE)."
   (declare (type simple-string host))
-  (let ((last (peer-host peer)))
-    (if (and last (or (eq last host) (same-string-p last host)))
-        (peer-host-name peer)
+  (let ((memo (server-host-memo server)))
+    (if (and memo (eq (host-memo-host memo) host))
+        (host-memo-name memo)
         (let* ((colon (position #\: host :from-end t))
                (name (if (and colon (not (find #\] host :start colon)))
                          (subseq host 0 colon)
                          host)))
-          (setf (peer-host peer) host
-                (peer-host-name peer) name)))))
+          ;; HOST is a LATIN1-STRING or the memo's own (the head check
+          ;; refuses a second Host field, so none is ever joined); the test
+          ;; keeps the memo's type promise all the same.
+          (when (typep host '(simple-array character (*)))
+            (setf (server-host-memo server) (make-host-memo host name)))
+          name))))
 
-(defun host-value (peer buffer start end)
-  "The Host header value in BUFFER[START,END) as a string: the one of the
-previous request on this connection when the octets are the same (a client
-sends the same Host every time), so that neither the string nor its
-:SERVER-NAME is made again."
-  (declare (type octets buffer) (type fixnum start end) (optimize speed))
-  (let ((last (peer-host peer)))
-    (if (and last
-             (typep last '(simple-array character (*)))
-             (= (length last) (- end start))
-             (loop for i of-type fixnum from start below end
-                   for j of-type fixnum from 0
-                   always (= (aref buffer i) (char-code (schar last j)))))
-        last
-        (latin1-string buffer start end))))
+(defun remote-address-string (c)
+  "The peer address of C as a string, made once per connection and kept as
+its user data."
+  (or (gallop.core:connection-user-data c)
+      (let ((address (connection-remote-address c)))
+        (setf (gallop.core:connection-user-data c)
+              (coerce (cond ((null address) "0.0.0.0")
+                            ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
+                            (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))
+                      'simple-string)))))
 
 (defun make-env (server c)
   "The environment property list of the request C serves, built from its
@@ -177,14 +173,13 @@ it is HTTP/1.0, and whether it expects 100-continue."
            (headers (make-hash-table :test 'equal))
            (fields 0)                   ; put in HEADERS so far
            (content-type nil)
-           (host nil)
-           (peer (connection-peer c)))
+           (host nil))
       (declare (type fixnum target-start target-end query-start fields))
       ;; header fields: lower-case names; repeated fields joined with ", "
       (gallop.core:do-request-fields (name-start name-end value-start value-end) r
         (let* ((name (header-name-string buffer name-start name-end))
                (value (if (eq name (load-time-value (common-header-name "host") t))
-                          (host-value peer buffer value-start value-end)
+                          (host-value server buffer value-start value-end)
                           (latin1-string buffer value-start value-end)))
                ;; The first field can't repeat one: no lookup (most heads
                ;; have a few fields, wrk's only Host).
@@ -207,10 +202,10 @@ it is HTTP/1.0, and whether it expects 100-continue."
                                            (latin1-string buffer (1+ query-start) target-end))
                         :request-uri (latin1-string buffer target-start target-end)
                         :url-scheme (server-url-scheme server)
-                        :server-name (if host (server-name peer host) (server-address server))
+                        :server-name (if host (server-name server host) (server-address server))
                         :server-port (server-port server)
                         :server-protocol (if http-1.0 :http/1.0 :http/1.1)
-                        :remote-addr (remote-address-string c peer)
+                        :remote-addr (remote-address-string c)
                         :remote-port (connection-remote-port c)
                         :content-type content-type
                         :content-length (gallop.core:request-content-length r)

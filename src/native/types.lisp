@@ -19,7 +19,8 @@
   (tls nil)                             ; its GALLOP.CORE::TLS-CONTEXT, when HTTPS
   (url-scheme "http" :type string)
   (debug nil)
-  (log nil))
+  (log nil)
+  (host-memo nil))                      ; the last Host read, see HOST-VALUE (request.lisp)
 
 (defmethod print-object ((server server) stream)
   (print-unreadable-object (server stream :type t)

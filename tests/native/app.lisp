@@ -118,10 +118,10 @@
         (usocket:socket-close socket)))))
 
 (test native-host-and-method-per-request-on-one-connection
-  ;; The Host of the last request is remembered per connection (its string
-  ;; and :SERVER-NAME reused while the octets are the same): a different
-  ;; Host, of the same length or not, must still be seen as it is; and the
-  ;; method must be right whether or not it is one of the common ones.
+  ;; The Host of the last request is remembered per server (its string and
+  ;; :SERVER-NAME reused while the octets are the same): a different Host,
+  ;; of the same length or not, must still be seen as it is; and the method
+  ;; must be right whether or not it is one of the common ones.
   (with-app (server (lambda (env)
                       (list 200 nil (list (format nil "~A ~A ~A"
                                                   (getf env :request-method)
@@ -142,6 +142,35 @@
                                        (format nil "Host: ~A" host) "Content-Length: 0"))
                     (is (string= expected (body-string (read-response socket)))))
         (usocket:socket-close socket)))))
+
+(test native-host-per-request-across-connections
+  ;; The server's one Host memo, with connections that take turns and each
+  ;; send a Host of their own (a proxy's, or virtual hosts): every request
+  ;; must see its own Host and host part, whatever the request before it on
+  ;; another connection sent; the same length in octets included.
+  (with-app (server (lambda (env)
+                      (list 200 '(:content-type "text/plain")
+                            (list (format nil "~A ~A ~A" (getf env :server-name)
+                                          (gethash "host" (getf env :headers))
+                                          (getf env :remote-addr))))))
+    (let ((sockets (loop repeat 3 collect (connect (native-port server))))
+          (hosts '("a.example:80" "b.example:81" "[::1]:8080")))
+      (unwind-protect
+           (loop repeat 4
+                 do (loop for socket in sockets
+                          for host in hosts
+                          do (send socket (crlf "GET / HTTP/1.1" (format nil "Host: ~A" host)))
+                             (let* ((r (read-wire socket :persistent t))
+                                    (expected (format nil "~A ~A 127.0.0.1"
+                                                      (subseq host 0 (position #\: host :from-end t))
+                                                      host)))
+                               (is (= 200 (wire-status r)))
+                               (is (equal "text/plain" (wire-header r "Content-Type")))
+                               (is (equal (princ-to-string (length expected))
+                                          (wire-header r "Content-Length")))
+                               (is (string= expected (wire-body-string r)) "~A: ~S" host
+                                   (wire-body-string r)))))
+        (mapc #'usocket:socket-close sockets)))))
 
 (test native-repeated-header-fields-are-joined
   ;; RFC 9110 5.3: a field sent twice means its values joined with ", ",
