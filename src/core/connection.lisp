@@ -112,9 +112,6 @@ through a library above the engine, see tls.lisp).")
         :documentation "0 on a plain socket.  On the engine's own TLS (openssl.lisp): the
 address of the connection's SSL object, or -1 until a worker makes it on the
 first read.")
-   (tls-phase :initform :handshake :type (member :handshake :open :over)
-              :documentation "On TLS: :HANDSHAKE until it is done, then :OPEN; :OVER once
-close_notify was sent or the TLS stream failed (nothing more is sent).")
    (request :initform (make-request) :type request
             :documentation "The request being served: its head as PARSE-HEAD read it
 and the state of reading its body (request.lisp).")
@@ -133,46 +130,19 @@ deadline interrupt meant for one request never hits the next.")
    (source :initform nil
            :documentation "For the plaintext side of a TLS connection (tls.lisp): the
 TLS stream it reads and writes instead of its fd.")
-   (cipher :initform nil
-           :documentation "For the plaintext side of a TLS connection: the connection
-carrying the ciphertext.")
-   (pending :initform nil
-            :documentation "On a plaintext connection: a function, true when the TLS
-stream holds decrypted octets not read yet.")
-   (read-deadline :initform 0 :type fixnum
-                  :documentation "When non-zero, the time (NOW-MS) by which reads must be done:
-the header timeout of a head read through TLS (tls.lisp).")
    (budgeted :initform 0 :type fixnum
              :documentation "Octets of the engine's head budget this connection holds.")
-   (timed-out :initform nil
-              :documentation "True once a read or write on C timed out (reset by the
-plaintext side of TLS, which reads it).")
    (blank-lines :initform 0 :type fixnum
                 :documentation "Empty lines skipped since the last request (SCAN-HEAD).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
 CONNECTION-DETACH): its reads pass through and know no request boundary.")
-   (remote-address :initarg :remote-address :initform nil)
    (remote-port :initarg :remote-port :initform 0)
-   (local-address :initform nil)
-   (local-port :initform nil)
    (user-data :initarg :user-data :initform nil
               :documentation "What the layer above keeps with this connection.")
-   (owner-stream :initform nil
-                 :documentation "The plaintext connection reading TLS over this one, if any.")
-   (close-hook :initarg :close-hook :initform nil
-               :documentation "Called instead of close(2) to release the fd.")
-   ;; The output queue (see "Output" below)
    (unsent :initform nil
            :documentation "Output the socket did not take yet: a list of SEGMENTs,
 oldest first.  Only the connection's owner touches it.")
-   (unsent-tail :initform nil :documentation "The last cons of UNSENT.")
-   (unsent-bytes :initform 0 :type fixnum :documentation "Octets in UNSENT.")
-   (out-progress :initform 0 :type fixnum
-                 :documentation "When (NOW-MS) the socket last took output from UNSENT,
-or UNSENT was started: the write timeout counts from there.")
-   (out-registered :initform nil
-                   :documentation "True once C's epoll registration includes EPOLLOUT.")
    (body-given :initform nil
                :documentation "True when the layer above gave up the octets of this
 answer's body (see CONNECTION-GIVE-BODY).")
@@ -182,6 +152,40 @@ next request) or :CLOSE.")
    (suspended :initform nil
               :documentation "True while a request on C is answered from another thread
 \(CONNECTION-SUSPEND to CONNECTION-RESUME).")
+   ;; The slots above are read or written for every request; those below
+   ;; only now and then (TLS, a response the socket did not take whole, a
+   ;; request answered later, closing).  Kept apart so that a request's work
+   ;; touches fewer of the connection's cache lines: with hundreds of
+   ;; connections taking turns, each one's state is mostly not in the cache.
+   (tls-phase :initform :handshake :type (member :handshake :open :over)
+              :documentation "On TLS: :HANDSHAKE until it is done, then :OPEN; :OVER once
+close_notify was sent or the TLS stream failed (nothing more is sent).")
+   (cipher :initform nil
+           :documentation "For the plaintext side of a TLS connection: the connection
+carrying the ciphertext.")
+   (pending :initform nil
+            :documentation "On a plaintext connection: a function, true when the TLS
+stream holds decrypted octets not read yet.")
+   (read-deadline :initform 0 :type fixnum
+                  :documentation "When non-zero, the time (NOW-MS) by which reads must be done:
+the header timeout of a head read through TLS (tls.lisp).")
+   (timed-out :initform nil
+              :documentation "True once a read or write on C timed out (reset by the
+plaintext side of TLS, which reads it).")
+   (remote-address :initarg :remote-address :initform nil)
+   (local-address :initform nil)
+   (local-port :initform nil)
+   (owner-stream :initform nil
+                 :documentation "The plaintext connection reading TLS over this one, if any.")
+   (close-hook :initarg :close-hook :initform nil
+               :documentation "Called instead of close(2) to release the fd.")
+   (unsent-tail :initform nil :documentation "The last cons of UNSENT.")
+   (unsent-bytes :initform 0 :type fixnum :documentation "Octets in UNSENT.")
+   (out-progress :initform 0 :type fixnum
+                 :documentation "When (NOW-MS) the socket last took output from UNSENT,
+or UNSENT was started: the write timeout counts from there.")
+   (out-registered :initform nil
+                   :documentation "True once C's epoll registration includes EPOLLOUT.")
    (abandoned :initform nil
               :documentation "True once the client of a SUSPENDED request went away
 before the answer, and C was closed (ABANDON).")
