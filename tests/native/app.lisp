@@ -172,6 +172,41 @@
                                    (wire-body-string r)))))
         (mapc #'usocket:socket-close sockets)))))
 
+(test native-host-per-request-from-concurrent-clients
+  ;; The same, with clients in threads of their own, so that workers read
+  ;; and replace the server's memo at once: every answer must still name its
+  ;; own request's Host (three of the four the same length in octets).
+  (with-app (server (lambda (env)
+                      (list 200 '(:content-type "text/plain")
+                            (list (format nil "~A ~A" (getf env :server-name)
+                                          (gethash "host" (getf env :headers)))))))
+    (let* ((hosts '("a.example:80" "b.example:81" "c.example:82" "localhost"))
+           (threads
+             (loop for host in hosts
+                   collect (let ((host host))
+                             (sb-thread:make-thread
+                              (lambda ()
+                                (let ((socket (connect (native-port server)))
+                                      (expected (format nil "~A ~A"
+                                                        (subseq host 0 (or (position #\: host) (length host)))
+                                                        host))
+                                      (exact 0))
+                                  (unwind-protect
+                                       (dotimes (i 200 exact)
+                                         (send socket (crlf "GET / HTTP/1.1" (format nil "Host: ~A" host)))
+                                         (let ((r (read-wire socket :persistent t)))
+                                           (when (and (= 200 (wire-status r))
+                                                      (equal (princ-to-string (length expected))
+                                                             (wire-header r "Content-Length"))
+                                                      (string= expected (wire-body-string r)))
+                                             (incf exact))))
+                                    (usocket:socket-close socket))))
+                              :name (format nil "client ~A" host))))))
+      (loop for host in hosts
+            for thread in threads
+            do (is (= 200 (sb-thread:join-thread thread :default -1))
+                   "answers exact for ~A" host)))))
+
 (test native-repeated-header-fields-are-joined
   ;; RFC 9110 5.3: a field sent twice means its values joined with ", ",
   ;; the field first in the head included (MAKE-ENV looks up only after its
