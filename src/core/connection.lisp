@@ -152,11 +152,12 @@ next request) or :CLOSE.")
    (suspended :initform nil
               :documentation "True while a request on C is answered from another thread
 \(CONNECTION-SUSPEND to CONNECTION-RESUME).")
-   ;; The slots above are read or written for every request; those below
-   ;; only now and then (TLS, a response the socket did not take whole, a
-   ;; request answered later, closing).  Kept apart so that a request's work
-   ;; touches fewer of the connection's cache lines: with hundreds of
-   ;; connections taking turns, each one's state is mostly not in the cache.
+   ;; The slots above may be read or written for any request (on either
+   ;; front end); those below only now and then (TLS, a response the socket
+   ;; did not take whole, a request answered later, closing).  Kept apart so
+   ;; that a request's work touches fewer of the connection's cache lines:
+   ;; with hundreds of connections taking turns, each one's state is mostly
+   ;; not in the cache.
    (tls-phase :initform :handshake :type (member :handshake :open :over)
               :documentation "On TLS: :HANDSHAKE until it is done, then :OPEN; :OVER once
 close_notify was sent or the TLS stream failed (nothing more is sent).")
