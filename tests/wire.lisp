@@ -435,6 +435,14 @@ WIRE-ERROR otherwise."
 
 ;;; The reader's own tests: valid messages and each malformation, on bytes.
 
+(defun exact-answer-p (response body)
+  "RESPONSE is a 200 whose Content-Length names exactly BODY, which follows."
+  (and (wire-response-p response)
+       (= 200 (wire-status response))
+       (eq :content-length (wire-framing response))
+       (equal (princ-to-string (length body)) (wire-header response "Content-Length"))
+       (string= body (wire-body-string response))))
+
 (def-suite wire :in gallop :description "The strict HTTP/1.1 response reader of the tests.")
 (in-suite wire)
 

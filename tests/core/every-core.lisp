@@ -26,14 +26,6 @@ strictly (READ-WIRE), or the WIRE-ERROR."
                 (read-wire-or-error socket :close t))
       (usocket:socket-close socket))))
 
-(defun exact-answer-p (response body)
-  "RESPONSE is a 200 whose Content-Length names exactly BODY, which follows."
-  (and (wire-response-p response)
-       (= 200 (wire-status response))
-       (eq :content-length (wire-framing response))
-       (equal (princ-to-string (length body)) (wire-header response "Content-Length"))
-       (string= body (wire-body-string response))))
-
 ;;; A CPU hog beside an unpinned server under load
 
 (defun wrk-report (output)

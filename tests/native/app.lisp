@@ -194,12 +194,9 @@
                                   (unwind-protect
                                        (dotimes (i 200 exact)
                                          (send socket (crlf "GET / HTTP/1.1" (format nil "Host: ~A" host)))
-                                         (let ((r (read-wire socket :persistent t)))
-                                           (when (and (= 200 (wire-status r))
-                                                      (equal (princ-to-string (length expected))
-                                                             (wire-header r "Content-Length"))
-                                                      (string= expected (wire-body-string r)))
-                                             (incf exact))))
+                                         (when (exact-answer-p (read-wire socket :persistent t)
+                                                               expected)
+                                           (incf exact)))
                                     (usocket:socket-close socket))))
                               :name (format nil "client ~A" host))))))
       (loop for host in hosts
