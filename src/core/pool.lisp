@@ -38,6 +38,16 @@
 ;;;; serving it.  When it queued events while other workers of its group sat
 ;;;; in epoll_wait, it nudges one of them through the group's NUDGE eventfd
 ;;;; (registered edge-triggered, so each nudge wakes one waiter).
+;;;; A worker that goes to wait while others of its group wait already
+;;;; takes one event, not a batch: the kernel wakes one waiter for each event
+;;;; that comes in, and wakes the next itself when one takes fewer than are
+;;;; ready, so each waiter gets its event without the queue and nudges.
+;;;; With a batch, the first waiter to run took the events the others were
+;;;; woken for, and handed them out again through the queue, a nudge (an
+;;;; eventfd write, and a wake-up) each: with 1 ms handlers, 0.24-0.41
+;;;; nudges and 1.1-2.0 epoll_waits per request (BENCHMARKS.md, "One event
+;;;; per waiter").  A worker alone in epoll_wait, as under a load that
+;;;; keeps every worker busy, still takes a batch.
 ;;;;
 ;;;; The READY queues also take the thunks of application timers that came
 ;;;; due (POOL-SUBMIT, from the housekeeper, see timers.lisp): a worker runs
@@ -1022,7 +1032,10 @@ permits than its ALLOWED."
                    ((nil) (return))
                    (:retired (setf counted-out t) (return))
                    (t (setf holding t)))))
-             (let ((polled nil))
+             (let ((polled nil)
+                   ;; Whether others of this group waited in epoll_wait
+                   ;; when this worker counted itself idle.
+                   (crowd nil))
                (multiple-value-bind (queued found) (sb-concurrency:dequeue ready)
                  (when (and found (plusp (group-idle group))
                             (not (sb-concurrency:queue-empty-p ready)))
@@ -1034,7 +1047,7 @@ permits than its ALLOWED."
                    ;; queued in between saw it idle and nudged, or is found
                    ;; here.  It stays counted until it leaves epoll_wait, so
                    ;; that whatever is queued from now on nudges.
-                   (sb-ext:atomic-incf (group-idle group))
+                   (setf crowd (> (sb-ext:atomic-incf (group-idle group)) 0))
                    (multiple-value-setq (queued found) (sb-concurrency:dequeue ready))
                    (when found
                      (sb-ext:atomic-decf (group-idle group))
@@ -1045,13 +1058,19 @@ permits than its ALLOWED."
                    ;; something this costs no more than the wait it
                    ;; replaces); then one item of another group's queue,
                    ;; else one event waiting in another group's set, else
-                   ;; the wait.
+                   ;; the wait.  While others of this group wait already
+                   ;; (CROWD), no look at a set where a worker waits, this
+                   ;; group's included: the kernel wakes that worker for
+                   ;; each event, and a look would take the event it was
+                   ;; woken for (two system calls, and a wake-up for
+                   ;; nothing).
                    (when (and (not found) stealing)
-                     (let ((n (epoll-wait epfd events +batch+ 0)))
+                     (let ((n (if crowd 0 (epoll-wait epfd events +batch+ 0))))
                        (if (plusp n)
                            (setf polled n)
                            (multiple-value-bind (item took)
-                               (steal-one pool group events (ash (worker-serving worker) -1))
+                               (steal-one pool group events (ash (worker-serving worker) -1)
+                                          crowd)
                              (when took
                                (sb-ext:atomic-decf (group-idle group))
                                (wake-resting-maker pool)
@@ -1075,7 +1094,13 @@ permits than its ALLOWED."
                         ;; Counted idle above.  POLLED: events the look
                         ;; before stealing found.
                         (let ((started (now-ms)))
-                          (let ((n (or polled (epoll-wait epfd events +batch+ timeout))))
+                          (let ((n (or polled
+                                       (epoll-wait epfd events
+                                                   ;; Others of the group wait
+                                                   ;; too: one event each (see
+                                                   ;; the header).
+                                                   (if crowd 1 +batch+)
+                                                   timeout))))
                             (sb-ext:atomic-decf (group-idle group))
                             ;; (Not for a wait that timed out: no work.)
                             (when (plusp n)
@@ -1110,13 +1135,14 @@ permits than its ALLOWED."
 \(STEALING): each look is a system call, and with many groups looking at
 all of them would cost more than the wait saves.")
 
-(defun steal-one (pool group events turn)
+(defun steal-one (pool group events turn busy-only)
   "For an idle worker of GROUP (STEALING): one item of another group's READY
 queue, or one event waiting in one of the next +SETS-LOOKED-AT+ other
 groups' epoll sets from TURN (a number that changes from call to call, so
 that the sets looked at rotate), taken with epoll_wait without waiting,
-into EVENTS, and returned as ENCODE-EVENT encodes it.  Second value: true
-if something was taken."
+into EVENTS, and returned as ENCODE-EVENT encodes it; when BUSY-ONLY, only
+the sets of groups none of whose workers waits in epoll_wait.  Second value:
+true if something was taken."
   (declare (type sb-ext:word turn))
   (let ((victim (group-with-work pool group)))
     (when victim
@@ -1129,7 +1155,7 @@ if something was taken."
         for i from 0 below n
         for other = (svref groups (mod (+ turn i) n))
         while (< looked +sets-looked-at+)
-        unless (eq other group)
+        unless (or (eq other group) (and busy-only (plusp (group-idle other))))
           do (incf looked)
              ;; Up to twice: the first event may be OTHER's nudge (edge-
              ;; triggered, for its idle workers; when it has none, it was

@@ -174,6 +174,51 @@ the pool grew for the blocked ones and shrank back after."
                                                   :thread-idle-timeout 1))
     (blocked-handlers-case (port-of server) (lambda () (gallop:stats server)))))
 
+;;; Several workers waiting in one epoll set
+
+(test waiting-workers-take-a-burst-of-requests-one-event-each
+  "One group (epoll set) whose pool grew for blocked handlers: once they are
+let go, several of its workers wait in epoll_wait together, and each takes
+one event, not a batch (pool.lisp, the header: the kernel wakes one waiter
+per event, and the next when one takes fewer than are ready).  Bursts of
+requests on 16 keep-alive connections, all sent before any is read, are
+then each answered exactly, in five rounds: none taken and left unserved,
+none left waiting in the set."
+  (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
+        *gate-entered* (list 0)
+        *gate-timeouts* (list 0))
+  (let ((gallop.core::*group-count* 1))
+    (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 5)
+      (let* ((port (native-port server))
+             (group (svref (gallop.core::pool-groups (gallop:server-pool server)) 0))
+             (cpus (cpu-count-usable))
+             (blocked-count (+ cpus 3))
+             (kept (loop repeat 16 collect (connect port :timeout 20))))
+        (unwind-protect
+             (let ((blocked (loop repeat blocked-count
+                                  collect (let ((s (connect port :timeout 20)))
+                                            (send s (crlf "GET /gate HTTP/1.1" "Host: x"
+                                                          "Connection: close"))
+                                            s))))
+               (is-true (wait-until (lambda () (= blocked-count (car *gate-entered*))) :timeout 20)
+                        "~D of ~D blocking handlers began" (car *gate-entered*) blocked-count)
+               (sb-thread:signal-semaphore *gate* blocked-count)
+               (is (every (lambda (s) (prog1 (exact-answer-p (read-wire-or-error s :close t) "unblocked")
+                                        (usocket:socket-close s)))
+                          blocked))
+               (dotimes (round 5)
+                 ;; The workers the blocked handlers held wait together.
+                 (is-true (wait-until (lambda () (<= 3 (gallop.core::group-idle group))) :timeout 5)
+                          "round ~D: ~D workers waiting" round (gallop.core::group-idle group))
+                 (dolist (s kept)
+                   (send s (crlf "GET /yo HTTP/1.1" "Host: x")))
+                 (let ((answers (mapcar (lambda (s) (read-wire-or-error s :persistent t)) kept)))
+                   (is (every (lambda (a) (exact-answer-p a "Hey!")) answers)
+                       "round ~D: ~A" round answers))))
+          (sb-thread:signal-semaphore *gate* 100)
+          (mapc #'usocket:socket-close kept))
+        (is (zerop (car *gate-timeouts*)))))))
+
 ;;; Groups: an epoll set per CPU, and help for a group whose workers are
 ;;; all busy
 
