@@ -61,7 +61,10 @@
 ;;;; that is empty takes one item of another group's queue, else one event
 ;;;; of another group's set (epoll_wait for one event, without waiting, in
 ;;;; at most +SETS-LOOKED-AT+ sets, in turn), counted in STOLEN, and so on
-;;;; while it finds some.  So the rest of a batch whose first event blocks
+;;;; while it finds some.  Except while other workers of its group already
+;;;; wait: then it skips the look at its own set (the waiters are woken for
+;;;; what comes there) and looks only at sets of groups where no worker
+;;;; waits, before it waits for one event (above).  So the rest of a batch whose first event blocks
 ;;;; waits for no one, and with few
 ;;;; connections (10 on two CPUs: five a set) a worker does not sleep while
 ;;;; the other set has work: without this, such a load had 2.5 times the
