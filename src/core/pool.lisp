@@ -64,8 +64,8 @@
 ;;;; while it finds some.  Except while other workers of its group already
 ;;;; wait: then it skips the look at its own set (the waiters are woken for
 ;;;; what comes there) and looks only at sets of groups where no worker
-;;;; waits, before it waits for one event (above).  So the rest of a batch whose first event blocks
-;;;; waits for no one, and with few
+;;;; waits, before it waits for one event (above).  So the rest of a batch
+;;;; whose first event blocks waits for no one, and with few
 ;;;; connections (10 on two CPUs: five a set) a worker does not sleep while
 ;;;; the other set has work: without this, such a load had 2.5 times the
 ;;;; context switches of one shared set, and 0.8 times its requests per
