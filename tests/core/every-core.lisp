@@ -347,6 +347,22 @@ answer is exact."
                            (logior gallop.core::+epollin+ gallop.core::+epollerr+)))
         (is (logtest gallop.core::+epollrdhup+ (served-flags flags)) "flags ~D" flags)))))
 
+(defun other-groups-worker-waits-in-epoll-p (server)
+  "True when the worker of the group of SERVER's pool that has an idle worker
+sleeps inside a system call (THREAD-WAIT-KIND :CALL): for a worker with
+nothing to do that is its blocking epoll_wait, so the looks at the other
+group's queue and set before it (pool.lisp's STEALING) are over.  A group's
+IDLE counts its worker before those looks, so it alone does not say this."
+  (let* ((pool (gallop:server-pool server))
+         (buffer (make-array 64 :element-type '(unsigned-byte 8)))
+         (workers (sb-thread:with-mutex ((gallop.core::pool-lock pool))
+                    (copy-list (gallop.core::pool-workers pool)))))
+    (some (lambda (worker)
+            (and (plusp (gallop.core::group-idle (gallop.core::worker-group worker)))
+                 (eq :call (gallop.core::thread-wait-kind
+                            (gallop.core::worker-syscall-path worker) buffer))))
+          workers)))
+
 (test a-group-whose-worker-blocks-has-its-queued-events-stolen
   "Two groups of one worker each, the maker's help off: one epoll_wait gives
 a worker three connections' requests, the first of which blocks at the
@@ -371,6 +387,12 @@ counted in :STOLEN.  Without that, they would wait for the gate."
                ;; X's worker blocks at the gate on the first connection...
                (send (first x) (crlf "GET /gate HTTP/1.1" "Host: x"))
                (is-true (wait-until (lambda () (= 1 (car *gate-entered*))) :timeout 10))
+               ;; ...and the other group's worker waits in epoll_wait, past
+               ;; its looks at X's set: were it still looking, it could take
+               ;; the next /gate request itself and block on the gate, and
+               ;; the gate's one signal below could go to either handler.
+               (is-true (wait-until (lambda () (other-groups-worker-waits-in-epoll-p server))
+                                    :timeout 10))
                ;; ...while three more requests wait in X's epoll set, the
                ;; first of which will block at the gate too.
                (send (second x) (crlf "GET /gate HTTP/1.1" "Host: x"))
