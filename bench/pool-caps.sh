@@ -54,7 +54,7 @@ for r in $(seq "$REPS"); do
       wrk -t2 -c"$c" -d"${DUR}s" --latency "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt" & w=$!
       # wrk's own CPU over the middle of its run (its first and last moments
       # connect and print).
-      sleep 0.3; w0=$(cpu_ticks "$w"); sleep "$(echo "$DUR - 0.6" | bc)"; w1=$(cpu_ticks "$w")
+      sleep 0.3; w0=$(cpu_ticks "$w"); sleep "$(awk -v d="$DUR" 'BEGIN { print d - 0.6 }')"; w1=$(cpu_ticks "$w")
       wait "$w"
       t1=$(cpu_ticks "${PIDS[$i]}")
       awk -v cap="${CAPS[$i]}" -v c="$c" -v t=$((t1 - t0)) -v wt=$((w1 - w0)) -v hz="$hz" -v d="$DUR" '
