@@ -1,6 +1,6 @@
 # lib.sh -- sourced by the bench shell scripts (switches.sh, sets-ab.sh,
 # epoll-sets.sh, affinity.sh, layers.sh, quota-ab.sh, checkouts-ab.sh,
-# at-rest.sh): the steps they all take.
+# at-rest.sh, pool-caps.sh, setup-switches.sh): the steps they all take.
 #
 #   ready_pid FILE         waits (up to 120 s) for the line "READY <pid>" that
 #                          bench/server.lisp or bench/layers-server.lisp
