@@ -30,17 +30,9 @@ PORTS=(); PIDS=()
 for i in "${!CAPS[@]}"; do
   port=$((19031 + i)); PORTS+=("$port")
   options=""; [ "${CAPS[$i]}" = 0 ] || options="(:max-thread-count ${CAPS[$i]})"
-  rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
-  # Standard input is a FIFO this script holds: the server exits with it.
-  (cd "$HERE" && BENCH_GALLOP_OPTIONS="$options" exec scripts/lisp.sh --load bench/server.lisp \
-     --end-toplevel-options "$KIND" "$port" "$SL" < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
-  KIDS+=($!)
+  start_server "$i" "$options" "$KIND" "$port" "$SL"
 done
-for i in "${!CAPS[@]}"; do
-  pid=$(ready_pid "$TMP/server$i.out")
-  [ -n "$pid" ] || { echo "pool-caps.sh: server $i did not start (see $TMP/server$i.err)" >&2; exit 1; }
-  PIDS+=("$pid")
-done
+await_servers "${#CAPS[@]}" pool-caps.sh
 echo "$(git -C "$HERE" rev-parse --short HEAD) KIND=$KIND SLEEP_MS=$SL: wrk -t2 -cN -d${DUR}s --latency, caps ${CAPS[*]}"
 hz=$(getconf CLK_TCK)
 for port in "${PORTS[@]}"; do wrk -t2 -c100 -d2s "http://127.0.0.1:$port/yo" > /dev/null; done

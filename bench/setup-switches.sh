@@ -27,17 +27,9 @@ trap 'for k in "${KIDS[@]}"; do kill "$k" 2>/dev/null; done' EXIT
 PIDS=(); PORTS=()
 for i in "${!KINDS[@]}"; do
   PORTS+=($((19101 + i)))
-  rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
-  # Standard input is a FIFO this script holds: the server exits with it.
-  (cd "$HERE" && exec scripts/lisp.sh --load bench/server.lisp --end-toplevel-options \
-     "${KINDS[$i]}" "${PORTS[$i]}" 0 < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
-  KIDS+=($!)
+  start_server "$i" "" "${KINDS[$i]}" "${PORTS[$i]}" 0
 done
-for i in "${!KINDS[@]}"; do
-  pid=$(ready_pid "$TMP/server$i.out")
-  [ -n "$pid" ] || { echo "setup-switches.sh: server $i did not start (see $TMP/server$i.err)" >&2; exit 1; }
-  PIDS+=("$pid")
-done
+await_servers "${#KINDS[@]}" setup-switches.sh
 hz=$(getconf CLK_TCK)
 EVENTS=context-switches,cpu-migrations,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_sendto
 for r in $(seq "$REPS"); do
