@@ -1,8 +1,17 @@
 # Gallop -- the two commands a newcomer needs:
 #   make serve   start the example server on http://127.0.0.1:4242/ (Ctrl-C stops it)
-#   make test    run every test (installs what it needs first)
+#   make test    the deterministic tests, what CI runs (installs what it needs first):
+#                pure tests on byte vectors and real servers over real sockets,
+#                asserting on what a client receives; no load, no timing
 #
-#   make test-ht13     every test again, against Hunchentoot 1.3.1 (the current release,
+# The other test tiers:
+#   make test-stress   load, CPU-hog, 10,000-connection and pool-ceiling tests
+#                      (system gallop/stress, tests/stress/), then the short soak;
+#                      not in CI: run it on a quiet machine before closing an issue
+#                      that touches the pool, the event loop or timeouts
+#   make bench*        the benchmarks (below)
+#
+#   make test-ht13     make test again, against Hunchentoot 1.3.1 (the current release,
 #                      ../shared/vendor/hunchentoot-1.3.1, used where it is, never copied)
 #                      instead of Debian's 1.2.38; its compiled files go to .cache/ht13/
 #
@@ -12,7 +21,7 @@
 SHELL := /bin/bash
 LISP = scripts/lisp.sh
 
-.PHONY: all deps serve test test-ht13 conformance clean
+.PHONY: all deps serve test test-stress test-ht13 conformance clean
 
 all: test
 
@@ -27,6 +36,13 @@ test: deps
 	@set -o pipefail; \
 	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --eval '(gallop-tests:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
+
+test-stress: deps
+	@scripts/deps.sh wrk slowhttptest
+	@set -o pipefail; \
+	 $(LISP) --eval '(asdf:load-system "gallop/stress")' --eval '(gallop-tests:main :stress)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+	@$(MAKE) --no-print-directory soak-short
 
 HUNCHENTOOT_13 ?= ../shared/vendor/hunchentoot-1.3.1
 

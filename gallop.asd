@@ -7,7 +7,10 @@
 ;;;;   gallop/native the native app API (Clack convention), on the core alone.
 ;;;;   gallop        the Hunchentoot layer: GALLOP:ACCEPTOR, GALLOP:EASY-ACCEPTOR,
 ;;;;                 the SSL variants and GALLOP:TASKMASTER.
-;;;;   gallop/tests  FiveAM tests that talk to real servers over real sockets.
+;;;;   gallop/tests  FiveAM tests that talk to real servers over real sockets
+;;;;                 (`make test`: deterministic, no load).
+;;;;   gallop/stress load, CPU-hog, 10,000-connection and pool-ceiling tests
+;;;;                 (`make test-stress`).
 
 (defsystem "gallop/core"
   :description "Gallop's core: epoll connections, an elastic worker pool, timeouts."
@@ -99,7 +102,6 @@
                (:file "core/wheel")
                (:file "core/timers")
                (:file "core/budget")
-               (:file "core/shutdown")
                (:file "core/cpus")
                (:file "core/answers")
                (:file "core/epoll-close")
@@ -131,3 +133,15 @@
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
+
+(defsystem "gallop/stress"
+  :description "Gallop's stress tests (`make test-stress`): load, CPU hogs, thousands of
+connections, the pool's ceilings.  Not deterministic enough for CI."
+  :depends-on ("gallop/tests")
+  :pathname "tests/stress/"
+  :serial t
+  :components ((:file "suite")
+               (:file "pool")
+               (:file "connections")
+               (:file "shutdown"))
+  :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests :stress)))

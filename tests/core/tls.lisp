@@ -160,54 +160,6 @@ Twice on one connection."
                                     (dotimes (i *big-size* data) (setf (aref data i) (mod i 251)))))
       (hunchentoot:stop server))))
 
-;;; Idle TLS connections hold no thread
-
-(defparameter *idle-tls-connections* 2000)
-
-(defun check-idle-tls-connections (port stats standby)
-  "Open *IDLE-TLS-CONNECTIONS* TLS connections to PORT, each answered once
-\(read strictly) and then left idle: all stay open, parked in epoll, while
-the pool keeps its STANDBY threads; a fresh client is served meanwhile.
-Then they go away and every one is closed."
-  (let ((clients '())
-        (good 0))
-    (unwind-protect
-         (progn
-           (dotimes (i *idle-tls-connections*)
-             (let ((client (tls-connect port)))
-               (push client clients)
-               (let ((response (tls-get client "/yo")))
-                 (when (and (wire-response-p response) (= 200 (wire-status response))
-                            (equal "Hey!" (wire-body-string response)))
-                   (incf good)))))
-           (is (= *idle-tls-connections* good) "~D of ~D answered" good *idle-tls-connections*)
-           (is (wait-until (lambda () (= *idle-tls-connections* (getf (funcall stats) :idle))))
-               "not all parked: ~S" (funcall stats))
-           (let ((s (funcall stats)))
-             (is (= *idle-tls-connections* (getf s :open)) "~S" s)
-             (is (<= (getf s :threads) (+ standby 4)) "threads: ~S" s)
-             (is (zerop (getf s :in-flight)) "~S" s))
-           (let ((client (tls-connect port)))
-             (unwind-protect (check-exact-tls-answer "a fresh client" (tls-get client "/yo" :close t)
-                                                     "Hey!")
-               (tls-close client))))
-      (mapc #'tls-close clients))
-    (is (wait-until (lambda () (zerop (getf (funcall stats) :open))) :timeout 20)
-        "left open: ~S" (funcall stats))))
-
-(test idle-tls-connections-hold-no-thread
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 *idle-tls-connections*)))
-  (flet ((yo-app (env) (declare (ignore env)) '(200 (:content-type "text/plain") ("Hey!"))))
-    (with-tls-app (server #'yo-app :standby-thread-count 2)
-      (check-idle-tls-connections (native-port server) (lambda () (gallop:stats server)) 2)))
-  (let ((server (make-ssl-server 'gallop:easy-ssl-acceptor
-                                 :taskmaster (make-instance 'gallop:taskmaster
-                                                            :standby-thread-count 2))))
-    (hunchentoot:start server)
-    (unwind-protect
-         (check-idle-tls-connections (port-of server) (lambda () (gallop:stats server)) 2)
-      (hunchentoot:stop server))))
-
 ;;; The client's close_notify
 
 (test a-close-notify-behind-the-last-request-ends-the-connection

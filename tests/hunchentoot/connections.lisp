@@ -1,6 +1,7 @@
-;;;; connections.lisp -- idle and slow clients hold no thread: many idle
-;;;; keep-alive connections, slowloris, and timeouts that need no thread per
-;;;; connection.
+;;;; connections.lisp -- slow clients and timeouts on the drop-in acceptor:
+;;;; a client that stops reading, a body that stops arriving, idle TLS
+;;;; connections timing out, streams handed to the handler.  (Thousands of
+;;;; idle and slowloris connections: tests/stress/connections.lisp.)
 
 (in-package #:gallop-tests)
 
@@ -9,102 +10,6 @@
 
 (defun raise-test-fd-limit ()
   (gallop.core:raise-fd-limit))
-
-(test two-thousand-idle-keep-alive-connections-hold-no-thread
-  (raise-test-fd-limit)
-  (with-server (server 'gallop:easy-acceptor
-                       :taskmaster (make-instance 'gallop:taskmaster :standby-thread-count 4))
-    (let ((sockets '()))
-      (unwind-protect
-           (progn
-             (dotimes (i 2000)
-               (let ((socket (connect (port-of server))))
-                 (push socket sockets)
-                 (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))))
-             (is (= 2000 (count-if (lambda (s)
-                                     (let ((r (read-response s)))
-                                       (and r (= 200 (response-status r)))))
-                                   sockets)))
-             (is (wait-until (lambda () (= 2000 (stat server :idle)))))
-             ;; 2,000 open connections, and the pool is still its standby size.
-             (is (<= (stat server :threads) 12) "threads: ~D" (stat server :threads))
-             ;; A new client is served at once, and so are the idle ones.
-             (is (= 200 (response-status (get-request (port-of server) "/yo"))))
-             (let ((some (subseq sockets 0 50)))
-               (dolist (s some) (send s (crlf "GET /yo?name=again HTTP/1.1" "Host: x")))
-               (is (every (lambda (s) (string= "Hey again!" (body-string (read-response s))))
-                          some))))
-        (mapc #'usocket:socket-close sockets)))
-    (is (wait-until (lambda () (zerop (stat server :open)))))))
-
-(defun slowloris (port count seconds &key (interval 1))
-  "Open COUNT connections that send a request head one header line every
-INTERVAL seconds for SECONDS, never finishing it.  Returns the sockets."
-  (let ((sockets (loop repeat count
-                       collect (let ((s (connect port)))
-                                 (send s (format nil "GET /yo HTTP/1.1~C~C" #\Return #\Linefeed))
-                                 s))))
-    (loop repeat (floor seconds interval)
-          do (sleep interval)
-             (dolist (s sockets)
-               (ignore-errors (send s (format nil "X-a: b~C~C" #\Return #\Linefeed)))))
-    sockets))
-
-(test slowloris-neither-blocks-requests-nor-grows-the-pool
-  (raise-test-fd-limit)
-  (with-server (server 'gallop:easy-acceptor
-                       :taskmaster (make-instance 'gallop:taskmaster :standby-thread-count 4
-                                                                     :header-timeout 30))
-    (let* ((sockets nil)
-           (attacker (sb-thread:make-thread
-                      (lambda () (setf sockets (slowloris (port-of server) 1000 4)))))
-           (statuses '())
-           (worst 0)
-           (peak-threads 0))
-      (unwind-protect
-           (progn
-             (loop while (sb-thread:thread-alive-p attacker)
-                   do (let* ((start (get-internal-real-time))
-                             (r (get-request (port-of server) "/yo")))
-                        (push (response-status r) statuses)
-                        (setf worst (max worst (- (get-internal-real-time) start))
-                              peak-threads (max peak-threads (stat server :threads))))
-                      (sleep 0.05))
-             (sb-thread:join-thread attacker)
-             (is (plusp (length statuses)))
-             (is (every (lambda (s) (= 200 s)) statuses))
-             ;; 1,000 slow clients are parked, not served: no thread each.
-             (is (<= 1000 (stat server :idle)))
-             (is (<= peak-threads 12) "peak threads: ~D" peak-threads)
-             (format t "~&    slowloris: ~D requests, slowest ~,1F ms, peak threads ~D~%"
-                     (length statuses)
-                     (/ worst (/ internal-time-units-per-second 1000)) peak-threads))
-        (mapc #'usocket:socket-close sockets)))))
-
-(test slowhttptest-slowloris-leaves-the-service-available
-  (raise-test-fd-limit)
-  (with-server (server 'gallop:easy-acceptor
-                       :taskmaster (make-instance 'gallop:taskmaster :standby-thread-count 4))
-    (let* ((output nil)
-           (attacker (sb-thread:make-thread
-                      (lambda ()
-                        (setf output
-                              (uiop:run-program
-                               (list "slowhttptest" "-H" "-c" "1000" "-r" "500" "-i" "1"
-                                     "-l" "6" "-p" "2" "-x" "8"
-                                     "-u" (url server "/yo"))
-                               :output :string :error-output :output :ignore-error-status t)))))
-           (statuses '())
-           (peak-threads 0))
-      (loop while (sb-thread:thread-alive-p attacker)
-            do (push (response-status (get-request (port-of server) "/yo")) statuses)
-               (setf peak-threads (max peak-threads (stat server :threads)))
-               (sleep 0.1))
-      (sb-thread:join-thread attacker)
-      (is (every (lambda (s) (= 200 s)) statuses))
-      (is (<= peak-threads 12) "peak threads: ~D" peak-threads)
-      (is (search "service available" output) "slowhttptest ran: ~A" output)
-      (is (not (search "service available:   NO" output)) "~A" output))))
 
 (test a-client-that-stops-reading-does-not-pin-a-worker
   (with-server (server 'gallop:easy-acceptor :read-timeout 1 :write-timeout 1)

@@ -418,13 +418,13 @@
         (usocket:socket-close socket)))))
 
 (test native-soft-stop-waits-for-a-delayed-response
-  (let* ((server (gallop:start (lambda (env) (declare (ignore env))
+  (let* ((threads (sb-thread:list-all-threads))
+         (server (gallop:start (lambda (env) (declare (ignore env))
                                  (lambda (responder)
                                    (sb-thread:make-thread
                                     (lambda () (sleep 0.5)
                                       (funcall responder '(200 nil ("done")))))))
                                :address "127.0.0.1" :port 0 :log nil))
-         (threads (thread-count))
          (response nil)
          (client (sb-thread:make-thread
                   (lambda () (setf response (get-request (gallop:server-port server) "/"))))))
@@ -432,7 +432,7 @@
     (gallop:stop server :soft t)
     (sb-thread:join-thread client)
     (is (string= "done" (body-string response)))
-    (is (wait-until (lambda () (< (thread-count) threads))))))
+    (is (no-threads-left-p threads) "threads left: ~S" (threads-started-since threads))))
 
 (test native-stack-exhaustion-gives-500
   (with-app (server (lambda (env)

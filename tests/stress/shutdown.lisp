@@ -1,17 +1,23 @@
-;;;; shutdown.lisp -- a soft stop in the middle of a wrk run answers every
-;;;; request the server took; through the native API and GALLOP:EASY-ACCEPTOR.
+;;;; shutdown.lisp -- stopping under load: a soft stop in the middle of a wrk
+;;;; run answers every request the server took, and a stop with 10,000 idle
+;;;; connections closes them all; through the native API and
+;;;; GALLOP:EASY-ACCEPTOR.
 ;;;;
-;;;; The check is an exact count: wrk runs longer than the server lives, so
-;;;; every response the server wrote reaches wrk before wrk ends, and wrk's
-;;;; total of completed requests must equal the number of requests the
-;;;; handler finished.  A response cut off by the stop would show as a
-;;;; difference (and in the server's log).  Connections refused or reset
-;;;; once the server stopped listening are wrk's socket errors, not
-;;;; requests: they are not asserted on.
+;;;; The soft stop's check is an exact count: wrk runs longer than the server
+;;;; lives, so every response the server wrote reaches wrk before wrk ends,
+;;;; and wrk's total of completed requests must equal the number of requests
+;;;; the handler finished.  A response cut off by the stop would show as a
+;;;; difference (and in the server's log).  Connections refused or reset once
+;;;; the server stopped listening are wrk's socket errors, not requests: they
+;;;; are not asserted on.
+;;;;
+;;;; Both ends of 10,000 connections need 20,000 fds, the most one process may
+;;;; have here: that server runs in a child process
+;;;; (tests/child/stop-server.lisp).
 
 (in-package #:gallop-tests)
 
-(in-suite core)
+(in-suite stress)
 
 (defvar *nap-counter* (list 0)
   "A cons whose car counts finished /nap requests (ATOMIC-INCF needs a place
@@ -83,10 +89,6 @@ finished."
                                   (hunchentoot:stop server :soft t))))
       (when (hunchentoot:started-p server) (hunchentoot:stop server)))
     (is (string= "" (get-output-stream-string log)))))
-
-;;; Stopping with 10,000 idle connections.  Both ends of 10,000 connections
-;;; need 20,000 fds, the most one process may have here: the server runs in a
-;;; child process (tests/child/stop-server.lisp).
 
 (defun start-child-server (kind)
   "Start tests/child/stop-server.lisp with KIND; return the process and its port."

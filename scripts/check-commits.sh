@@ -1,0 +1,19 @@
+#!/bin/sh
+# Commit subjects are at most 72 characters; the detail goes in the body.
+# Checks every commit since BASE (default: the last commit before the rule
+# was checked), or only HEAD where BASE is not in this clone's history.
+# Usage: scripts/check-commits.sh [BASE]
+cd "$(dirname "$0")/.." || exit 1
+base=${1:-7690f11}
+if git cat-file -e "$base^{commit}" 2>/dev/null; then
+  range="$base..HEAD"
+else
+  range="-1 HEAD"
+fi
+long=$(git log --format='%s' $range | awk 'length($0) > 72')
+if [ -n "$long" ]; then
+  echo "Commit subjects over 72 characters:" >&2
+  echo "$long" >&2
+  exit 1
+fi
+echo "commit subjects: $(git log --format='%s' $range | wc -l) checked, none over 72 characters"
