@@ -71,8 +71,9 @@ clean:
 	rm -rf ~/.cache/common-lisp/sbcl-*$(CURDIR)
 
 # Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
-#   make bench        the full matrix in both setups (pinned, shared), 3 repetitions, ~50 min; writes bench/results/RUN.tsv,
-#                     BENCHMARKS.md and BENCHMARKS.svg; then bench-uploads and bench-heads
+#   make bench        the full matrix in both setups (pinned, shared), 3 repetitions, ~40 min;
+#                     writes bench/results/RUN.{tsv,md}, BENCHMARKS.md's tables and
+#                     BENCHMARKS.svg; then bench-uploads and bench-heads
 #                     (memory under large uploads and partial heads, ~2 min, below),
 #                     bench-slow-readers, bench-pending (~1 min) and bench-tls (~17 min)
 #   make bench-quick  one repetition of 1 s runs, both setups, ~4 min; writes bench/results/tmp/

@@ -1,5 +1,6 @@
-;;;; report.lisp -- from a results TSV (bench/results/*.tsv) to the tables,
-;;;; the markdown summary (BENCHMARKS.md) and the SVG chart.
+;;;; report.lisp -- from a results TSV (bench/results/*.tsv) to the run's
+;;;; report (RUN.md beside the TSV: every table), the summary spliced into
+;;;; BENCHMARKS.md (a table per setup, a line per scenario) and the SVG chart.
 ;;;;
 ;;;; The TSV is the whole record of a run: "# key<TAB>value" lines first (the
 ;;;; machine, versions, settings, exact commands), then a header line and one
@@ -7,22 +8,28 @@
 ;;;; redrawn without running anything:
 ;;;;
 ;;;;   scripts/lisp.sh --load bench/run.lisp \
-;;;;     --eval '(gallop-bench:report "bench/results/RUN.tsv" :md "/tmp/x.md" :svg "/tmp/x.svg")'
+;;;;     --eval '(gallop-bench:report "bench/results/RUN.tsv" :md "bench/results/RUN.md"
+;;;;               :svg "BENCHMARKS.svg" :summary "BENCHMARKS.md")'
+;;;;
+;;;; (:md "/tmp/x.md" :svg "/tmp/x.svg" alone redraws a run's report and
+;;;; chart without touching BENCHMARKS.md.)
 
 (in-package #:gallop-bench)
 
 ;;; Servers
 
 (defparameter *servers*
-  '(("stock" :stock "Hunchentoot (stock)")
-    ("gallop" :gallop "gallop:easy-acceptor")
-    ("gallop-tm" :gallop-tm "gallop:taskmaster")
-    ("native" :native "gallop:start (native)")
-    ("nginx" :nginx "nginx (reference)"))
-  "Each server: its name in the TSV, its kind, its label in tables and charts.")
+  '(("stock" :stock "Hunchentoot (stock)" "stock")
+    ("gallop" :gallop "gallop:easy-acceptor" "easy-acceptor")
+    ("gallop-tm" :gallop-tm "gallop:taskmaster" "taskmaster")
+    ("native" :native "gallop:start (native)" "start")
+    ("nginx" :nginx "nginx (reference)" "nginx"))
+  "Each server: its name in the TSV, its kind, its label in tables and charts,
+its short label in the summary tables' column heads.")
 
 (defun server-kind (name) (second (assoc name *servers* :test #'string=)))
 (defun server-label (name) (or (third (assoc name *servers* :test #'string=)) name))
+(defun server-short-label (name) (or (fourth (assoc name *servers* :test #'string=)) name))
 (defun server-name (kind) (first (find kind *servers* :key #'second)))
 
 (defparameter *server-descriptions*
@@ -553,6 +560,197 @@ repetition's run with idle connections with its run without."
     (when notes
       (format out "~{- ~A~%~}~%" notes))))
 
+;;; The summary: a table per setup, a line per scenario
+
+(defun scenario-short-title (row)
+  "ROW's scenario in a few words, e.g. \"0 ms, keep-alive, c10\"."
+  (format nil "~D ms, ~A, c~D~:[~;, CPU hog~]"
+          (round (or (cell row "sleep_ms") 0))
+          (if (string= (gethash "connection" row) "close") "close" "keep-alive")
+          (round (or (cell row "connections") 0))
+          (hog-scenario-p (gethash "scenario" row))))
+
+(defun troubled-p (s)
+  "True when the medians of summary S count socket errors or non-2xx answers."
+  (some (lambda (key) (let ((x (getf s key))) (and x (plusp x))))
+        '(:connect :read :write :timeout :non2xx)))
+
+(defun summary-cell (s)
+  "Summary S as one cell: 2xx req/s, the CPU µs per request in parentheses,
+* when its medians count errors, and how many runs succeeded when not all."
+  (cond ((zerop (getf s :runs)) "")
+        ((zerop (getf s :ok)) (format nil "failed (0/~D)" (getf s :runs)))
+        (t (format nil "~A (~A)~:[~;*~]~:[~*~; ~A~]"
+                   (fmt-int (getf s :ok-rps)) (fmt-us (getf s :cpu-us))
+                   (troubled-p s)
+                   (< (getf s :ok) (getf s :runs))
+                   (format nil "~D/~D ok" (getf s :ok) (getf s :runs))))))
+
+(defun reference-servers (servers)
+  "The servers of SERVERS the others are compared with: stock Hunchentoot and nginx."
+  (remove-if-not (lambda (s) (member s '("stock" "nginx") :test #'string=)) servers))
+
+(defun ratio-cell (s refs)
+  "Summary S's 2xx req/s over that of each summary in REFS, as \"A / B\"."
+  (format nil "~{~A~^ / ~}"
+          (mapcar (lambda (r)
+                    (let ((x (getf s :ok-rps)) (y (getf r :ok-rps)))
+                      (if (and x y (plusp y) (plusp (getf s :ok)) (plusp (getf r :ok)))
+                          (fmt-ratio (/ x y))
+                          "–")))
+                  refs)))
+
+(defun write-summary-table (out rows servers)
+  "A line per scenario of ROWS (one setup; CPU-hog scenarios aside): each
+server's SUMMARY-CELL, then each Gallop front end's 2xx req/s over stock
+Hunchentoot's and over nginx's."
+  (let* ((refs (reference-servers servers))
+         (compared (and refs (remove-if (lambda (s) (member s refs :test #'string=)) servers))))
+    (format out "| scenario |~{ ~A |~}~{ ~A |~}~%"
+            (mapcar #'server-short-label servers)
+            (mapcar (lambda (c)
+                      (format nil "~A ÷ ~{~A~^ / ~}" (server-short-label c) (mapcar #'server-short-label refs)))
+                    compared))
+    (format out "|---|~{~A~}~%" (make-list (+ (length servers) (length compared)) :initial-element "--:|"))
+    (dolist (scenario (remove-if #'hog-scenario-p (matrix-scenarios rows)))
+      (let ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=))
+            (sums (mapcar (lambda (server) (cons server (summarize (rows-of rows scenario server))))
+                          servers)))
+        (flet ((sum (server) (cdr (assoc server sums :test #'string=))))
+          (format out "| ~A |~{ ~A |~}~{ ~A |~}~%"
+                  (scenario-short-title row)
+                  (mapcar (lambda (server) (summary-cell (sum server))) servers)
+                  (mapcar (lambda (c) (ratio-cell (sum c) (mapcar #'sum refs))) compared)))))
+    (terpri out)))
+
+(defun write-hog-summary (out rows servers)
+  "A line per CPU-hog scenario (shared): each server's 2xx req/s without and
+with the hog, and for Gallop's front ends the pool's threads after the run
+with it (median over the repetitions)."
+  (let ((shared (rows-in-setup rows "shared")))
+    (format out "| scenario |~{ ~A |~}~%" (mapcar #'server-short-label servers))
+    (format out "|---|~{~A~}~%" (make-list (length servers) :initial-element "--:|"))
+    (dolist (scenario (matrix-scenarios shared))
+      (when (hog-scenario-p scenario)
+        (let ((row (find scenario shared :key (lambda (r) (gethash "scenario" r)) :test #'string=))
+              (base (subseq scenario 0 (- (length scenario) (length "-hog")))))
+          (format out "| ~A |~{ ~A |~}~%"
+                  (scenario-short-title row)
+                  (mapcar (lambda (server)
+                            (let ((with (summarize (rows-of shared scenario server)))
+                                  (without (summarize (rows-of shared base server)))
+                                  ;; Gallop's pool (GALLOP:STATS); the others have none.
+                                  (pool (median (loop for r in (rows-of shared scenario server)
+                                                      for note = (gethash "note" r)
+                                                      for n = (and (row-ok-p r) note
+                                                                   (search "run-permits" note)
+                                                                   (pool-threads-in-note note))
+                                                      when n collect n))))
+                              (cond ((zerop (getf with :runs)) "")
+                                    ((zerop (getf with :ok)) "failed")
+                                    (t (format nil "~A → ~A~@[, pool ~A~]"
+                                               (fmt-int (getf without :ok-rps)) (fmt-int (getf with :ok-rps))
+                                               (and pool (fmt-int pool)))))))
+                          servers)))))
+    (terpri out)))
+
+(defun write-idle-summary (out rows servers meta)
+  "The idle-connections scenario, a line per server."
+  (format out "Each server, freshly started, gets `wrk -c100` keep-alive (sleep 0 ms) for ~A s; ~
+               then a helper opens N keep-alive connections (~A at a time, one request on each), ~
+               holds them idle, and the same load runs again. RSS and threads from ~
+               `/proc/PID/status` (nginx: master and worker summed).~%~%"
+          (meta meta "duration_s" "?") (meta meta "idle_batch" "32"))
+  (format out "| server | idle held of N | still open after | 2xx req/s without → with | CPU µs/req without → with | p99 with | socket errors c/r/w/t | non-2xx | RSS per idle conn | threads before → with |~%")
+  (format out "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|~%")
+  (dolist (server servers)
+    (let ((s (idle-summary rows server)))
+      (cond ((zerop (getf s :runs)))
+            ((zerop (getf s :ok))
+             (format out "| ~A | failed (N = ~A) | | | | | | | | |~%"
+                     (server-label server) (fmt-int (getf s :n))))
+            (t
+             (format out "| ~A | ~A of ~A | ~A | ~A → ~A (~A) | ~A → ~A | ~A | ~A | ~A | ~A | ~A → ~A |~%"
+                     (server-label server) (fmt-int (getf s :held)) (fmt-int (getf s :n))
+                     (fmt-int (getf s :alive))
+                     (fmt-int (getf s :base-rps)) (fmt-int (getf s :with-rps)) (fmt-ratio (getf s :ratio))
+                     (fmt-us (getf s :base-cpu-us)) (fmt-us (getf s :with-cpu-us))
+                     (fmt-ms (getf s :p99)) (fmt-errors s) (fmt-int (getf s :non2xx))
+                     (if (getf s :rss-per-conn) (format nil "~,1F KiB" (getf s :rss-per-conn)) "–")
+                     (fmt-int (getf s :threads-before)) (fmt-int (getf s :threads-idle)))))))
+  (terpri out)
+  ;; Notes other than Gallop's pool counters (those are in the run's report).
+  (let ((notes (loop for server in servers
+                     for note = (getf (idle-summary rows server) :note)
+                     when (and note (plusp (length note)) (not (search "run-permits" note)))
+                       collect (format nil "~A: ~A" (server-label server) note))))
+    (when notes
+      (format out "~{- ~A~%~}~%" notes))))
+
+;;; How the run was done
+
+(defun text-lines (text)
+  "TEXT's lines, without the empty ones at its end."
+  (split (string-right-trim '(#\Newline) text) #\Newline))
+
+(defun diff-lines (a b)
+  "Lines A and B (lists of strings) merged along their longest common
+subsequence: a list of (:BOTH . LINE), (:A . LINE) and (:B . LINE) in order,
+where A and B differ their lines taken in turn."
+  (let* ((va (coerce a 'vector)) (vb (coerce b 'vector))
+         (n (length va)) (m (length vb))
+         ;; LCS (i, j): the length of the longest common subsequence of A
+         ;; from line I and B from line J.
+         (lcs (make-array (list (1+ n) (1+ m)) :initial-element 0))
+         (out '()) (as '()) (bs '()) (i 0) (j 0))
+    (loop for x from (1- n) downto 0
+          do (loop for y from (1- m) downto 0
+                   do (setf (aref lcs x y)
+                            (if (string= (aref va x) (aref vb y))
+                                (1+ (aref lcs (1+ x) (1+ y)))
+                                (max (aref lcs (1+ x) y) (aref lcs x (1+ y)))))))
+    (flet ((flush ()
+             ;; The k-th line of A's run beside the k-th of B's: a command
+             ;; and its other setup's form stay together.
+             (loop for a-lines = (reverse as) then (rest a-lines)
+                   for b-lines = (reverse bs) then (rest b-lines)
+                   while (or a-lines b-lines)
+                   do (when a-lines (push (cons :a (first a-lines)) out))
+                      (when b-lines (push (cons :b (first b-lines)) out)))
+             (setf as '() bs '())))
+      (loop while (or (< i n) (< j m))
+            do (cond ((and (< i n) (< j m) (string= (aref va i) (aref vb j)))
+                      (flush)
+                      (push (cons :both (aref va i)) out)
+                      (incf i) (incf j))
+                     ((and (< i n) (or (= j m) (>= (aref lcs (1+ i) j) (aref lcs i (1+ j)))))
+                      (push (aref va i) as) (incf i))
+                     (t (push (aref vb j) bs) (incf j))))
+      (flush))
+    (nreverse out)))
+
+(defun mark-line (line setup)
+  "LINE (of a shell script or nginx.conf) marked as SETUP's alone: a comment
+with \"[SETUP]\" after its #, anything else with a trailing comment."
+  (let* ((indent (or (position #\Space line :test-not #'char=) 0))
+         (rest (subseq line indent)))
+    (if (uiop:string-prefix-p "#" rest)
+        (format nil "~A# [~A]~A" (subseq line 0 indent) setup (subseq rest 1))
+        (format nil "~A  # [~A]" line setup))))
+
+(defun merged-setup-text (meta key setups)
+  "META's KEY (commands or nginx.conf) for SETUPS written once: the lines the
+setups share as they are, the others marked with their setup (MARK-LINE)."
+  (flet ((text (setup) (text-lines (setup-meta meta key setup "?"))))
+    (format nil "~{~A~%~}"
+            (if (rest setups)
+                (loop for (side . line) in (diff-lines (text (first setups)) (text (second setups)))
+                      collect (ecase side
+                                (:both line)
+                                (:a (mark-line line (first setups)))
+                                (:b (mark-line line (second setups)))))
+                (text (first setups))))))
+
 (defun write-method (out meta setups)
   (format out "### How it was run~%~%")
   (format out "- Machine: ~A, ~A cores, ~A RAM; ~A, Linux ~A.~%"
@@ -577,6 +775,10 @@ repetition's run with idle connections with its run without."
             (if (and warmup (plusp warmup))
                 (format nil "; each freshly started server first gets a ~D s `wrk -c10` warm-up, not recorded" warmup)
                 "; no warm-up")))
+  (format out "- CPU µs/req: the CPU time the server used during the wrk run (utime + stime ~
+               from `/proc/PID/stat`, read just before and just after wrk; nginx: master and ~
+               workers summed) divided by the requests wrk completed, whatever their status: ~
+               what a request costs the server, also where it is not the bottleneck.~%")
   (format out "- Handler (seed 001): an easy-handler `/yo` returning `\"Hey!\"` ~
                (`\"Hey NAME!\"` with a `name` parameter), which calls `sleep` only ~
                when the sleep setting is above 0.~%")
@@ -592,32 +794,39 @@ repetition's run with idle connections with its run without."
   (format out "~%#### Sharing two cores between load and server~%~%")
   (dolist (setup setups)
     (format out "~A~%~%" (setup-meta meta "cpu_policy" setup "?")))
-  (dolist (setup setups)
-    (format out "#### Exact commands~:[~*~;, ~A setup~]~%~%```sh~%~A~%```~%~%"
-            (rest setups) setup (setup-meta meta "commands" setup "?")))
-  (dolist (setup setups)
-    (format out "nginx.conf~:[~*~;, ~A setup~] (`DIR` is a fresh directory under `bench/results/tmp/`):~%~%```nginx~%~A```~%~%"
-            (rest setups) setup (setup-meta meta "nginx_conf" setup "?"))))
+  (format out "#### Exact commands~%~%")
+  (when (rest setups)
+    (format out "Lines marked ~{[~A]~^ or ~} belong to that setup alone.~%~%" setups))
+  (format out "```sh~%~A```~%~%" (merged-setup-text meta "commands" setups))
+  (format out "nginx.conf (`DIR` is a fresh directory under `bench/results/tmp/`):~%~%```nginx~%~A```~%~%"
+          (merged-setup-text meta "nginx_conf" setups)))
 
-(defun write-results (out meta rows &key svg-name (method t))
-  "The generated markdown: the chart, the setups compared, one table per
-scenario and setup, the idle scenario, failures and how the run was done."
+;;; The report
+
+(defun write-results (out meta rows &key svg-name report-name (method t) detail)
+  "The markdown of the run in META and ROWS: a table per setup with a line per
+scenario, the goals, the CPU-hog and idle-connections scenarios, failures
+and (METHOD) how the run was done.  With DETAIL, also the setups side by side
+and a table per scenario and setup (latency, errors, threads), and the hog
+and idle scenarios in full.  SVG-NAME, REPORT-NAME: links to the chart and to
+the run's whole report, when given."
   (let ((servers (servers-present rows))
         (setups (setups-present rows)))
     (format out "## Results~%~%")
-    (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A. Medians of ~A ~
-                 repetition~:P of ~A s wrk runs; \"2xx req/s\" counts only successful ~
-                 answers, and \"vs stock\" compares it with stock Hunchentoot's. ~
-                 \"±\" is half the spread (max − min) over the repetitions. \"CPU µs/req\" ~
-                 is the CPU time the server used during the run (utime + stime from ~
-                 `/proc/PID/stat`, read just before and just after wrk; nginx: master and ~
-                 workers summed) divided by the requests wrk completed, whatever their status: ~
-                 what a request costs the server, also where it is not the bottleneck ~
-                 (\"–\": not measured, as in runs recorded before it was).~%~%"
+    (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A; Gallop ~A. Medians of ~A ~
+                 repetition~:P of ~A s wrk runs.~%~%"
             (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "cpu" "?")
-            (meta meta "cores" "?") (meta meta "sbcl" "?")
+            (meta meta "cores" "?") (meta meta "sbcl" "?") (meta meta "gallop" "?")
             (parse-integer (meta meta "reps" "1") :junk-allowed t)
             (meta meta "duration_s" "?"))
+    (format out "A cell is a server's 2xx answers per second, and in parentheses the ~
+                 server's CPU µs per request (\"How it was run\"); `*`: its median run had ~
+                 socket errors or non-2xx answers. A ratio is one server's 2xx req/s over ~
+                 stock Hunchentoot's and over nginx's, in the same setup of the same run. ~
+                 Compare servers within a run, by such ratios: the host's speed moves from ~
+                 run to run, and moves every server with it.~@[ Latency percentiles, errors ~
+                 and threads of every scenario: [the run's report](~A).~]~%~%"
+            report-name)
     (format out "Setups (\"Sharing two cores\" below): ~{~A~^; ~}.~%~%"
             (mapcar (lambda (setup)
                       (if (string= setup "shared")
@@ -626,43 +835,59 @@ scenario and setup, the idle scenario, failures and how the run was done."
                     setups))
     (when svg-name
       (format out "![2xx requests per second by scenario and server](~A)~%~%" svg-name))
-    (when (and (member "pinned" setups :test #'string=) (member "shared" setups :test #'string=))
-      (format out "### Every core: pinned and shared~%~%")
-      (format out "Each server's cost per request with the server pinned to one core and unpinned ~
-                   beside wrk, and its throughput unpinned against nginx's (with a worker per ~
-                   core) in the same run.~%~%")
-      (write-setup-comparison out rows servers)
-      (let ((goals (goal-lines rows meta)))
-        (when goals
-          (format out "### The goals of the every-core issue, in this run~%~%")
-          (format out "Ratios of the tables above, by repetition (repetition i shared against ~
-                       repetition i pinned, or against nginx in the same repetition), and their ~
-                       median; \"held\" says whether the median meets the goal.~:[~; The ~
-                       reference lines are nginx's own ratios in the same run: its shared ÷ ~
-                       pinned CPU, how far the host moved that ratio for a server without a ~
-                       pool; its c400 ÷ c100 rate, what 400 connections cost the host against ~
-                       100 for a server that, like the Lisp servers with a 1 ms handler here, ~
-                       is CPU-bound at both.~]~%~%"
-                  (find "| reference, not a goal" goals :test #'search))
-          (format out "| goal | measured (median) | per repetition | held |~%|---|--:|---|---|~%~{~A~%~}~%"
-                  goals))))
+    (dolist (setup setups)
+      (format out "### ~A~%~%" (setup-title setup))
+      (write-summary-table out (rows-in-setup rows setup) servers))
+    (let ((goals (and (rest setups)
+                      (string/= (meta meta "mode" "") "tls")
+                      (goal-lines rows meta))))
+      (when goals
+        (format out "### The goals of the every-core issue, in this run~%~%")
+        (format out "Ratios of the tables above, by repetition (repetition i shared against ~
+                     repetition i pinned, or against nginx in the same repetition), and their ~
+                     median; \"held\" says whether the median meets the goal.~:[~; The ~
+                     reference lines are nginx's own ratios in the same run: its shared ÷ ~
+                     pinned CPU, how far the host moved that ratio for a server without a ~
+                     pool; its c400 ÷ c100 rate, what 400 connections cost the host against ~
+                     100 for a server that, like the Lisp servers with a 1 ms handler here, ~
+                     is CPU-bound at both.~]~%~%"
+                (find "| reference, not a goal" goals :test #'search))
+        (format out "| goal | measured (median) | per repetition | held |~%|---|--:|---|---|~%~{~A~%~}~%"
+                goals)))
     (when (some #'hog-scenario-p (mapcar (lambda (r) (gethash "scenario" r)) rows))
       (format out "### A CPU hog beside the server (shared)~%~%")
       (format out "The same load with a busy loop on one core for the whole run: another process ~
                    holding a CPU. A pool that took the CPU it cannot get for blocked handlers ~
-                   would grow (0 ms); with handlers that do block (1 ms) it must still grow.~%~%")
-      (write-hog-comparison out rows servers))
-    (dolist (setup setups)
-      (let ((in-setup (rows-in-setup rows setup)))
-        (format out "### ~A~%~%" (setup-title setup))
-        (dolist (scenario (matrix-scenarios in-setup))
-          (let ((row (find scenario in-setup :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
-            (format out "#### ~A~%~%" (scenario-title row))
-            (write-scenario-table out in-setup scenario servers)))))
-    (when (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
-      (format out "### Idle connections held open while wrk -c100 runs (keep-alive, sleep 0 ms, ~A)~%~%"
-              (row-setup (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
-      (write-idle-table out rows servers meta))
+                   would grow (0 ms); with handlers that do block (1 ms) it must still grow.~:[ ~
+                   Each cell: 2xx req/s without → with the busy loop, and for Gallop the ~
+                   pool's threads after the run with it.~;~]~%~%"
+              detail)
+      (if detail
+          (write-hog-comparison out rows servers)
+          (write-hog-summary out rows servers)))
+    (let ((idle (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+      (when idle
+        (format out "### Idle connections held open while wrk -c100 runs (keep-alive, sleep 0 ms, ~A)~%~%"
+                (row-setup idle))
+        (if detail
+            (write-idle-table out rows servers meta)
+            (write-idle-summary out rows servers meta))))
+    (when detail
+      (when (rest setups)
+        (format out "### Every core: pinned and shared~%~%")
+        (format out "Each server's cost per request with the server pinned to one core and unpinned ~
+                     beside wrk, and its throughput unpinned against nginx's (with a worker per ~
+                     core) in the same run.~%~%")
+        (write-setup-comparison out rows servers))
+      (dolist (setup setups)
+        (let ((in-setup (rows-in-setup rows setup)))
+          (format out "### Each scenario in the ~A setup~%~%" setup)
+          (format out "\"vs stock\" compares 2xx req/s with stock Hunchentoot's; \"±\" is half the ~
+                       spread (max − min) over the repetitions.~%~%")
+          (dolist (scenario (matrix-scenarios in-setup))
+            (let ((row (find scenario in-setup :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+              (format out "#### ~A~%~%" (scenario-title row))
+              (write-scenario-table out in-setup scenario servers))))))
     (let ((failed (remove-if #'row-ok-p rows)))
       (when failed
         (format out "### Failed runs~%~%")
@@ -757,17 +982,10 @@ count, titled with SUFFIX; the idle scenario's when IDLE."
 (defparameter *intro*
   "# Benchmarks
 
-Gallop's drop-in acceptor and its taskmaster against stock Hunchentoot, with
-Debian's nginx as the reference for what the machine can do, on the seed's
-benchmark matrix (handler sleep 0 and 1 ms, keep-alive and `Connection: close`,
-10, 100 and 400 connections, plus thousands of idle keep-alive connections).
-
-Reproduce with `make bench` (about 50 minutes; installs `wrk` and `nginx-light`
-when missing). `make bench-quick` (one short repetition, about 4 minutes) and
-`make bench-smoke` (seconds; what CI runs) write to `bench/results/tmp/`
-instead. Raw results: `bench/results/*.tsv`, one file per run. Everything
-between the two markers below is generated from the latest full run by
-`bench/run.lisp`; edit only outside them.
+Gallop's three front ends against stock Hunchentoot, with Debian's nginx as
+the reference for what the machine can do. Reproduce with `make bench`.
+Everything between the two markers below is generated from the latest full
+run by `bench/run.lisp`; edit only outside them.
 
 ")
 
@@ -798,23 +1016,45 @@ OLD plus the markers when it has none; the intro plus the markers when OLD is NI
              (concatenate 'string (subseq old 0 begin) block (subseq old after))))
           (t (concatenate 'string old (string #\Newline) block)))))
 
-(defun report (tsv-path &key md svg (splice t) (stream *standard-output*))
-  "Write the summary of the run in TSV-PATH: the chart to SVG (if given), the
-markdown to MD (between the markers of an existing file when SPLICE, else the
-whole file), and the tables to STREAM (if non-NIL)."
+(defun absolute (path)
+  (uiop:ensure-absolute-pathname (pathname path) (uiop:getcwd)))
+
+(defun link-from (path file &key (only-below nil))
+  "PATH as a markdown link from FILE: relative when PATH is in FILE's
+directory or below it, else absolute (or NIL when ONLY-BELOW)."
+  (let* ((path (absolute path))
+         (dir (uiop:pathname-directory-pathname (absolute file)))
+         (name (enough-namestring path dir)))
+    (cond ((uiop:absolute-pathname-p (pathname name)) (and (not only-below) name))
+          (t name))))
+
+(defun report (tsv-path &key md svg summary (stream *standard-output*))
+  "Write the report of the run in TSV-PATH, each part when its path is given:
+the chart to SVG; the whole report (a table per scenario and setup, latency,
+errors and threads included) to MD; the summary (a table per setup, a line
+per scenario) between the markers of SUMMARY, i.e. BENCHMARKS.md (a new file
+gets an intro); the summary's tables without the method to STREAM."
   (multiple-value-bind (meta rows) (read-tsv tsv-path)
     (when svg (write-chart svg meta rows))
-    (let ((generated (with-output-to-string (out)
-                       (write-results out meta rows
-                                      :svg-name (and svg (file-namestring svg))))))
-      (when md
+    (when md
+      (write-string-to-file
+       (format nil "# Gallop benchmarks: ~A run ~A~%~%~A"
+               (meta meta "mode" "?") (meta meta "run_id" "?")
+               (with-output-to-string (out)
+                 ;; The chart only when it sits beside the report (a full run
+                 ;; draws it for BENCHMARKS.md alone).
+                 (write-results out meta rows :detail t
+                                              :svg-name (and svg (link-from svg md :only-below t)))))
+       md))
+    (when summary
+      (let ((generated (with-output-to-string (out)
+                         (write-results out meta rows
+                                        :svg-name (and svg (link-from svg summary))
+                                        :report-name (and md (link-from md summary))))))
         (write-string-to-file
-         (if splice
-             (splice-generated (and (probe-file md) (file-string md)) generated)
-             (format nil "# Gallop benchmarks: ~A run ~A~%~%~A"
-                     (meta meta "mode" "?") (meta meta "run_id" "?") generated))
-         md))
-      (when stream
-        (write-results stream meta rows :method nil)
-        (finish-output stream))
-      (values md svg))))
+         (splice-generated (and (probe-file summary) (file-string summary)) generated)
+         summary)))
+    (when stream
+      (write-results stream meta rows :method nil)
+      (finish-output stream))
+    (values md svg summary)))

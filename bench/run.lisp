@@ -17,13 +17,15 @@
 ;;;; before and after wrk, nginx's master and workers summed, see "Server CPU
 ;;;; time" below; and threads_max, the most threads the server had, sampled
 ;;;; every 100 ms); at the end report.lisp turns the TSV into tables (medians
-;;;; over repetitions; CPU µs/req beside req/s), BENCHMARKS.md and an SVG
-;;;; chart (chart.lisp).
+;;;; over repetitions; CPU µs/req beside req/s): the run's report RUN.md
+;;;; beside the TSV (every table), the summary in BENCHMARKS.md (a table per
+;;;; setup, a line per scenario) and an SVG chart (chart.lisp).
 ;;;;
 ;;;;   mode    reps  wrk run  idle N  warm-up  writes
-;;;;   :full     3     5 s    10000    1 s     bench/results/RUN.tsv, BENCHMARKS.md, BENCHMARKS.svg
+;;;;   :full     3     5 s    10000    1 s     bench/results/RUN.{tsv,md}, BENCHMARKS.md, BENCHMARKS.svg
 ;;;;   :quick    1     1 s     1000    1 s     bench/results/tmp/RUN.{tsv,md,svg}
 ;;;;   :smoke    1     1 s      100    none    bench/results/tmp/RUN.{tsv,md,svg}; three scenarios only
+;;;;   :tls      3     5 s        0    1 s     bench/results/RUN.{tsv,md,svg}; four scenarios over HTTPS
 ;;;;
 ;;;; Environment overrides: BENCH_REPS, BENCH_DURATION (s), BENCH_WARMUP (s), BENCH_IDLE_N,
 ;;;; BENCH_IDLE_STOCK_MAX, BENCH_SERVERS (e.g. "gallop,nginx"), BENCH_PORT
@@ -32,8 +34,8 @@
 ;;;; pinned setup's taskset lists, "none" for no pinning), BENCH_WRK_THREADS
 ;;;; (the pinned setup's), BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
 ;;;; bench/results/tmp/logs/), BENCH_SCENARIOS (scenario keys, e.g.
-;;;; "s0-ka-c10,s0-ka-c100,s0-ka-c400": only those; a full run then writes its
-;;;; report beside its TSV, RUN.{md,svg}, and leaves BENCHMARKS.md as it is).
+;;;; "s0-ka-c10,s0-ka-c100,s0-ka-c400": only those; a full run then draws its
+;;;; chart beside its TSV, RUN.svg, and leaves BENCHMARKS.md as it is).
 ;;;;
 ;;;; The exit code is non-zero when anything failed: a server that does not
 ;;;; start or stops answering, wrk that cannot run or whose output cannot be
@@ -80,7 +82,7 @@
   ;; (APPLY-SETUP), taken from the PINNED-... ones for :PINNED.
   setups setup server-cpus client-cpus wrk-threads
   pinned-server-cpus pinned-client-cpus pinned-wrk-threads (wrk-timeout 2)
-  run-id out-dir tmp-dir tsv md svg splice)
+  run-id out-dir tmp-dir tsv md svg summary)
 
 (defun env-cpus (name default)
   (let ((v (env name)))
@@ -160,8 +162,9 @@ separated)."
          (results (merge-pathnames "results/" *bench-dir*))
          (tmp (merge-pathnames "tmp/" results))
          (out (if (member mode '(:full :tls)) results tmp))
-         ;; Only a run of the whole matrix replaces BENCHMARKS.md's tables.
-         (splice (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))
+         ;; Only a run of the whole matrix replaces BENCHMARKS.md's summary
+         ;; and chart.
+         (summary (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))
     (multiple-value-bind (reps duration idle-n warmup scenarios)
         (ecase mode
           (:full (values 3 5 10000 1 (full-matrix)))
@@ -201,13 +204,11 @@ separated)."
        :pinned-wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
        :out-dir out :tmp-dir tmp
        :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
-       :md (if splice
-               (merge-pathnames "BENCHMARKS.md" *repo*)
-               (merge-pathnames (format nil "~A.md" run-id) out))
-       :svg (if splice
+       :md (merge-pathnames (format nil "~A.md" run-id) out)
+       :svg (if summary
                 (merge-pathnames "BENCHMARKS.svg" *repo*)
                 (merge-pathnames (format nil "~A.svg" run-id) out))
-       :splice splice))))
+       :summary (and summary (merge-pathnames "BENCHMARKS.md" *repo*))))))
 
 (defun apply-setup (cfg setup)
   "Make SETUP the one CFG runs: its CPUs for servers and clients and wrk's
@@ -1033,7 +1034,8 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
         (multiple-value-bind (program args) (nginx-command cfg "DIR/")
           (format out "~A~%" (command-line program args))))
       (format out "# each measurement: C = ~{~D~^ | ~}, plus -H 'Connection: close' in the close scenarios:~%"
-              (remove-duplicates (mapcar (lambda (s) (getf s :connections)) (cfg-scenarios cfg))))
+              (remove-duplicates (mapcar (lambda (s) (getf s :connections)) (cfg-scenarios cfg))
+                                 :from-end t))
       (multiple-value-bind (program args)
           (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 100 nil (cfg-duration cfg)))
         (format out "~A~%" (uiop:frob-substrings (command-line program args) '("-c100") "-cC")))
@@ -1176,17 +1178,19 @@ exit: 0 when everything ran, 1 when anything failed."
                (finish-output)
                (run-all cfg)
                (format t "~&~%")
-               (report (cfg-tsv cfg) :md (cfg-md cfg) :svg (cfg-svg cfg) :splice (cfg-splice cfg))
-               (unless (and (probe-file (cfg-md cfg)) (probe-file (cfg-svg cfg)))
+               (report (cfg-tsv cfg) :md (cfg-md cfg) :svg (cfg-svg cfg) :summary (cfg-summary cfg))
+               (unless (and (probe-file (cfg-md cfg)) (probe-file (cfg-svg cfg))
+                            (or (null (cfg-summary cfg)) (probe-file (cfg-summary cfg))))
                  (error "The report was not written"))
-               (format t "~&Done in ~A. Raw results: ~A~%Summary: ~A~%Chart: ~A~%"
+               (format t "~&Done in ~A. Raw results: ~A~%Report: ~A~%~@[Summary: ~A~%~]Chart: ~A~%"
                        (clock (elapsed))
                        (enough-namestring (cfg-tsv cfg) *repo*)
                        (enough-namestring (cfg-md cfg) *repo*)
+                       (and (cfg-summary cfg) (enough-namestring (cfg-summary cfg) *repo*))
                        (enough-namestring (cfg-svg cfg) *repo*))
                (if (zerop *failures*)
                    (setf code 0)
-                   (format t "~&~D run~:P FAILED (see \"Failed runs\" in the summary).~%" *failures*)))
+                   (format t "~&~D run~:P FAILED (see \"Failed runs\" in the report).~%" *failures*)))
            (sb-sys:interactive-interrupt ()
              (format t "~&Interrupted.~%")
              (setf code 130))
