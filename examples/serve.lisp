@@ -42,7 +42,11 @@ idle connections wait in epoll, requests run on an elastic pool of threads.</p>
 </ul>
 <form method='post' action='/yo'><input name='name' placeholder='your name'>
 <button>POST to /yo</button></form>
-</body></html>" visits visits)))
+</body></html>" visits)))
+
+;; Sessions sign their cookies with this secret; set it before the first
+;; session, or Hunchentoot warns and makes one up on the fly.
+(hunchentoot:reset-session-secret)
 
 (setf *acceptor* (make-instance 'gallop:easy-acceptor
                                 :address "127.0.0.1" :port 4242
