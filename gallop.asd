@@ -103,6 +103,7 @@
                (:file "core/timers")
                (:file "core/budget")
                (:file "core/cpus")
+               (:file "core/settings")
                (:file "core/answers")
                (:file "core/epoll-close")
                (:file "core/slow-readers")
