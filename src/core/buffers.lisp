@@ -58,9 +58,9 @@ keeps, and whose cdr is their count.  NIL elsewhere.")
   "A buffer of OCTETS grown for a long head was left to the GC.  Such buffers
 live long enough (a head arriving over many reads) to be promoted to older
 generations, which SBCL collects rarely; under a stream of long heads that
-garbage filled the heap (a 1 GiB heap exhausted with 16 MiB heads, though the
-live heads stayed within the head budget).  So once a quarter of the heap's
-worth of them was dropped, collect every generation."
+garbage can fill the heap while the live heads stay within the head budget.
+So once a quarter of the heap's worth of them was dropped, collect every
+generation."
   (declare (type fixnum octets))
   (let* ((pool *buffer-pool*)
          (dropped (+ octets (sb-ext:atomic-incf (buffer-pool-dropped pool) octets))))

@@ -134,7 +134,8 @@ closing parenthesis and a space.")
 (defun thread-stat-path (tid)
   "The path of /proc/self/task/TID/stat as octets ending in a NUL, for
 THREAD-RUNNABLE-P: made once per thread, so that the maker's look at a
-thread formats and encodes no string (they were a tenth of its time)."
+thread formats and encodes no string (doc/design.md, \"The maker's
+looks\")."
   (thread-proc-path tid "stat"))
 
 (defun thread-syscall-path (tid)
@@ -216,11 +217,12 @@ BUFFER is an octet vector of at least 16 octets."
 ;;; (state R) beyond +RUNNABLE-PER-CPU+ per CPU keep a group from growing
 ;;; (BLOCKED-WORKERS), and so do runnable holders as many as the blocked
 ;;; ones (RESIZE-GROUP): they wait for a CPU.  But a state is a snapshot, and
-;;; workers whose handlers sleep wake in bursts: on one CPU, with 1 ms
-;;; handlers, looks 5 ms apart found more than three workers runnable every
-;;; other time, about half the holders blocked, and the CPU idle a third of
-;;; the time.  A burst is not saturation when the CPUs went idle meanwhile:
-;;; a runnable thread waits for a CPU only while none is idle.  So the maker
+;;; workers whose handlers sleep wake in bursts: looks 5 ms apart may find
+;;; too many workers runnable every other time while the CPUs sit idle for a
+;;; good share of the time, and the pool then stops short of what the load
+;;; needs (doc/design.md, "Idle CPUs and the pool's load").  A burst is not
+;;; saturation when the CPUs went idle meanwhile: a runnable thread waits for
+;;; a CPU only while none is idle.  So the maker
 ;;; also reads, every +IDLE-READ-MS+, the idle time of the CPUs the process
 ;;; may run on from /proc/stat (clock ticks: idle and iowait, against all the
 ;;; time of those CPUs), and when they were idle at least +IDLE-CPUS-SHARE+

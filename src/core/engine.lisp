@@ -47,8 +47,8 @@ before it waits for the client to read (connection.lisp, Output).")
 (defconstant +kernel-unsent-bytes+ (* 16 1024)
   "Octets of a connection's output the kernel may hold not yet sent
 (TCP_NOTSENT_LOWAT, set on the listen socket and inherited).  Without it
-Linux grows a socket's send buffer up to tcp_wmem's maximum (4 MiB; 2.5 MiB
-seen on loopback), so a client that never reads made the server answer
+Linux grows a socket's send buffer up to tcp_wmem's maximum (4 MiB by
+default), so a client that never reads would have the server answer
 thousands of pipelined requests before a send found the socket full and the
 backpressure in connection.lisp (Output) began.  16 KiB is what Apple's and
 Cloudflare's servers use; only data not yet sent is limited, not what is in

@@ -101,8 +101,8 @@ on idle keep-alive connections when it began.")
   "The housekeeper's tick while its wheel holds no connection (resting, see
 wheel.lisp): then nothing can come due before something wakes it (a new
 connection, an application timer, a deadline pushed by another thread), and
-it only keeps the wheel's clock near the time.  Without it, an idle server
-woke ten times a second for nothing.")
+it only keeps the wheel's clock near the time, so an idle server does not
+wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
 
 (defun housekeeper-loop (engine)
   (let ((events (make-event-buffer 64))

@@ -1,206 +1,64 @@
 ;;;; pool.lisp -- an elastic pool of worker threads in groups, one epoll set
 ;;;; per group.
 ;;;;
-;;;; GROUPS.  The pool has *GROUP-COUNT* groups (at most MAX-THREADS): by
-;;;; default one per CPU the process may use (see its docstring).  Each group
-;;;; has its own epoll set, READY queue, NUDGE eventfd, run permits and
-;;;; workers.  A connection is registered in one group's set when it is
-;;;; accepted (round robin, POOL-NEXT-GROUP) and stays there.  With one set
-;;;; for all workers, every epoll_wait took the set's lock (the kernel's
-;;;; ep->mtx) that the workers on the other CPUs took too: on two CPUs,
-;;;; unpinned, `perf record -g` showed workers spinning on it
-;;;; (mutex_spin_on_owner under ep_send_events) and runs fell into a mode
-;;;; with a third more CPU per request; two processes of one worker each,
-;;;; the same work with one set each, never did (BENCHMARKS.md, "The night of
-;;;; 2026-11-26").  So workers of different groups share no epoll set, no
-;;;; queue and no eventfd in the common case; what they still share is the
-;;;; wake eventfd (signalled only at stop) and the maker.
+;;;; GROUPS.  *GROUP-COUNT* groups (by default one per usable CPU, at most
+;;;; MAX-THREADS), each with its own epoll set, READY queue, NUDGE eventfd,
+;;;; run permits and workers.  A connection joins one group's set when it is
+;;;; accepted (POOL-NEXT-GROUP, in turn) and stays there.  Groups share only
+;;;; the wake eventfd (signalled at stop) and the maker thread: workers that
+;;;; share a set contend on its kernel lock (doc/design.md, "An epoll set per
+;;;; CPU").
 ;;;;
-;;;; Within a group, workers are leaders/followers: each idle worker waits in
-;;;; epoll_wait on its group's set, and the worker that receives an event
-;;;; serves it in place, so a ready connection costs no thread hand-off.
-;;;; Connections are registered once, edge-triggered: an event goes to one
-;;;; worker, and one that finds its connection busy marks it so that its
-;;;; owner reads again (DISPATCH-EVENT in serve.lisp, PARK in lifecycle.lisp).
-;;;; Any worker may serve any connection: what a group's workers take from its
-;;;; set or queue is not tied to them, which is what lets another group help
-;;;; (STEALING, below).
+;;;; WORKERS of a group are leaders/followers: an idle one waits in
+;;;; epoll_wait and serves what it gets in place.  Connections are registered
+;;;; once, edge-triggered; any worker may serve any of them.  A lone waiter
+;;;; takes up to +BATCH+ events and queues all but the first on READY; one
+;;;; that waits beside others takes one (doc/design.md, "One event per
+;;;; waiter").  Workers empty READY before they wait; whoever queues while
+;;;; others wait nudges one.  READY also takes pipelined turns
+;;;; (GROUP-REQUEUE) and due timers (POOL-SUBMIT).
 ;;;;
-;;;; One epoll_wait takes up to +BATCH+ events, so that under load a request
-;;;; costs a fraction of that system call (nginx does the same).  The worker
-;;;; serves the first and puts the others on its group's READY queue, which
-;;;; every worker of the group empties before it waits in epoll again: if
-;;;; the first handler blocks, the others are not stuck behind it.  A
-;;;; connection that has served its turn of pipelined requests queues itself
-;;;; there again (GROUP-REQUEUE), so the queue may never empty while clients
-;;;; pipeline: a worker that takes such a connection from the queue first
-;;;; looks at epoll, without waiting, and queues what it finds before
-;;;; serving it.  When it queued events while other workers of its group sat
-;;;; in epoll_wait, it nudges one of them through the group's NUDGE eventfd
-;;;; (registered edge-triggered, so each nudge wakes one waiter).
-;;;; A worker that goes to wait while others of its group wait already
-;;;; takes one event, not a batch: the kernel wakes one waiter for each event
-;;;; that comes in, and wakes the next itself when one takes fewer than are
-;;;; ready, so each waiter gets its event without the queue and nudges.
-;;;; With a batch, the first waiter to run took the events the others were
-;;;; woken for, and handed them out again through the queue, a nudge (an
-;;;; eventfd write, and a wake-up) each: with 1 ms handlers, 0.24-0.41
-;;;; nudges and 1.1-2.0 epoll_waits per request (BENCHMARKS.md, "One event
-;;;; per waiter").  A worker alone in epoll_wait, as under a load that
-;;;; keeps every worker busy, still takes a batch.
+;;;; STEALING.  A worker about to wait takes work waiting in another group's
+;;;; queue or set (STEAL-ONE), and the maker moves the work of a group busy
+;;;; two samples in a row to an idle group (HELP-BUSY-GROUPS): no worker
+;;;; sleeps while another set has work, and a group whose handlers all block
+;;;; delays its connections by about 10 ms, not for as long as they block
+;;;; (doc/design.md, "Stealing between groups").
 ;;;;
-;;;; The READY queues also take the thunks of application timers that came
-;;;; due (POOL-SUBMIT, from the housekeeper, see timers.lisp): a worker runs
-;;;; one as it serves an event, counted as serving.
+;;;; RUN PERMITS.  A group's ALLOWED bounds how many of its workers wait in
+;;;; or serve from epoll at once; its other threads wait for a permit.
+;;;; ALLOWED starts at the group's share of the usable CPUs (GROUP-CPU-SHARE):
+;;;; more runnable workers than CPUs add preemption, not throughput.  The
+;;;; maker, sampling every 5 ms, adds a permit for a worker the kernel shows
+;;;; blocked in a handler, so that as many as there are CPUs can still run,
+;;;; never for one waiting for a CPU; it takes permits back, down to the
+;;;; share, when the CPUs are saturated, the holders sat idle a second, or
+;;;; the extra permits cover no blocked worker (RESIZE-GROUP).  Only the
+;;;; maker starts threads (SBCL starts them under one global mutex); a
+;;;; thread idle for IDLE-TIMEOUT-MS leaves while its group has more than its
+;;;; share of MIN-THREADS (at least one).
 ;;;;
-;;;; STEALING, in two ways.  (1) By workers, at once: a worker that queues
-;;;; events while no worker of its group is idle nudges an idle worker of
-;;;; another group; and a worker about to wait in epoll_wait first looks at
-;;;; its own set without waiting (its own connections come first; when the
-;;;; set holds some, this costs no more than the wait it replaces), and when
-;;;; that is empty takes one item of another group's queue, else one event
-;;;; of another group's set (epoll_wait for one event, without waiting, in
-;;;; at most +SETS-LOOKED-AT+ sets, in turn), counted in STOLEN, and so on
-;;;; while it finds some.  Except while other workers of its group already
-;;;; wait: then it skips the look at its own set (the waiters are woken for
-;;;; what comes there) and looks only at sets of groups where no worker
-;;;; waits, before it waits for one event (above).  So the rest of a batch
-;;;; whose first event blocks waits for no one, and with few
-;;;; connections (10 on two CPUs: five a set) a worker does not sleep while
-;;;; the other set has work: without this, such a load had 2.5 times the
-;;;; context switches of one shared set, and 0.8 times its requests per
-;;;; second.  The cost, two more system calls each time a worker would
-;;;; sleep, is paid only when workers run out of work.  (2) By the maker,
-;;;; for a group whose workers all block while the others sleep (no worker
-;;;; goes idle to steal for it): a group whose workers are all busy (none in
-;;;; epoll_wait) in two samples of the maker in a row, while another group
-;;;; has idle workers, gets help: the maker takes what waits in its epoll
-;;;; set (one epoll_wait without waiting) and on its READY queue and queues
-;;;; it on the idle group's, with a nudge.  So a group whose handlers all
-;;;; block (or that has more work than its CPU) delays its connections by
-;;;; about two samples (10 ms), not for as long as they block, even when the
-;;;; pool may not grow (MAX-THREADS); and it also grows (below).
-;;;;
-;;;; Elasticity has two levels, both decided by the maker thread, which wakes
-;;;; every 5 ms while the pool works (workers do not wake it per request: that
-;;;; would cost a context switch each; see RESTING below for when it sleeps
-;;;; longer), for each group on its own.  RUN PERMITS bound how many of a
-;;;; group's workers wait in or serve from epoll at once (its ALLOWED); the
-;;;; group's other threads wait for a permit.  ALLOWED starts at the group's
-;;;; share of the CPUs this process may run on (1 for one group per CPU),
-;;;; because for work that computes, more runnable workers than CPUs only
-;;;; add preemption in mid-request (tail latency) and no throughput.  A
-;;;; permit is added for a worker that blocks in a handler (sleeping, waiting
-;;;; on a database), so that as many workers as there are CPUs can still run.
-;;;; Blocking is seen directly, not inferred from the process's CPU use: each
-;;;; worker counts the events it begins and ends serving (its WORKER record;
-;;;; odd while serving, one store each, to a line no other thread writes), and
-;;;; every 5 ms the maker reads, for each serving worker, its thread's state
-;;;; from the kernel (cpus.lisp): R (running, or runnable and waiting for a
-;;;; CPU) or not (after 100 ms of such looks at a group that found too few
-;;;; blocked to grow, every 20 ms until one finds enough:
-;;;; +SPACED-LOOK-SAMPLES+).  A worker serving the same event before and
-;;;; after its state read, and not R, is blocked.  Before growing, the maker
-;;;; also reads how the blocked workers it found wait (CONFIRMED-BLOCKED):
-;;;; one in futex(2) or in a page fault counts only when looks found it so
-;;;; on the same event for +BRIEF-WAIT-MS+, since a lock whose holder
-;;;; another process preempted makes handlers that never block wait so for
-;;;; milliseconds, and at least half of those found must count.  On a
-;;;; machine shared with other processes the workers wait for CPUs others
-;;;; hold, in state R: that is contention, not blocking, and more threads
-;;;; would only add to the wait.
-;;;; When no permit holder of a group is free (all busy), the process uses
-;;;; under +GROWTH-CPU-LIMIT+ of its CPUs (over the last +LOAD-SAMPLES+
-;;;; samples), and the group's permit holders that are not blocked are
-;;;; fewer than its share of the CPUs, or than half its holders (with many
-;;;; workers blocked most of the time, those waking up at once may
-;;;; outnumber the CPUs), and no more than
-;;;; +RUNNABLE-PER-CPU+ times as many of its serving workers as its share of
-;;;; the CPUs were seen runnable (more means several wait for a CPU: on a
-;;;; machine shared with other processes the process may use well under its
-;;;; CPUs and still get no more, and each thread added to a 1 ms handler's
-;;;; pool then only lengthened the queue for the CPUs: 9 to 12 seconds of
-;;;; run-queue wait per second, from /proc/self/task/*/schedstat, on 79 to 93
-;;;; threads; with such a limit 68 to 73 threads served as many requests or
-;;;; more at 10-20% less CPU each; see +RUNNABLE-PER-CPU+ for its value),
-;;;; or, when the CPUs the process may use were idle lately (at least
-;;;; +IDLE-CPUS-SHARE+ of the last 200 ms, from /proc/stat: cpus.lisp), any
-;;;; holder is blocked, whatever the runnable ones (they are a burst of
-;;;; wake-ups, not a queue for the CPUs: on one CPU, with 1 ms handlers, the
-;;;; pool otherwise left a third of it idle), in
-;;;; two samples in a row, it adds a thread to the group when its permits are
-;;;; free (threads that sat idle for IDLE-TIMEOUT-MS leave their permits
-;;;; behind), else a permit and a thread for it (up to MAX-THREADS threads
-;;;; and permits in all the groups).  Samples during which a garbage
-;;;; collection ran are skipped: it stops every thread but one.
-;;;; When the CPUs are saturated, or a group's holders sit idle for a second,
-;;;; or 20 looks in a row found fewer of its workers blocked than half its
-;;;; permits above its share (+SPARE-LOOKS-BEFORE-SHRINK+: a lock whose
-;;;; holder another process preempted makes a worker wait now and then, and
-;;;; growth for such waits must not ratchet), it takes a permit of that
-;;;; group back (down to its share of the CPUs); the holder that notices
-;;;; gives it up.  "CPUs" means the ones the process may use: its affinity
-;;;; mask, lowered by its cgroup's CPU quota (cpus.lisp), re-read once a
-;;;; second (the number of groups stays).
-;;;; RESTING.  A pool with nothing to do costs next to no CPU: after
-;;;; +STILL-SAMPLES-BEFORE-REST+ samples (100 ms) in which no worker began or
-;;;; ended an event, with every permit holder waiting in epoll_wait and no
-;;;; group above its share of the CPUs, the maker stops sampling and sleeps
-;;;; for up to a second at a time (its once-a-second chores: the CPUs, the
-;;;; retired threads), with MAKER-RESTING true.  The first worker to leave
-;;;; epoll_wait with work clears it and wakes the maker (WAKE-RESTING-MAKER),
-;;;; which starts its samples afresh.  Each side writes, fences, then reads
-;;;; the other's word (the maker MAKER-RESTING then the groups' IDLE, a worker
-;;;; its group's IDLE, with an atomic decrement, then MAKER-RESTING), so one
-;;;; of them sees the other: no work begins unseen while the maker rests.
-;;;; Before, the maker woke about 194 times a second however idle the
-;;;; server, and an idle server used 1.5-1.6% of a CPU (nginx and stock
-;;;; Hunchentoot: none measurable); with the maker and the housekeeper
-;;;; resting (wheel.lisp), 0.07-0.10% and 2.4 wake-ups a second
-;;;; (bench/at-rest.sh; BENCHMARKS.md, "A pool at rest").
-;;;; Thread creation is serialised through the maker because SBCL creates
-;;;; threads under one global mutex.  A thread that waits IDLE-TIMEOUT-MS
-;;;; without work leaves while its group has more than its share of
-;;;; MIN-THREADS (at least one: a group without a thread would leave its
-;;;; connections to stealing).
+;;;; RESTING.  After +STILL-SAMPLES-BEFORE-REST+ still samples the maker
+;;;; sleeps up to a second at a time until a worker finds work.  Each side
+;;;; writes its word, fences, then reads the other's, so no work begins
+;;;; unseen (REST-MAKER-P, WAKE-RESTING-MAKER; doc/design.md, "A pool at
+;;;; rest").
 ;;;;
 ;;;; Invariants:
-;;;;  - THREAD-COUNT = (length THREADS) <= MAX-THREADS, both under LOCK, and
-;;;;    THREAD-COUNT is the sum of the groups' THREAD-COUNTs (under LOCK too).
-;;;;    WORKERS holds the WORKER record of each thread in THREADS that has
-;;;;    begun its loop, also under LOCK.
-;;;;  - A group's IDLE counts its workers inside epoll_wait; it only changes
-;;;;    atomically.
-;;;;  - A group's HOLDERS counts its workers holding one of its run permits,
-;;;;    free permits are the count of its PERMITS semaphore, and HOLDERS +
-;;;;    free permits = ALLOWED once holders over the limit have given theirs
-;;;;    up (compare-and-swap on HOLDERS, so exactly the surplus leaves).
-;;;;  - A worker that leaves removes itself from THREADS and pushes itself onto
-;;;;    RETIRED under LOCK; the maker (or POOL-STOP) joins the retired ones, so
-;;;;    every thread the pool started is joined.
-;;;;  - Once STOPPING is true the wake eventfd, in every group's set, level-
-;;;;    triggered, is readable forever, so every worker leaves epoll_wait and
-;;;;    exits once its current event is served.
-;;;;  - Every event taken from an epoll set is served once: by the worker that
-;;;;    took it, or from a READY queue (its group's, or the one the maker
-;;;;    moved it to), by a worker of that queue's group or one stealing.  A
-;;;;    connection may have a queued turn and a new epoll event at once;
-;;;;    whichever comes second finds it busy (:ACTIVE, then marked :DIRTY) or
-;;;;    finds nothing to read, and parks it again.  Events still queued at
-;;;;    stop belong to connections that are still parked, which the engine
-;;;;    then closes.
-;;;;  - MAKER-RESTING is set only by the maker, after 20 still samples, and
-;;;;    cleared by compare-and-swap: by the worker that then signals the
-;;;;    maker's semaphore, or by the maker when its second look finds a
-;;;;    worker out of epoll_wait.  While it is true the maker takes no
-;;;;    sample and every permit holder was, at its last look, in epoll_wait.
-;;;;  - Whoever queues on a group's READY queue reads that group's IDLE count
-;;;;    after its enqueue (a worker queuing a batch, when it reads 0, reads
-;;;;    the other groups' too), and nudges a group it finds idle; a worker
-;;;;    counts itself idle before it looks at its queue (and, with groups, the
-;;;;    others') a last time.  Both are atomic, so one of the two sees the
-;;;;    other: no queued event is left waiting for lack of a nudge while a
-;;;;    worker of its group (or, for a batch, of any group) sleeps.
+;;;;  - THREAD-COUNT = (length THREADS) = the sum of the groups' THREAD-COUNTs
+;;;;    <= MAX-THREADS, under LOCK.  A leaving worker moves itself to RETIRED,
+;;;;    which the maker or POOL-STOP joins: every thread started is joined.
+;;;;  - A group's IDLE (in epoll_wait) and HOLDERS (holding a permit) change
+;;;;    only atomically; HOLDERS + free PERMITS = ALLOWED once surplus holders
+;;;;    gave theirs up (SURPLUS-HOLDER-P).
+;;;;  - Every event taken from a set is served once.  A connection with both a
+;;;;    queued turn and a new event is found busy (:DIRTY) or drained by the
+;;;;    second, which parks it again.
+;;;;  - A queuer reads IDLE after its enqueue, a worker counts itself idle
+;;;;    before its last look at the queue (both atomic): no queued event
+;;;;    waits for want of a nudge while a worker that could take it sleeps.
+;;;;  - Once STOPPING, the wake eventfd (level-triggered, in every set) stays
+;;;;    readable: every worker exits once its current event is served.
 
 (in-package #:gallop.core)
 
@@ -209,28 +67,30 @@
 (defconstant +nudge-data+ (- (expt 2 64) 4)
   "epoll data of a group's nudge eventfd.")
 (defconstant +batch+ 32
-  "The most events one epoll_wait takes.")
+  "The most events one epoll_wait takes, so that under load one system call
+serves many requests (nginx does the same).  The worker serves the first and
+queues the others on its group's READY queue, so that a first handler that
+blocks holds none of them back.")
 (defconstant +runnable-per-cpu+ 3
   "Serving workers seen runnable (state R) per CPU of a group's share beyond
 which the group does not grow (BLOCKED-WORKERS): they wait for a CPU, and
-another thread would wait too.  A snapshot catches a worker runnable for as
-long as it computes after its handler wakes, so the more CPU a request takes
-the more runnable workers a load shows at the same use of the CPUs: 1 held
-back even `gallop:start`'s pool with 1 ms handlers, and 2 the Hunchentoot
-front ends', whose requests take about twice its CPU.  With 3, in three
-A/B runs with 1 ms handlers, the easy-acceptor served 0-24% more requests
-per second at c100 and 4-15% at c400, at the same or less CPU per request,
-`gallop:start` as many as with 2 (within 4%), and 2-5% more beside a CPU
-hog; 4 served no more than 3 (BENCHMARKS.md, \"Runnable workers per
-CPU\").  Not when the CPUs were idle lately (cpus.lisp, \"Whether the CPUs
-have time to spare\"): then runnable workers are a burst of wake-ups.")
+another thread would wait too.  On a machine shared with other processes the
+process may use well under its CPUs and still get no more, so the CPU limit
+alone does not stop growth there.  A snapshot catches a worker runnable for
+as long as it computes after its handler wakes, so the more CPU a request
+takes the more runnable workers a load shows at the same use of the CPUs:
+the limit must leave room for the front end whose requests cost the most
+(the Hunchentoot ones, about twice `gallop:start`'s).  Not applied when the
+CPUs were idle lately (cpus.lisp, \"Whether the CPUs have time to spare\"):
+then runnable workers are a burst of wake-ups.  See doc/design.md,
+\"Runnable workers per CPU\".")
 
 (defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
 MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
-the pool starts).  1 gives one epoll set for all the workers, the pool
-before the groups.  bench/server.lisp sets it from GALLOP_EPOLL_SETS, to
-compare the two (BENCHMARKS.md, \"An epoll set per CPU\" and after).")
+the pool starts).  1 gives one epoll set for all the workers.
+bench/server.lisp sets it from GALLOP_EPOLL_SETS, so that bench/epoll-sets.sh
+can compare the two (doc/design.md, \"An epoll set per CPU\").")
 
 (defvar *maker-helps* t
   "True: the maker moves the waiting events of a group whose workers are all
@@ -297,20 +157,25 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (wake-fd -1 :type fixnum)
   (group-turn 0 :type sb-ext:word)     ; round robin, see POOL-NEXT-GROUP
   (moved 0 :type sb-ext:word)          ; events the maker moved to another group (STEALING)
-  (stolen 0 :type sb-ext:word)         ; events a worker took from another group's queue
+  (stolen 0 :type sb-ext:word)         ; items a worker took from another group's queue or set
   (maker-helps t)                      ; *MAKER-HELPS* when the pool started
   (min-threads 4 :type (integer 1))
   (max-threads 100 :type (integer 1))
   (idle-timeout-ms 10000 :type fixnum)
   (lock (sb-thread:make-mutex :name "gallop pool"))
   (threads '() :type list)
+  ;; The WORKER record of each thread in THREADS that has begun its loop
+  ;; (under LOCK).
   (workers '() :type list)
   (thread-count 0 :type fixnum)
   (retired '() :type list)
   (maker nil)
   (maker-semaphore (sb-thread:make-semaphore :name "gallop thread maker"))
-  ;; True while the maker rests (RESTING in the header): the first worker
-  ;; that leaves epoll_wait with work sets it to NIL and wakes the maker.
+  ;; True while the maker rests (RESTING in the header).  Set only by the
+  ;; maker (REST-MAKER-P); cleared by compare-and-swap, by the first worker
+  ;; that leaves epoll_wait with work, which then wakes the maker
+  ;; (WAKE-RESTING-MAKER), or by the maker when its second look finds a
+  ;; worker out of epoll_wait.  While it is true the maker takes no sample.
   (maker-resting nil)
   (stopping nil)
   (dispatch nil :type (or null function))
@@ -392,11 +257,13 @@ worker from the maker or the housekeeper."
               (group-allowed group) share
               (group-permits group) (sb-thread:make-semaphore :name "gallop run permits"
                                                               :count share)
-              ;; MIN-THREADS shared out, but at least one each.
+              ;; MIN-THREADS shared out, but at least one each: a group
+              ;; without a thread would leave its connections to stealing.
               (group-min-threads group) (max 1 (+ (floor (pool-min-threads pool) count)
                                                   (if (< i (mod (pool-min-threads pool) count)) 1 0))))
         ;; Level-triggered: once signalled (at stop), every waiter sees it.
         (epoll-ctl (group-epfd group) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
+        ;; Edge-triggered: each nudge wakes one waiter.
         (epoll-ctl (group-epfd group) +epoll-ctl-add+ (group-nudge-fd group)
                    (logior +epollin+ +epollet+) +nudge-data+)
         (setf (svref groups i) group)))
@@ -441,15 +308,16 @@ the maker thread, or from POOL-START."
       (sb-thread:join-thread thread :default nil))))
 
 (defconstant +growth-cpu-limit+ 0.85
-  "Permits are added only while the process uses less than this share of its CPUs.")
+  "Permits are added only while the process uses less than this share of its
+CPUs (over the last +LOAD-SAMPLES+ samples).")
 
 (defconstant +load-samples+ 4
   "The process's use of its CPUs that the maker compares with
 +GROWTH-CPU-LIMIT+ and +SHRINK-CPU-LIMIT+ is over this many samples (20 ms),
-not one: in 5 ms, handlers that sleep 1 ms make the use jump (on one CPU,
-between 33% and 96% of it in the samples of one run that used 66% in all),
-so that a sample over the limits came every few, and with it a permit back
-and no growth.")
+not one: handlers that sleep wake in bursts, so over 5 ms the use jumps far
+above and below its mean, and one sample in a few would cross the limits,
+taking a permit back and stopping growth.  See doc/design.md, \"Idle CPUs
+and the pool's load\".")
 
 (defstruct (load-history (:constructor make-load-history
                              (cpu-us wall
@@ -533,9 +401,11 @@ workers: given back to them, if any is idle)."
 (defconstant +still-samples-before-rest+ 20
   "Samples of the maker in a row (100 ms) in which every permit holder of
 the pool waited in epoll_wait and none of its workers began or ended an
-event, after which the maker may rest (RESTING in the header).  At a few
-requests a second the maker so rests between them, woken once a request;
-at more it does not rest.")
+event, after which the maker may rest (RESTING in the header): it then
+waits up to a second at a time, doing only its once-a-second chores (the
+CPUs, the retired threads), until a worker wakes it, and starts its samples
+afresh.  At a few requests a second the maker so rests between them, woken
+once a request; at more it does not rest.")
 
 (defun maker-loop (pool)
   (let* ((groups (pool-groups pool))
@@ -566,7 +436,7 @@ at more it does not rest.")
     (unwind-protect
          (loop
            ;; The CPUs may change (taskset, a new cgroup quota): look again
-           ;; once a second.
+           ;; once a second.  The number of groups stays.
            (when (>= (- (get-internal-real-time) cpus-read) internal-time-units-per-second)
              (setf cpus (usable-cpus)
                    share (group-cpu-share cpus (length groups) (pool-max-threads pool))
@@ -578,6 +448,9 @@ at more it does not rest.")
                    cpus-idle (and (= cpus (logcount mask)) ; no quota
                                   (let ((idle (idle-meter-share idle-meter mask)))
                                     (and idle (>= idle +idle-cpus-share+))))))
+           ;; A sample every 5 ms (a second while resting).  Workers do
+           ;; not wake the maker per request: that would cost a context
+           ;; switch each.
            (sb-thread:wait-on-semaphore (pool-maker-semaphore pool)
                                         :timeout (if resting 1 0.005))
            (join-retired pool)
@@ -590,9 +463,9 @@ at more it does not rest.")
            (when (and resting (not (pool-maker-resting pool)))
              ;; A worker woke the maker: the load's samples start afresh,
              ;; over the time from now on, not over the rest.  The CPUs'
-             ;; idle time is read at once; over the rest, they were idle
-             ;; (as before resting was built, when a load began on idle
-             ;; CPUs).
+             ;; idle time is read at once, and that reading covers the
+             ;; rest, when they were idle: a load that wakes the maker is
+             ;; one that starts on idle CPUs.
              (let ((now (get-internal-real-time)))
                (setf resting nil
                      still-samples 0
@@ -675,18 +548,15 @@ decrement of its group's IDLE, which fences): wake the maker if it rests."
 (defconstant +spare-looks-before-shrink+ 20
   "Looks in a row at a group's workers' states that found fewer of them
 blocked than half its permits above its share of the CPUs, after which the
-maker takes one of those permits back.  Without it a permit added for a
-worker seen blocked stayed while the group's workers were busy and the
-process under its CPUs, which on a machine shared with other processes is
-always: a handler that never blocks still waits at times on a lock whose
-holder another process preempted (the drop-in front ends took Hunchentoot's
-acceptor lock twice a request, before src/hunchentoot/in-progress.lisp),
-and such waits, seen now and then as blocking, added permits that nothing
-took back (beside a busy loop on one CPU, 10 s of wrk -c100 grew the
-easy-acceptor's pool to 14 permits in one whole run of the tests, and to
-3 or 4 in 7 of 16 runs of that test's load).  With handlers that do
-block, most workers are blocked at any moment and the looks keep the
-permits.")
+maker takes one of those permits back.  The other ways back (saturated
+CPUs, a second of idle holders) never come while the group's workers are
+busy and the process under its CPUs, which on a machine shared with other
+processes is always; and there a handler that never blocks still waits at
+times on a lock whose holder another process preempted, which a look may
+take for blocking and grow for.  This rule keeps such permits from
+ratcheting up.  With handlers that do block, most workers are blocked at
+any moment and the looks keep the permits.  See doc/design.md, \"Lock
+waits are not blocked handlers\".")
 
 (defun note-spare-look (group blocked above-share)
   "Record a look at GROUP's workers that found BLOCKED of them blocked, with
@@ -701,11 +571,26 @@ above its share not covering blocked workers: one of them may go."
   (>= (group-spare-looks group) +spare-looks-before-shrink+))
 
 (defun resize-group (pool group load share stat-buffer found brief-waits cpus-idle)
-  "The maker's decision for GROUP in one sample (see the header): a thread, or
-a permit and a thread, for a group seen blocked two samples in a row; a
-permit back from one whose holders sat idle for a second, whose permits
-above its share were not covering blocked workers in +SPARE-LOOKS-BEFORE-
-SHRINK+ looks in a row, or when the process uses its CPUs.  LOAD is the
+  "The maker's decision for GROUP in one sample (RUN PERMITS in the header).
+A sample finds GROUP blocked when
+ - none of its workers waits in epoll_wait;
+ - the process used under +GROWTH-CPU-LIMIT+ of its CPUs (LOAD);
+ - its permit holders not blocked (BLOCKED-WORKERS) are fewer than its share
+   of the CPUs or than half its holders (with many workers blocked most of
+   the time, those waking at once may outnumber the CPUs), and no more than
+   +RUNNABLE-PER-CPU+ per CPU of its serving workers are runnable; or,
+   when the CPUs were idle lately (CPUS-IDLE), any holder is blocked,
+   whatever the runnable ones;
+ - and at least half of those found blocked are confirmed, not in a lock's
+   brief wait (CONFIRMED-BLOCKED).
+Found blocked two samples in a row, it gets a thread when it has a permit
+no thread holds (threads that left idle leave their permits), else a permit
+and a thread, one a sample while this lasts, up to MAX-THREADS threads and
+permits over all groups.  Otherwise one permit above its share goes back
+when the process uses more than +SHRINK-CPU-LIMIT+ of its CPUs, when the
+group had an idle worker in each of 200 samples in a row (a second), or
+when its permits above the share cover no blocked worker
+\(SPARE-PERMIT-P); the holder that notices gives it up.  LOAD is the
 process's share of its CPUs over the last samples (NOTE-LOAD), SHARE the
 group's share of them; FOUND and BRIEF-WAITS are the maker's, for
 CONFIRMED-BLOCKED; CPUS-IDLE true when the CPUs were idle lately (cpus.lisp),
@@ -774,12 +659,12 @@ grow (100 ms of samples), after which the maker looks only every
 
 (defconstant +spaced-look-samples+ 4
   "While a group's looks find too few workers blocked to grow, one sample in
-this many looks (20 ms apart): a group whose handlers never block keeps all its
-workers busy and the process under its CPUs on a machine it shares, so
-without spacing the maker read each worker's /proc file every 5 ms for
-nothing (the maker took 2% of the server's CPU at 0 ms, 400 connections,
-unpinned; 1% with this spacing and THREAD-STAT-PATH).  The first look that finds enough blocked goes back
-to every sample, so growth starts at most 15 ms later than it would.")
+this many looks (20 ms apart): a group whose handlers never block keeps all
+its workers busy and the process under its CPUs on a machine it shares, so
+without spacing the maker would read each worker's /proc file every 5 ms for
+nothing.  The first look that finds enough blocked goes back to every
+sample, so growth starts at most 15 ms later than it would.  See
+doc/design.md, \"The maker's looks\".")
 
 (defun look-for-blocked-p (group)
   "True when this sample of the maker looks at GROUP's workers' states (see
@@ -803,7 +688,11 @@ them were blocked to grow."
   "STEALING (see the header): for each group busy (no worker idle) in two
 samples in a row, move what waits in its epoll set and on its READY queue to
 the READY queue of the group with the most idle workers, if one has any,
-and nudge that group.  EVENTS is the maker's event buffer."
+and nudge that group.  This is for a group whose workers all block while
+the others sleep, so that no worker goes idle to steal for it: its
+connections wait about two samples (10 ms), not for as long as its handlers
+block, even when the pool may not grow.  EVENTS is the maker's event
+buffer."
   (let ((groups (pool-groups pool)))
     (loop for busy across groups
           when (>= (group-busy-samples busy) 2)
@@ -835,7 +724,10 @@ and nudge that group.  EVENTS is the maker's event buffer."
 
 (defun blocked-workers (pool group limit cpus buffer &optional found cpus-idle)
   "How many of POOL's workers in GROUP (all of them, when GROUP is NIL) are
-blocked while serving an event (see the header), counting no further than
+blocked while serving an event: serving the same event (WORKER-SERVING odd
+and unchanged) before and after a read of its thread's state that is not R
+\(running, or runnable and waiting for a CPU: contention, not blocking),
+counting no further than
 LIMIT; 0 when more than +RUNNABLE-PER-CPU+ times CPUS of the serving
 workers read are runnable \(state R) and CPUS-IDLE is false: the CPUs are
 taken, by this process or by others, and another thread would only wait for
@@ -868,11 +760,11 @@ CONFIRMED-BLOCKED)."
 (defconstant +brief-wait-ms+ 50
   "How long a worker must have been seen waiting briefly (THREAD-WAIT-KIND:
 in futex(2) or a page fault) on one event before it counts as blocked
-\(CONFIRMED-BLOCKED).  Beside a busy loop on one CPU, waits on Hunchentoot's
-acceptor lock spanned two looks 5 ms apart now and then, and grew the
-easy-acceptor's pool; a lock's holder preempted by another process gets a
-CPU back within a few of the scheduler's slices, a handler waiting on a
-semaphore for its database pool waits on.")
+\(CONFIRMED-BLOCKED).  Longer than a lock wait lasts when another process
+preempted the lock's holder (it gets a CPU back within a few of the
+scheduler's slices), so such waits never grow the pool; a handler waiting
+on a semaphore for its database pool waits on, and is counted.  See
+doc/design.md, \"Lock waits are not blocked handlers\".")
 
 (defun confirmed-blocked (found count buffer brief-waits now)
   "Of the COUNT blocked workers BLOCKED-WORKERS put in FOUND, how many are
@@ -1022,8 +914,9 @@ permits than its ALLOWED."
                  (cond ((plusp (group-idle group))
                         (signal-eventfd nudge-fd))
                        ((and stealing (plusp queued))
-                        ;; None of this group waits: one of another group's
-                        ;; idle workers takes from this queue (STEALING).
+                        ;; None of this group waits (IDLE read as 0 after
+                        ;; the enqueue): one of another group's idle workers
+                        ;; takes from this queue (STEALING).
                         (nudge-idle-group pool group))))
                (values first first-flags))))
       (unwind-protect
@@ -1100,8 +993,9 @@ permits than its ALLOWED."
                           (let ((n (or polled
                                        (epoll-wait epfd events
                                                    ;; Others of the group wait
-                                                   ;; too: one event each (see
-                                                   ;; the header).
+                                                   ;; too: one event each, as
+                                                   ;; the kernel wakes one
+                                                   ;; waiter per event.
                                                    (if crowd 1 +batch+)
                                                    timeout))))
                             (sb-ext:atomic-decf (group-idle group))
@@ -1145,7 +1039,8 @@ groups' epoll sets from TURN (a number that changes from call to call, so
 that the sets looked at rotate), taken with epoll_wait without waiting,
 into EVENTS, and returned as ENCODE-EVENT encodes it; when BUSY-ONLY, only
 the sets of groups none of whose workers waits in epoll_wait.  Second value:
-true if something was taken."
+true if something was taken.  Its system calls are paid only when a worker
+runs out of work."
   (declare (type sb-ext:word turn))
   (let ((victim (group-with-work pool group)))
     (when victim
@@ -1201,7 +1096,9 @@ worker if there is one, else in each group in turn."
 
 (defun pool-stop (pool)
   "Stop the pool: every worker exits once its current event is served, and
-every thread the pool started is joined.  Closes the epoll sets."
+every thread the pool started is joined.  Closes the epoll sets.  Events
+still queued belong to connections that are still parked, which the engine
+then closes."
   (setf (pool-stopping pool) t)
   (when (>= (pool-wake-fd pool) 0)
     (signal-eventfd (pool-wake-fd pool)))

@@ -18,7 +18,7 @@
 ;;;;    entry in WHEEL-ENTRY; closing it empties that entry's CAR (see
 ;;;;    WHEEL-FORGET), so a closed connection is garbage at once instead of
 ;;;;    when its deadline would have come (under Connection: close load, that
-;;;;    was every connection of the last 20 s).
+;;;;    would keep every connection of the last 20 s).
 ;;;;  - A connection whose WHEEL-TICK is not -1 has a counting entry in the
 ;;;;    slot of that tick, and that tick is no later than the tick of its
 ;;;;    deadline, so it is looked at no later than its deadline (rounded up to

@@ -8,9 +8,8 @@
 ;;;; STOP can wait until the count is zero.  One lock for every request of
 ;;;; every worker: when the kernel preempts its holder -- beside any other
 ;;;; busy process on the machine -- the other workers sleep on it while they
-;;;; serve, and to the pool they look blocked (BENCHMARKS.md, "Lock waits
-;;;; are not blocked handlers": 44 of the 77 times a worker slept while
-;;;; serving, beside a busy loop).
+;;;; serve, and to the pool they look blocked (doc/design.md, "Hunchentoot's
+;;;; request count without its lock").
 ;;;;
 ;;;; On a Gallop connection (*CONNECTION* bound) the wrapper below keeps the
 ;;;; same count in the same slot with compare-and-swap instead, and takes

@@ -1,17 +1,17 @@
 ;;;; memo.lisp -- what Hunchentoot computes for every request from values
 ;;;; that change at most once a second or once a connection, computed once.
 ;;;;
-;;;; A profile of GALLOP:EASY-ACCEPTOR answering /yo (perf, server on one
-;;;; core, wrk -c100 keep-alive; BENCHMARKS.md, "The drop-in acceptor's own
-;;;; cost") put 13% of the server's time in three of Hunchentoot's helpers:
+;;;; Three of Hunchentoot's helpers are the largest part of what the drop-in
+;;;; acceptor spends beyond Gallop's own request path (doc/design.md, "The
+;;;; drop-in acceptor's memos"):
 ;;;;  - RFC-1123-DATE, which START-OUTPUT calls for each answer's Date header:
-;;;;    a FORMAT of seven fields (6%);
+;;;;    a FORMAT of seven fields;
 ;;;;  - GET-PEER-ADDRESS-AND-PORT and GET-LOCAL-ADDRESS-AND-PORT, which
 ;;;;    1.2.38 calls for each request (1.3.x once a PROCESS-CONNECTION, which
 ;;;;    on Gallop is once a burst of requests), each printing the address
-;;;;    vector into a string (4%);
+;;;;    vector into a string;
 ;;;;  - MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER, which START-OUTPUT calls for
-;;;;    each string body: two CL-PPCRE scans and a FORMAT (3%).
+;;;;    each string body: two CL-PPCRE scans and a FORMAT.
 ;;;; Each is wrapped here (SB-INT:ENCAPSULATE; compat.lisp checks them) so
 ;;;; that it gives what Hunchentoot's own gives, computed by Hunchentoot's
 ;;;; own on a miss and remembered:

@@ -100,7 +100,7 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
 ;;; last it read (HOST-MEMO), and a request whose Host has the same octets
 ;;; reuses its string and its :SERVER-NAME.  One memo per server rather than
 ;;; one per connection: every worker reads the same two strings, which stay
-;;; in the cache, where a memo per connection was cold memory to read on
+;;; in the cache, where a memo per connection would be cold memory to read on
 ;;; every request once hundreds of connections take turns.  It is written
 ;;; only when the Host changes; a new memo replaces the old one whole, so a
 ;;; reader sees one Host and its own name, never a mix.
