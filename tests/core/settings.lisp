@@ -54,3 +54,22 @@ GALLOP:TASKMASTER takes each as an initarg."
           (is (equal (list key default) (let ((p (assoc key start))) (and p (list key (cdr p)))))
               "GALLOP:START's ~S: ~S" key (assoc key start))
           (is (member key taskmaster) "GALLOP:TASKMASTER has no initarg ~S" key))))))
+
+(test the-readme-documents-every-setting
+  "README.md's settings table has a row for each setting, and none for a
+setting that does not exist."
+  (let* ((readme (uiop:read-file-lines
+                  (merge-pathnames "README.md" (asdf:system-source-directory "gallop"))))
+         (table (let ((start (position "## Settings" readme :test #'string=)))
+                  (is-true start "README.md has no \"## Settings\" section")
+                  (and start
+                       (loop for line in (nthcdr (1+ start) readme)
+                             until (uiop:string-prefix-p "## " line)
+                             when (uiop:string-prefix-p "| `:" line)
+                               collect (subseq line 4 (position #\` line :start 4))))))
+         (settings (mapcar (lambda (entry) (string-downcase (symbol-name (first entry))))
+                           gallop.core:+settings+)))
+    (dolist (setting settings)
+      (is (member setting table :test #'string=) "README.md's table lacks :~A" setting))
+    (dolist (row table)
+      (is (member row settings :test #'string=) "README.md's table names :~A, not a setting" row))))
