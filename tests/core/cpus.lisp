@@ -67,41 +67,45 @@ thread would wait too."
              ;; may still be running on its way to the semaphore).
              (is-true (wait-until (lambda () (notany #'runnable waiters))))
              (is-true (wait-until (lambda () (every #'runnable spinners))))
-             (flet ((blocked (pool limit &optional (cpus 8))
-                      (gallop.core::blocked-workers pool nil limit cpus buffer)))
-               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
-                 (is (= 3 (blocked (apply #'pool serving) 10)))
-                 (is (= 2 (blocked (apply #'pool serving) 2)) "the count stops at its limit")
-                 (is (= 0 (blocked (apply #'pool serving) 0))))
-               (is (= 0 (blocked (pool (worker spinner 1)) 10)) "a running worker is not blocked")
-               (is (= 0 (blocked (apply #'pool (mapcar (lambda (w) (worker w 8)) waiters)) 10))
-                   "a waiting worker that is not serving is not blocked")
-               (is (= 1 (blocked (pool (worker spinner 3) (worker (first waiters) 5)
-                                       (worker (second waiters) 6))
-                                 10)))
-               ;; One serving worker runnable: within the limit for 1 CPU,
-               ;; over it for 0; as many as the limit for 1 CPU still
-               ;; within it, one more over it.
-               (let ((serving (mapcar (lambda (w) (worker w 7)) waiters))
-                     (at-limit (mapcar (lambda (s) (worker s 1))
-                                       (rest spinners))))
-                 (is (= 3 (blocked (apply #'pool (worker spinner 1) serving) 10 1)))
-                 (is (= gallop.core::+runnable-per-cpu+ (length at-limit)))
-                 (is (= 3 (blocked (apply #'pool (append at-limit serving)) 10 1))
-                     "as many runnable serving workers as the limit for 1 CPU: growth")
-                 (is (= 0 (blocked (apply #'pool (worker spinner 1) (append at-limit serving))
-                                   10 1))
-                     "one runnable serving worker over the limit for 1 CPU: no growth")
-                 (is (= 0 (blocked (apply #'pool (worker spinner 1) serving) 10 0))
-                     "a runnable serving worker first, no CPU: no growth")
-                 (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
-                     "a runnable serving worker last, no CPU: no growth")
-                 (is (equal '(3 nil)
-                            (multiple-value-list
-                             (gallop.core::blocked-workers
-                              (apply #'pool (worker spinner 1) (append at-limit serving))
-                              nil 10 1 buffer nil t)))
-                     "over the limit for 1 CPU, but the CPUs were idle lately: a burst, growth")))
+             (sb-sys:without-gcing
+               ;; A collection stops every thread, the spinners too (then not
+               ;; runnable): none may start while the states are read.
+               (is-true (wait-until (lambda () (every #'runnable spinners))))
+               (flet ((blocked (pool limit &optional (cpus 8))
+                        (gallop.core::blocked-workers pool nil limit cpus buffer)))
+                 (let ((serving (mapcar (lambda (w) (worker w 7)) waiters)))
+                   (is (= 3 (blocked (apply #'pool serving) 10)))
+                   (is (= 2 (blocked (apply #'pool serving) 2)) "the count stops at its limit")
+                   (is (= 0 (blocked (apply #'pool serving) 0))))
+                 (is (= 0 (blocked (pool (worker spinner 1)) 10)) "a running worker is not blocked")
+                 (is (= 0 (blocked (apply #'pool (mapcar (lambda (w) (worker w 8)) waiters)) 10))
+                     "a waiting worker that is not serving is not blocked")
+                 (is (= 1 (blocked (pool (worker spinner 3) (worker (first waiters) 5)
+                                         (worker (second waiters) 6))
+                                   10)))
+                 ;; One serving worker runnable: within the limit for 1 CPU,
+                 ;; over it for 0; as many as the limit for 1 CPU still
+                 ;; within it, one more over it.
+                 (let ((serving (mapcar (lambda (w) (worker w 7)) waiters))
+                       (at-limit (mapcar (lambda (s) (worker s 1))
+                                         (rest spinners))))
+                   (is (= 3 (blocked (apply #'pool (worker spinner 1) serving) 10 1)))
+                   (is (= gallop.core::+runnable-per-cpu+ (length at-limit)))
+                   (is (= 3 (blocked (apply #'pool (append at-limit serving)) 10 1))
+                       "as many runnable serving workers as the limit for 1 CPU: growth")
+                   (is (= 0 (blocked (apply #'pool (worker spinner 1) (append at-limit serving))
+                                     10 1))
+                       "one runnable serving worker over the limit for 1 CPU: no growth")
+                   (is (= 0 (blocked (apply #'pool (worker spinner 1) serving) 10 0))
+                       "a runnable serving worker first, no CPU: no growth")
+                   (is (= 0 (blocked (apply #'pool (append serving (list (worker spinner 1)))) 10 0))
+                       "a runnable serving worker last, no CPU: no growth")
+                   (is (equal '(3 nil)
+                              (multiple-value-list
+                               (gallop.core::blocked-workers
+                                (apply #'pool (worker spinner 1) (append at-limit serving))
+                                nil 10 1 buffer nil t)))
+                       "over the limit for 1 CPU, but the CPUs were idle lately: a burst, growth"))))
              (is (null (gallop.core::thread-runnable-p
                              (gallop.core::thread-stat-path 999999999) buffer))
                  "a thread that does not exist"))

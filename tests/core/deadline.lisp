@@ -66,7 +66,9 @@ server then closes the connection."
 (test a-deadline-covers-one-request-not-the-connection
   ;; Fast requests on one keep-alive connection, with pauses longer than the
   ;; deadline between them: none is cut, the connection stays open.
-  (with-app (server #'deadline-app :handler-timeout 0.3)
+  ;; The deadline is long enough for a GC or a preempted worker (the
+  ;; requests take microseconds), the pauses longer.
+  (with-app (server #'deadline-app :handler-timeout 1)
     (let ((socket (connect (native-port server))))
       (unwind-protect
            (dotimes (i 3)
@@ -74,7 +76,7 @@ server then closes the connection."
              (let ((response (read-response socket)))
                (is (and response (= 200 (response-status response))))
                (is (equal "ok" (and response (body-string response)))))
-             (sleep 0.5))
+             (sleep 1.5))
         (usocket:socket-close socket)))))
 
 (test easy-acceptor-handler-past-its-deadline-gets-503

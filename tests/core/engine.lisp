@@ -188,10 +188,12 @@ its 408 after the header timeout.  (How rarely it switches while resting:
                   (is (string= "GET /named HTTP/1.1" (body-string (read-response socket)))))
         (usocket:socket-close socket)))
     ;; A thread names itself when it first runs, which on a busy machine
-    ;; may come after a request was served: wait for the maker's name.
+    ;; may come after a request was served: wait for every name.
     (let ((names (or (wait-until (lambda ()
                                    (let ((names (os-thread-names)))
                                      (and (member "gallop maker" names :test #'string=)
+                                          (member "gallop keeper" names :test #'string=)
+                                          (<= 2 (count "gallop worker" names :test #'string=))
                                           names))))
                      (os-thread-names))))
       (is (= 1 (count "gallop maker" names :test #'string=)) "~S" names)

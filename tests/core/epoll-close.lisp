@@ -52,7 +52,9 @@ is TOKEN (read from /proc/self/fdinfo, one \"tfd:\" line per entry)."
       (unwind-protect
            (progn
              (is (not (null c)) "the engine never adopted the connection")
-             (is (epoll-set-holds-p epfd token) "the parked connection is not in the epoll set")
+             ;; The engine tables a connection before it adds it to the set.
+             (is (wait-until (lambda () (epoll-set-holds-p epfd token)))
+                 "the parked connection is not in the epoll set")
              ;; The input that hung: part of a request line, then the client's FIN.
              ;; The server reads it, reads end of file, and closes.
              (send socket "PO")

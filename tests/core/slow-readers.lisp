@@ -316,22 +316,26 @@ only a few hundred answered before the server waits for it to read."
   (with-app (server #'slow-app)
     (check-few-answers-ahead server (native-port server) "/yo" "Yo!")))
 
-(defun turns-app (log lock)
+(defun turns-app (log lock &optional gate)
   "An app that notes each request's path in LOG (a list in a cons) and
-answers with it; /a/... sleeps 20 ms first."
+answers with it; /a/... sleeps 20 ms first, and /a/0 first waits for the
+semaphore GATE (at most 10 s) if given."
   (lambda (env)
     (let ((path (getf env :path-info)))
       (sb-thread:with-mutex (lock) (push path (car log)))
+      (when (and gate (string= path "/a/0"))
+        (sb-thread:wait-on-semaphore gate :timeout 10))
       (when (uiop:string-prefix-p "/a/" path) (sleep 0.02))
       `(200 (:content-type "text/plain") (,path)))))
 
 (test native-pipelined-requests-take-turns
   "With one worker, client A pipelines 20 slow requests in one packet; client
-B sends one while A's first runs.  B is served after a few of A's, not after
-all 20: each connection serves one buffered request per turn, then queues
-behind the others (as nginx does).  A still gets all 20 answers, in order."
-  (let* ((log (list '())) (lock (sb-thread:make-mutex)))
-    (with-app (server (turns-app log lock) :standby-thread-count 1 :max-thread-count 1)
+B sends one while A's first runs (held at a gate until B's request is in).
+B is served after a few of A's, not after all 20: each connection serves
+one buffered request per turn, then queues behind the others (as nginx
+does).  A still gets all 20 answers, in order."
+  (let* ((log (list '())) (lock (sb-thread:make-mutex)) (gate (sb-thread:make-semaphore)))
+    (with-app (server (turns-app log lock gate) :standby-thread-count 1 :max-thread-count 1)
       (with-slow-readers (readers)
         (let ((a (slow-reader (native-port server) :receive-buffer 65536))
               (paths (loop for i below 20 collect (format nil "/a/~D" i))))
@@ -341,6 +345,10 @@ behind the others (as nginx does).  A still gets all 20 answers, in order."
           (let ((b (connect (native-port server))))
             (unwind-protect
                  (progn (send b (get-line "/b" :close t))
+                        ;; B's connection accepted (its request is in the
+                        ;; kernel's buffer since the send): let A's first go.
+                        (is-true (wait-until (lambda () (= 2 (getf (gallop:stats server) :open)))))
+                        (sb-thread:signal-semaphore gate)
                         (let ((r (read-wire b :close t)))
                           (is (= 200 (wire-status r)))
                           (is (string= "2" (wire-header r "Content-Length")))

@@ -38,10 +38,14 @@
 
 (defvar *sleep-seconds* 0.2)
 (defvar *entered* nil "A semaphore signalled when /sleep starts, if bound.")
+(defvar *release* nil
+  "A semaphore /sleep waits on (at most 30 s) instead of sleeping, if bound.")
 
 (hunchentoot:define-easy-handler (handle-sleepy :uri "/sleep") ()
   (when *entered* (sb-thread:signal-semaphore *entered*))
-  (sleep *sleep-seconds*)
+  (if *release*
+      (sb-thread:wait-on-semaphore *release* :timeout 30)
+      (sleep *sleep-seconds*))
   (setf (hunchentoot:content-type*) "text/plain")
   "slept")
 

@@ -223,3 +223,20 @@ housekeeper about 10: resting, each switches a few times at most."
             (keeper (switches-during (gallop.core::engine-housekeeper engine) 2)))
         (is (< maker 40) "the resting maker switched ~D times in two seconds" maker)
         (is (< keeper 8) "the resting housekeeper switched ~D times in two seconds" keeper)))))
+
+;;; A pool with nothing to do: the maker rests
+
+(test a-resting-maker-sleeps-and-wakes-for-blocked-handlers
+  "With no work, the pool's maker stops sampling (pool.lisp, RESTING): it
+wakes about once a second instead of every 5 ms.  Work wakes it: handlers
+that block, more than there are CPUs, are still served, and it rests again
+after.  (How rarely it switches while resting: RESTING-THREADS-SWITCH-RARELY.)"
+  (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 1)
+    (let ((pool (gallop.core::engine-pool (gallop::server-engine server))))
+      (is (exact-answer-p (strict-get (native-port server) "/yo") "Hey!"))
+      (is-true (wait-until (lambda () (gallop.core::pool-maker-resting pool)) :timeout 10)
+               "the maker never rested")
+      (is-true (gallop.core::pool-maker-resting pool))
+      (blocked-handlers-case (native-port server) (lambda () (gallop:stats server)) :pool t)
+      (is-true (wait-until (lambda () (gallop.core::pool-maker-resting pool)) :timeout 10)
+               "the maker did not rest again"))))
