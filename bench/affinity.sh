@@ -12,8 +12,8 @@
 # Nothing is pinned (the shared setup).  REPS rounds, interleaved; prints each
 # round's req/s and the servers' CPU microseconds per request (/proc/PID/stat
 # over the run, summed over both servers for `split`), then the medians.
-# Ports 18951..18953.  Needs wrk (scripts/deps.sh wrk).  BENCHMARKS.md, "The
-# night of 2026-11-26".
+# Ports 18951..18953.  Needs wrk (scripts/deps.sh wrk).  doc/design.md, "An
+# epoll set per CPU".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 . "$HERE/bench/lib.sh"

@@ -14,7 +14,7 @@
 # all and per second; for the Lisp servers, the same per thread name (the
 # kernel names Gallop's threads: "gallop maker", "gallop keeper", "gallop
 # worker").  Port 18991.  Needs curl and nginx (scripts/deps.sh curl
-# nginx-light).  BENCHMARKS.md, "A pool at rest".
+# nginx-light).  doc/design.md, "A pool at rest".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 CHECKOUT=${CHECKOUT:-$HERE}

@@ -18,10 +18,10 @@
 # the medians of those per-round ratios, for each connection count.  Give
 # the same checkout twice for an A/A run: how far two identical servers
 # drift apart here is the least difference one such run can show
-# (BENCHMARKS.md, "Where the noise is").  HOG=1: a busy loop on the last
-# CPU for the whole run, as in `make bench`'s -hog scenarios (in the shared
-# setup only).  Ports 19001-19003.  Needs wrk and
-# nginx (scripts/deps.sh wrk nginx-light).
+# (doc/design.md, "A/A runs set the noise floor").  HOG=1: a busy loop on
+# the last CPU for the whole run, as in `make bench`'s -hog scenarios (in
+# the shared setup only).  Ports 19001-19003.  Needs wrk and nginx
+# (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 [ $# -ge 1 ] || { sed -n '6,7p' "$0" >&2; exit 2; }

@@ -15,7 +15,7 @@
 # each run's req/s and the server's CPU microseconds per request (utime +
 # stime from /proc over the run), then per round the ratios setsN/sets1 and
 # setsN/nginx, and their medians.  Ports 18961..18963.  Needs wrk and nginx
-# (scripts/deps.sh wrk nginx-light).  BENCHMARKS.md, "An epoll set per CPU".
+# (scripts/deps.sh wrk nginx-light).  doc/design.md, "An epoll set per CPU".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 DUR=${DURATION:-4}; REPS=${REPS:-5}; CONNS_LIST=${CONNS_LIST:-"10 100 400"}; KIND=${KIND:-native}; SLEEP_MS=${SLEEP_MS:-0}

@@ -12,7 +12,8 @@
 # cost is the difference between two servers' totals in the same run (env -
 # floor: the Clack environment; table - floor: its :HEADERS table alone).
 # A server that costs more also pays more in the kernel: wrk waits for it
-# more often, so its sends wake wrk more often (BENCHMARKS.md).  Ports
+# more often, so its sends wake wrk more often (doc/design.md, "The :headers
+# table is a fresh hash table").  Ports
 # 18931.. and 18930 (nginx).  Needs wrk and nginx (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)

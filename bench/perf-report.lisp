@@ -24,7 +24,7 @@
 ;;;; not addresses; they are named at offset + PERF_CORE_OFFSET (hexadecimal,
 ;;;; environment; default 50ED0000: where SBCL 2.2.9 of Debian maps its
 ;;;; core's code, found by hand: names that make sense as callers).  A
-;;;; measuring tool: BENCHMARKS.md, "The night of 2026-11-26".
+;;;; measuring tool: doc/design.md, "Lisp frames in perf".
 
 (defpackage #:gallop-bench-perf (:use #:common-lisp))
 (in-package #:gallop-bench-perf)

@@ -1,5 +1,5 @@
 ;;;; profile.lisp -- the top of an sb-sprof profile of the native server under
-;;;; wrk, for BENCHMARKS.md.
+;;;; wrk (doc/design.md, "Lisp frames in perf").
 ;;;;
 ;;;;   taskset -c 0 scripts/lisp.sh --load bench/profile.lisp
 ;;;;

@@ -1,7 +1,7 @@
 #!/bin/bash
 # sets-ab.sh -- one epoll set against one per CPU, for several front ends at
-# once, without nginx: the A/B behind "A set per CPU by default" in
-# BENCHMARKS.md.
+# once, without nginx: the A/B behind doc/design.md, "An epoll set per
+# CPU".
 #
 #   [DURATION=3] [REPS=8] [SLEEP_MS=1] [KINDS="gallop gallop-tm"] [CONNS_LIST="100 400"] bench/sets-ab.sh
 #

@@ -15,7 +15,7 @@
 # request (utime + stime from /proc over the wrk run), and per request over
 # perf's window: context switches, CPU migrations, epoll_wait calls and
 # sendto calls.  Ports 19101 on.  Needs wrk and perf (scripts/deps.sh wrk
-# linux-perf).  BENCHMARKS.md, "Where a shrinking pool's tail comes from".
+# linux-perf).  doc/design.md, "Shared c10 costs every server more".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 DUR=${DURATION:-4}; REPS=${REPS:-3}; CONNS=${CONNS:-10}

@@ -15,7 +15,7 @@
 # Gallop, the events its workers stole from another group's set or queue
 # (:STOLEN in GALLOP:STATS) per request.  Ports 18981, 18982.  Needs wrk,
 # nginx and perf (scripts/deps.sh wrk nginx-light linux-perf).
-# BENCHMARKS.md, "A set per CPU by default".
+# doc/design.md, "Stealing between groups".
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 DUR=${DURATION:-4}; REPS=${REPS:-3}; CONNS_LIST=${CONNS_LIST:-"10 100 400"}
