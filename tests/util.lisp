@@ -200,7 +200,17 @@ hide one the server left behind."
 at most TIMEOUT seconds for them to finish exiting)."
   (wait-until (lambda () (null (threads-started-since before))) :timeout timeout))
 
-(defun fd-count () (length (directory #p"/proc/self/fd/*" :resolve-symlinks nil)))
+(defun fd-count ()
+  "How many fds this process has open, the listing's own among them: the
+entries of /proc/self/fd, read with readdir(3).  DIRECTORY would look each
+entry up too, and signals when an fd closes while it lists them (a server
+thread closing a connection meanwhile)."
+  (let ((dir (sb-posix:opendir "/proc/self/fd")))
+    (unwind-protect
+         (loop for entry = (sb-posix:readdir dir)
+               until (sb-alien:null-alien entry)
+               count (not (member (sb-posix:dirent-name entry) '("." "..") :test #'string=)))
+      (sb-posix:closedir dir))))
 
 (defun thread-switches (thread)
   "The context switches THREAD made so far, voluntary or not, from the kernel."
