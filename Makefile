@@ -80,7 +80,7 @@ clean:
 #                     writes bench/results/RUN.{tsv,md}, BENCHMARKS.md's tables and
 #                     BENCHMARKS.svg; then bench-uploads and bench-heads
 #                     (memory under large uploads and partial heads, ~2 min, below),
-#                     bench-slow-readers, bench-pending (~1 min) and bench-tls (~17 min)
+#                     bench-slow-readers, bench-pending (~1 min) and bench-tls (~20 min)
 #   make bench-quick  one repetition of 1 s runs, both setups, ~4 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.

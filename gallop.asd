@@ -130,7 +130,7 @@
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")
-               ;; run in child processes by core/shutdown and core/uploads
+               ;; run in child processes by stress/shutdown and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))

@@ -181,8 +181,6 @@ always stop it."
 
 ;;; Resources of this process
 
-(defun thread-count () (length (sb-thread:list-all-threads)))
-
 (defun threads-started-since (before)
   "The threads alive now that are not in BEFORE (a list of threads, as
 SB-THREAD:LIST-ALL-THREADS gave it), SBCL's own ephemeral ones (the

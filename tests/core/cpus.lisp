@@ -1,10 +1,8 @@
-;;;; cpus.lisp -- the CPUs the pool may use: the cgroup quota counts.
-;;;;
-;;;; First the readers of /proc/self/cgroup and of the quota files, on sample
-;;;; texts.  Then a server in a child process moved into a cgroup limited to
-;;;; a fifth of a core, saturated by clients: it must see itself saturated
-;;;; and not grow its pool (counting only its affinity mask, it saw 10% load
-;;;; of two CPUs, took its busy workers for blocked ones and added threads).
+;;;; cpus.lisp -- the CPUs the pool may use, and how it reads its workers:
+;;;; the readers of /proc/self/cgroup and of the quota files on sample texts,
+;;;; the runnable state of real threads, the idle time of the CPUs, and the
+;;;; maker's rules on recorded inputs.  (A server saturated under a cgroup
+;;;; quota: tests/stress/pool.lisp.)
 
 (in-package #:gallop-tests)
 

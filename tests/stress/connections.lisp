@@ -193,3 +193,8 @@ Then they go away and every one is closed."
                                    sockets)))
                (is (= *pending-requests* good) "~D of ~D answered" good *pending-requests*)))
         (mapc #'usocket:socket-close sockets)))))
+
+;;; Server-sent events to many clients
+
+(test server-sent-events-reach-a-thousand-clients-in-order
+  (check-sse-clients 1000))

@@ -142,7 +142,7 @@ each, stop the server, and check that every connection was closed."
                     (ms (and (uiop:string-prefix-p "STOPPED " answer)
                              (parse-integer answer :start 8))))
                (is (integerp ms) "stop answered ~S" answer)
-               ;; Timing is measured, not asserted (BENCHMARKS.md has it).
+               ;; Timing is measured and printed, not asserted.
                (format t "~&    ~A: stop with ~D idle connections took ~A ms~%" kind count ms))
              (is (= count (count-if (lambda (s) (closed-by-peer-p s :timeout 5)) sockets))
                  "not every idle connection was closed by the stop"))
