@@ -244,12 +244,23 @@ run in worker threads, which do not see a LET binding of the test's thread."
 
 (defun stat (acceptor key) (getf (gallop:stats acceptor) key))
 
+(defun run-directory ()
+  "This process's directory for the files tests make (certificates, bodies
+served from disk): /tmp/gallop-tests-PID/, removed when RUN-ALL-TESTS ends."
+  (let ((dir (uiop:ensure-directory-pathname
+              (format nil "/tmp/gallop-tests-~D" (sb-posix:getpid)))))
+    (ensure-directories-exist dir)
+    dir))
+
 (defun run-all-tests (&optional (tier :test))
   "Run a tier of tests: :TEST, the deterministic suite GALLOP (`make test`),
 or :STRESS, the suite STRESS of system gallop/stress (`make test-stress`).
-True when all passed.  Prints 'N passed, N failed'."
+True when all passed.  Prints 'N passed, N failed'.  Removes RUN-DIRECTORY
+after the run, passed or not."
   (let* ((suite (ecase tier (:test 'gallop) (:stress 'stress)))
-         (results (let ((*print-names* t)) (run suite)))
+         (results (unwind-protect (let ((*print-names* t)) (run suite))
+                    (uiop:delete-directory-tree (run-directory) :validate t
+                                                                :if-does-not-exist :ignore)))
          (passed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-passed)) results))
          (failed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-failure)) results)))
     (explain! results)

@@ -87,10 +87,9 @@ about 2.5 MiB: 2 x 10 segments of 64 KiB, and their overhead).")
 (defvar *slow-file* nil)
 
 (defun slow-file ()
-  "A 1 MiB file for the sendfile answers."
-  (or *slow-file*
-      (let ((path (merge-pathnames (format nil "gallop-slow-~D.bin" (sb-posix:getpid))
-                                   (uiop:temporary-directory))))
+  "A 1 MiB file in RUN-DIRECTORY for the sendfile answers."
+  (or (and *slow-file* (probe-file *slow-file*) *slow-file*)
+      (let ((path (merge-pathnames "slow.bin" (run-directory))))
         (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)
                                   :if-exists :supersede)
           (write-sequence (pattern-octets (* 1024 1024) 3) out))

@@ -9,13 +9,12 @@
 (defvar *certificate* nil)
 
 (defun test-certificate ()
-  "A self-signed certificate and key, as two pathnames, made once per run."
-  (or *certificate*
-      (let* ((dir (uiop:ensure-directory-pathname
-                   (format nil "/tmp/gallop-tests-~D" (sb-posix:getpid))))
+  "A self-signed certificate and key, as two pathnames in RUN-DIRECTORY,
+made once per run."
+  (or (and *certificate* (every #'probe-file *certificate*) *certificate*)
+      (let* ((dir (run-directory))
              (cert (merge-pathnames "cert.pem" dir))
              (key (merge-pathnames "key.pem" dir)))
-        (ensure-directories-exist dir)
         (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes"
                                 "-keyout" (namestring key) "-out" (namestring cert)
                                 "-days" "2" "-subj" "/CN=127.0.0.1")
