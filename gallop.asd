@@ -72,6 +72,7 @@
   :serial t
   :components ((:file "package")
                (:file "compat")
+               (:file "errors")
                (:file "socket")
                (:file "wire")
                (:file "memo")
@@ -124,6 +125,7 @@
                (:file "native/bodies")
                (:file "hunchentoot/bodies")
                (:file "hunchentoot/wire")
+               (:file "hunchentoot/errors")
                (:file "hunchentoot/memo")
                (:file "core/uploads")
                (:file "clack/handler")

@@ -5,10 +5,16 @@
 (in-package #:gallop.core)
 
 (defun engine-overloaded-p (engine)
-  "True when the accepted connections no worker has served yet fill every
+  "True when the connections waiting for a worker (PENDING) fill every
 worker that could still take one (idle workers, and those the pool may still
 start) plus the queue of MAX-QUEUE: a new connection would only wait, so it
-gets 503 at once instead."
+gets 503 at once instead.  A connection waits for a worker when it was
+accepted with a request already sent while no worker was idle, until a
+worker serves it (ENGINE-ADOPT-FD).  One that has sent nothing costs no
+worker and never counts: its limits are the fds, the head budget and the
+header timeout, so that clients who open connections and stay silent cannot
+make the server refuse everyone else (doc/design.md, \"Silent connections
+are not work\")."
   (let ((pool (engine-pool engine)))
     (>= (engine-pending engine)
         (+ (engine-max-queue engine)
@@ -18,9 +24,11 @@ gets 503 at once instead."
 (defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
                                     (nonblocking nil))
   "Take a freshly accepted socket FD into ENGINE: it waits in epoll until its
-first request head is complete.  CLOSE-HOOK, if given, is called to release
-the fd instead of close(2).  Returns the connection, or NIL if it was refused
-(engine not running, fd beyond the table)."
+first request head is complete (in its group's set; or, while no worker is
+free and it has sent nothing, in the housekeeper's: WATCH-SILENT).
+CLOSE-HOOK, if given, is called to release the fd instead of close(2).
+Returns the connection, or NIL if it was refused (engine not running, fd
+beyond the table)."
   (unless nonblocking (set-nonblocking fd))
   (when (minusp (engine-listen-fd engine))
     ;; Accepted by the layer above: sockets accepted from the engine's own
@@ -34,18 +42,64 @@ the fd instead of close(2).  Returns the connection, or NIL if it was refused
                                         :remote-port remote-port
                                         :close-hook close-hook :user-data user-data)))
       (schedule c (+ (now-ms) (engine-header-timeout-ms engine)))
-      (sb-ext:atomic-incf (engine-pending engine))
       (sb-ext:atomic-incf (engine-accepted engine))
       (setf (svref table fd) c)
       (multiple-value-bind (ok errno)
-          (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-add+ fd
-                     +connection-events+ (connection-token c))
+          (cond ((plusp (pool-idle-count (engine-pool engine)))
+                 (hand-to-workers c nil))
+                ((or (minusp (engine-housekeeper-epfd engine))
+                     (eq :ready (poll-fds fd +pollin+ -1 0)))
+                 ;; No worker is free, and its request is here.
+                 (hand-to-workers c t))
+                ;; No worker is free and the client has sent nothing yet.
+                (t (watch-silent c)))
         (unless ok
           (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D" fd errno)
           (setf (connection-state c) :active)
           (close-connection c)
           (return-from engine-adopt-fd nil)))
       c)))
+
+(defun hand-to-workers (c queued)
+  "Put the fresh connection C in its group's epoll set, for a worker to
+serve.  QUEUED: no worker was free, and C's request (or the start of it) is
+here, so C waits for one: count it in PENDING until a worker takes it.
+Returns what EPOLL-CTL does."
+  (let ((engine (connection-engine c)))
+    (when queued
+      (setf (conn-slot c queued) t)
+      (sb-ext:atomic-incf (engine-pending engine)))
+    (setf (connection-state c) :parked)
+    (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-add+ (connection-fd c)
+               +connection-events+ (connection-token c))))
+
+(defun watch-silent (c)
+  "Keep the fresh connection C, whose client has sent nothing yet while no
+worker is free, in the housekeeper's epoll set until it sends (:WAITING):
+then WAKE-SILENT hands it to the workers.  Returns what EPOLL-CTL does."
+  (setf (connection-state c) :waiting)
+  (epoll-ctl (engine-housekeeper-epfd (connection-engine c)) +epoll-ctl-add+ (connection-fd c)
+             (logior +epollin+ +epollrdhup+ +epolloneshot+) (connection-token c)))
+
+(defun wake-silent (c)
+  "In the housekeeper: the :WAITING connection C has sent its first octets
+(or hung up).  Hand it to the workers; or, if the engine is overloaded now,
+answer it 503 as a new connection would be (so that no request waits beyond
+MAX-QUEUE however its octets and its accept were ordered)."
+  (let ((engine (connection-engine c)))
+    (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-del+ (connection-fd c) 0 0)
+    (if (engine-overloaded-p engine)
+        (progn
+          (sb-ext:atomic-incf (engine-shed engine))
+          (setf (connection-state c) :active)
+          (reject-connection c (response-503 engine) :registered nil))
+        (multiple-value-bind (ok errno)
+            (hand-to-workers c (zerop (pool-idle-count (engine-pool engine))))
+          (unless ok
+            (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D"
+                              (connection-fd c) errno)
+            (setf (connection-state c) :active)
+            (close-connection c))))))
 
 (defun engine-shed-fd (engine fd &key close-hook)
   "Answer the fresh socket FD with 503 and Retry-After, without a worker, and

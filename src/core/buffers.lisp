@@ -27,6 +27,9 @@
   (count 0 :type fixnum)
   (dropped 0 :type sb-ext:word)) ; octets of grown buffers left to the GC, see NOTE-DROPPED
 
+(defmethod print-object ((buffers buffer-pool) stream)
+  (print-unreadable-object (buffers stream :type t :identity t)))
+
 (sb-ext:define-load-time-global *buffer-pool* (make-buffer-pool))
 
 (defconstant +thread-cached-buffers+ 4)

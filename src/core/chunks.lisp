@@ -77,6 +77,9 @@ send extensions on every one-octet chunk, or trailer lines, for ever.")
   (extras 0 :type fixnum)
   (max 0 :type fixnum))
 
+(defmethod print-object ((decoder chunk-decoder) stream)
+  (print-unreadable-object (decoder stream :type t :identity t)))
+
 (defun reset-chunk-decoder (d max)
   "Make D ready for a new chunked body of at most MAX data octets."
   (setf (chunk-decoder-state d) :size

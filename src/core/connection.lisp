@@ -93,6 +93,10 @@ TALLY) this connection's requests count in: its group's.")
    (head-started :initform nil
                  :documentation "When the first byte of a still-incomplete head arrived.")
    (fresh :initform t :documentation "True until the first request is served.")
+   (queued :initform nil
+           :documentation "True while C counts in its engine's PENDING: accepted
+with input already waiting while no worker was idle, and no worker has
+served it yet (ENGINE-ADOPT-FD).")
    (gone :initform nil
          :documentation "True once a send failed because the client went away.")
    (peer-closed :initform nil
@@ -738,6 +742,9 @@ on FILE-FD, which the segment owns."
   (end 0 :type fixnum)
   (pooled nil)
   (file-fd -1 :type fixnum))
+
+(defmethod print-object ((segment segment) stream)
+  (print-unreadable-object (segment stream :type t :identity t)))
 
 (defun free-segment (segment)
   (cond ((segment-octets segment)

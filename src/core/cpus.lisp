@@ -291,6 +291,9 @@ mask (the affinity changed) starts over."
   (last nil)
   (before-last nil))
 
+(defmethod print-object ((meter idle-meter) stream)
+  (print-unreadable-object (meter stream :type t :identity t)))
+
 (sb-ext:define-load-time-global *proc-stat-path*
     (map 'octets #'char-code (format nil "/proc/stat~C" (code-char 0)))
   "/proc/stat as octets ending in a NUL, for READ-PROC-FILE.")

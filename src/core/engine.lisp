@@ -71,6 +71,9 @@ engine's settings, which every request reads."
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
+(defmethod print-object ((tally tally) stream)
+  (print-unreadable-object (tally stream :type t :identity t)))
+
 (defun make-tallies ()
   "An engine's stripes: one per group its pool will have (one per CPU this
 process may use, or *GROUP-COUNT*), at most 64, made once, so that the
@@ -126,12 +129,58 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
-  (last-emfile-ms 0 :type fixnum))
+  (last-emfile-ms 0 :type fixnum)
+  (timeout-line-ms 0 :type fixnum) ; see TIMEOUT-LINE-DUE
+  (timeout-lines-skipped 0 :type sb-ext:word)
+  (backtrace-second 0 :type fixnum) ; see BACKTRACE-DUE-P
+  (backtraces 0 :type sb-ext:word))
+
+;;; Every structure of the engine prints as one short unreadable line: they
+;;; appear as arguments in the backtraces of handler errors, and printed in
+;;; full an engine is its whole connection table.
+(defmethod print-object ((engine engine) stream)
+  (print-unreadable-object (engine stream :type t :identity t)
+    (format stream "~A" (engine-name engine))))
 
 (defun note-client-abort (engine)
   "Count a request the client gave up on.  Not logged: clients close and
 reset connections all the time, and it is not the server's fault."
   (sb-ext:atomic-incf (engine-aborted engine)))
+
+(defconstant +timeout-line-ms+ 60000
+  "The least time between two log lines about timeouts of clients.")
+
+(defun timeout-line-due (engine)
+  "A client timed out (it stopped reading its answer, or sending its body):
+is a log line due?  NIL when one was written less than +TIMEOUT-LINE-MS+
+ago (this one is counted instead), else the number of such lines left
+unwritten since the last.  A client can time out on purpose, by the
+thousand: one line a minute says so, not one line a client."
+  (let ((now (now-ms))
+        (last (engine-timeout-line-ms engine)))
+    (if (and (or (zerop last) (>= (- now last) +timeout-line-ms+))
+             (eql last (sb-ext:compare-and-swap (engine-timeout-line-ms engine) last now)))
+        (loop (let ((n (engine-timeout-lines-skipped engine)))
+                (when (eql n (sb-ext:compare-and-swap (engine-timeout-lines-skipped engine) n 0))
+                  (return n))))
+        (progn (sb-ext:atomic-incf (engine-timeout-lines-skipped engine))
+               nil))))
+
+(defconstant +backtraces-per-second+ 10
+  "The most backtraces of handler errors an engine makes in a second.")
+
+(defun backtrace-due-p (engine)
+  "A handler failed: may its backtrace be taken?  True for the first
++BACKTRACES-PER-SECOND+ errors of each second.  A backtrace costs several
+times what the error's answer does, and clients choose how many errors
+there are: past the first few a second, the error is still logged, with its
+message (doc/design.md, \"A handler's error costs a bounded backtrace\")."
+  (let ((second (floor (now-ms) 1000)))
+    (unless (= second (engine-backtrace-second engine))
+      (setf (engine-backtrace-second engine) second
+            (engine-backtraces engine) 0))
+    ;; ATOMIC-INCF returns the count before this error.
+    (< (sb-ext:atomic-incf (engine-backtraces engine)) +backtraces-per-second+)))
 
 (declaim (inline engine-running-p))
 (defun engine-running-p (engine)
@@ -154,6 +203,19 @@ requests begin and end in other stripes, the sum is as if those had come in
 another order; a soft stop, which waits for zero, has the same race with a
 request that begins just after it looked."
   (loop for tally across (engine-tallies engine) sum (tally-in-flight tally)))
+
+(defconstant +max-log-line+ 8192
+  "The most characters of one message Gallop writes to a log: a condition's
+report or a backtrace beyond it is cut (CUT-LOG-LINE).  What a client makes
+a server log must cost a bounded amount.")
+
+(defun cut-log-line (string)
+  "STRING, or its start and a note of how much was cut when it is longer
+than +MAX-LOG-LINE+."
+  (if (<= (length string) +max-log-line+)
+      string
+      (let ((note (format nil "~%... (~D characters not logged)" (- (length string) +max-log-line+))))
+        (concatenate 'string (subseq string 0 (- +max-log-line+ (length note))) note))))
 
 (defun log-engine-error (engine format-control &rest args)
   (let ((log (engine-log-error engine)))
@@ -232,7 +294,8 @@ Connection: close."
 (defun engine-stats (engine)
   "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
 epoll), :ACTIVE (owned by a worker or by a handler that detached them),
-:IN-FLIGHT requests, :PENDING (accepted, not yet served), totals :ACCEPTED,
+:IN-FLIGHT requests, :PENDING (waiting for a worker, see
+ENGINE-OVERLOADED-P), totals :ACCEPTED,
 :CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
 :HEAD-BYTES (input buffers counted against the head budget: those of
 connections parked with a partial head, and those grown for a long head),
@@ -255,6 +318,7 @@ served for another group whose workers were all busy), see pool.lisp."
           when c
             do (incf open)
                (case (connection-state c)
+                 (:waiting (incf idle))
                  (:parked (incf idle)
                   (let ((n (connection-unsent-bytes c)))
                     (when (plusp n) (incf writing) (incf unsent n))))

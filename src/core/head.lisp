@@ -316,3 +316,13 @@ C's request record).  Returns the status that refuses it, or NIL."
   (with-connection-slots (inbuf in-start scan engine request) c
     (%parse-head inbuf in-start scan request
                  (engine-methods engine) (engine-max-body-bytes engine))))
+
+(defun check-partial-head (c)
+  "Check the request line of the incomplete head buffered in C, once it has
+arrived whole.  Returns the status that refuses it (CHECK-REQUEST-LINE), or
+NIL.  A line that can never begin a valid head (an HTTP/0.9 request line,
+garbage) is refused at once, not after the header timeout."
+  (with-connection-slots (inbuf in-start in-end) c
+    (when inbuf
+      (let ((lf (line-end inbuf in-start in-end)))
+        (and lf (values (check-request-line inbuf in-start lf)))))))

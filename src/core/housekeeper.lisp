@@ -9,18 +9,28 @@
 
 (in-package #:gallop.core)
 
-(defun drain (engine token)
+(defun connection-event (engine token)
+  "An event in the housekeeper's set for the connection of TOKEN: one being
+drained (DRAIN), or a silent one that sent its first octets (WAKE-SILENT)."
   (let* ((fd (logand token #xffffffff))
          (table (engine-table engine))
          (c (and (< fd (length table)) (svref table fd))))
-    (when (and c (= (connection-token c) token) (eq (connection-state c) :draining))
-      (let ((scratch (ensure-inbuf c)))
-        (loop
-          (multiple-value-bind (n errno) (read-into fd scratch 0 (length scratch))
-            (cond ((plusp n))
-                  ((and (minusp n) (= errno +eagain+)) (return))
-                  (t (close-connection c) (return)))))
-        (when (conn-slot c inbuf) (release-buffers c))))))
+    (when (and c (= (connection-token c) token))
+      (case (connection-state c)
+        (:draining (drain c))
+        (:waiting (wake-silent c))))))
+
+(defun drain (c)
+  "Read and discard what the client of the rejected connection C sends;
+close C at its end of file."
+  (let ((fd (connection-fd c))
+        (scratch (ensure-inbuf c)))
+    (loop
+      (multiple-value-bind (n errno) (read-into fd scratch 0 (length scratch))
+        (cond ((plusp n))
+              ((and (minusp n) (= errno +eagain+)) (return))
+              (t (close-connection c) (return)))))
+    (when (conn-slot c inbuf) (release-buffers c))))
 
 (defun expire (engine c now)
   "The wheel brought C up at NOW: close it if its deadline passed (with 408
@@ -48,6 +58,13 @@ when part of a request head had arrived), else schedule it again."
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (close-connection c))
                     (t (close-connection c))))))
+      (:waiting
+       ;; Connected, sent nothing while no worker was free, and still
+       ;; nothing in time.
+       (cond ((not (due-p))
+              (wheel-schedule (engine-wheel engine) c (connection-deadline c) :from-advance t))
+             (t (sb-ext:atomic-incf (engine-timeouts engine))
+                (close-connection c))))
       (:draining
        (if (due-p)
            (close-connection c)
@@ -90,6 +107,10 @@ housekeeper has exited."
                       (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
                                 :parked)
                         (close-connection c))))
+                 (:waiting
+                  (if (and keep-readable (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
+                      (progn (wake-silent c) (incf left))
+                      (close-connection c)))
                  (:draining (close-connection c))))
     left))
 
@@ -128,7 +149,7 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
                        ((= data +listen-data+)
                         (when (eq (accept-pending engine) :paused)
                           (setf accept-paused t)))
-                       (t (drain engine data)))))
+                       (t (connection-event engine data)))))
              (let ((now (now-ms)))
                (when (>= now next-tick)
                  (setf next-tick (+ now +tick-ms+))

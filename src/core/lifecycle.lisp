@@ -1,9 +1,11 @@
 ;;;; lifecycle.lisp -- a connection's states: registered, parked in epoll,
 ;;;; rejected, closed; and the engine's head budget.
 ;;;;
-;;;; A connection is :PARKED (in epoll, no thread), :ACTIVE (a worker or, once
-;;;; suspended, an answering thread owns it), :DIRTY (active, and an event came
-;;;; meanwhile: its owner reads again before parking), :DRAINING (rejected:
+;;;; A connection is :PARKED (in epoll, no thread), :WAITING (fresh, and
+;;;; silent while no worker was free: in the housekeeper's epoll set until it
+;;;; sends, see WATCH-SILENT), :ACTIVE (a worker or, once suspended, an
+;;;; answering thread owns it), :DIRTY (active, and an event came meanwhile:
+;;;; its owner reads again before parking), :DRAINING (rejected:
 ;;;; the housekeeper reads and discards until it closes), :DETACHED (the
 ;;;; handler kept the stream) or :CLOSED.  Every move out of :PARKED is a
 ;;;; compare-and-swap, so exactly one thread takes a parked connection.
@@ -43,9 +45,12 @@ kept).")
   (wheel-schedule (engine-wheel (connection-engine c)) c deadline))
 
 (defun unfresh (c)
+  "A worker serves C (or C closes): it is no longer fresh, nor queued."
   (when (conn-slot c fresh)
     (setf (conn-slot c fresh) nil)
-    (sb-ext:atomic-decf (engine-pending (connection-engine c)))))
+    (when (conn-slot c queued)
+      (setf (conn-slot c queued) nil)
+      (sb-ext:atomic-decf (engine-pending (connection-engine c))))))
 
 
 ;;; Closing, parking, rejecting
@@ -66,10 +71,12 @@ kept).")
       ;; waits for such a poll to end, so the close below drops the last
       ;; reference itself.  (Draining, detached and shed connections are not
       ;; in that set.)
-      (when (member (connection-state c) '(:active :dirty :parked))
-        (let ((epfd (group-epfd (connection-group c))))
-          (when (>= epfd 0)
-            (epoll-ctl epfd +epoll-ctl-del+ fd 0 0))))
+      (let ((epfd (case (connection-state c)
+                    ((:active :dirty :parked) (group-epfd (connection-group c)))
+                    (:waiting (engine-housekeeper-epfd engine))
+                    (t -1))))
+        (when (>= epfd 0)
+          (epoll-ctl epfd +epoll-ctl-del+ fd 0 0)))
       (unfresh c)
       (uncharge-head c)
       (free-tls c)

@@ -122,6 +122,9 @@ on reading (a handshake message the socket did not take).")
   "An OpenSSL server context (SSL_CTX), by address; 0 once freed."
   (address 0 :type sb-ext:word))
 
+(defmethod print-object ((context tls-context) stream)
+  (print-unreadable-object (context stream :type t :identity t)))
+
 (defun openssl-error-text ()
   "OpenSSL's queued errors of this thread, as one string (the queue is left empty)."
   (let ((buffer (make-array 256 :element-type '(unsigned-byte 8) :initial-element 0)))

@@ -55,6 +55,7 @@
    #:engine-running-p #:engine-pool #:engine-stats
    #:reason-phrase #:+response-100+
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
+   #:timeout-line-due #:backtrace-due-p #:+backtraces-per-second+ #:+max-log-line+ #:cut-log-line
    ;; utilities used by the layers above
    #:octet-position #:octets-case #:octets-match-p #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit

@@ -131,6 +131,10 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
+(defmethod print-object ((group group) stream)
+  (print-unreadable-object (group stream :type t :identity t)
+    (format stream "~D" (group-index group))))
+
 (defstruct (worker (:constructor make-worker (thread tid &optional group
                                              &aux (stat-path (thread-stat-path tid))
                                                   (syscall-path (thread-syscall-path tid))))
@@ -150,6 +154,10 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (serving 0 :type sb-ext:word)
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
+
+(defmethod print-object ((worker worker) stream)
+  (print-unreadable-object (worker stream :type t :identity t)
+    (format stream "tid ~D" (worker-tid worker))))
 
 (defstruct (pool (:constructor %make-pool) (:copier nil))
   (name "gallop" :type string)
@@ -182,6 +190,10 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (timers nil) ; the engine's application timers (timers.lisp), while it runs
   (thread-starter nil :type (or null function))
   (log-error nil :type (or null function)))
+
+(defmethod print-object ((pool pool) stream)
+  (print-unreadable-object (pool stream :type t :identity t)
+    (format stream "~A" (pool-name pool))))
 
 (defvar *worker-pool* nil
   "In a pool's worker thread, that pool: GALLOP:AFTER without :SERVER
@@ -330,6 +342,9 @@ oldest at index COUNT mod +LOAD-SAMPLES+."
   (cpu-then nil :type simple-vector)
   (wall-then nil :type simple-vector)
   (count 0 :type fixnum))
+
+(defmethod print-object ((history load-history) stream)
+  (print-unreadable-object (history stream :type t :identity t)))
 
 (defun note-load (history cpu-us wall cpus)
   "Record in HISTORY a sample taken at WALL (internal real time, later than

@@ -76,6 +76,9 @@ that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
   (framing-broken nil)
   (message nil))
 
+(defmethod print-object ((request request) stream)
+  (print-unreadable-object (request stream :type t :identity t)))
+
 ;; Inline: once per header field, and its full call cost more than its work.
 (declaim (inline request-field-slot))
 (defun request-field-slot (request)

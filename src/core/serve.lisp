@@ -89,7 +89,11 @@ buffered (pipelining) waits its turn behind other ready connections
                        (incf in-end n)
                        (setf ready (or raw (head-ready-p))))
                       ((zerop n) (return (close-connection c)))
-                      ((= errno +eagain+) (when (park c) (return)))
+                      ((= errno +eagain+)
+                       (let ((refusal (and (not raw) (check-partial-head c))))
+                         (when refusal
+                           (return (reject c (error-response refusal)))))
+                       (when (park c) (return)))
                       (t (return (close-connection c)))))))
           (when ready
             (unless raw

@@ -25,6 +25,7 @@
 (defconstant +epollhup+ #x010)
 (defconstant +epollrdhup+ #x2000)
 (defconstant +epollet+ #x80000000)
+(defconstant +epolloneshot+ #x40000000)
 
 (defconstant +epoll-ctl-add+ 1)
 (defconstant +epoll-ctl-del+ 2)

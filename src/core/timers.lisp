@@ -36,12 +36,18 @@ GALLOP:CANCEL-TIMER."
   (thunk nil :type (or null function))
   (timers nil))
 
+(defmethod print-object ((timer timer) stream)
+  (print-unreadable-object (timer stream :type t :identity t)))
+
 (defstruct (timers (:constructor %make-timers) (:copier nil))
   (lock (sb-thread:make-mutex :name "gallop timers"))
   (heap (make-array 64) :type simple-vector)
   (count 0 :type fixnum)
   (pending 0 :type sb-ext:word)
   (fd -1 :type fixnum))
+
+(defmethod print-object ((timers timers) stream)
+  (print-unreadable-object (timers stream :type t :identity t)))
 
 (defun make-timers ()
   "Timers with their timerfd (CLOCK_MONOTONIC, non-blocking), not armed."

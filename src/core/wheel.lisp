@@ -52,6 +52,9 @@
   (resting nil)
   (wake-fd -1 :type fixnum))
 
+(defmethod print-object ((wheel wheel) stream)
+  (print-unreadable-object (wheel stream :type t :identity t)))
+
 (declaim (inline deadline-tick))
 (defun deadline-tick (deadline-ms)
   (declare (type fixnum deadline-ms))

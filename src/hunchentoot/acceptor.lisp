@@ -52,6 +52,40 @@ plaintext."))
       (setf (hunchentoot:return-code*) hunchentoot:+http-internal-server-error+)
       (hunchentoot:abort-request-handler))))
 
+(defmethod hunchentoot:handle-request ((hunchentoot:*acceptor* acceptor)
+                                       (hunchentoot:*request* hunchentoot:request))
+  "Hunchentoot's HANDLE-REQUEST, with the same handlers in the same order
+\(the debugger when HUNCHENTOOT:*CATCH-ERRORS-P* is NIL, 400 for
+HUNCHENTOOT:BAD-REQUEST, then every ERROR ends the handler and is reported
+as a 500), and the backtrace bounded (BOUNDED-BACKTRACE), made only when it
+is logged or shown (HUNCHENTOOT:*LOG-LISP-BACKTRACES-P*,
+HUNCHENTOOT:*SHOW-LISP-BACKTRACES-P*), for at most the first few errors of
+each second (GALLOP.CORE:BACKTRACE-DUE-P), and never for a client that went
+away or timed out."
+  (handler-bind ((error
+                   (lambda (condition)
+                     (hunchentoot-handler-done
+                      condition
+                      (unless (or (client-abort-condition-p condition)
+                                  (client-timeout-condition-p condition)
+                                  (not (or (and hunchentoot:*log-lisp-errors-p*
+                                                hunchentoot:*log-lisp-backtraces-p*)
+                                           (and hunchentoot:*show-lisp-errors-p*
+                                                hunchentoot:*show-lisp-backtraces-p*))))
+                        (if (or (null *connection*)
+                                (gallop.core:backtrace-due-p
+                                 (gallop.core:connection-engine *connection*)))
+                            (bounded-backtrace)
+                            (format nil "(No backtrace: more than ~D errors in this second.)"
+                                    gallop.core:+backtraces-per-second+)))))))
+    (handler-bind ((hunchentoot:bad-request
+                     (lambda (condition)
+                       (declare (ignore condition))
+                       (setf (hunchentoot:return-code*) hunchentoot:+http-bad-request+)
+                       (hunchentoot:abort-request-handler)))
+                   (error #'hunchentoot:maybe-invoke-debugger))
+      (hunchentoot:acceptor-dispatch-request hunchentoot:*acceptor* hunchentoot:*request*))))
+
 (defmethod hunchentoot:process-connection ((acceptor acceptor) socket)
   ;; A client that hangs up after its answer was written into the buffer
   ;; makes Hunchentoot's final FINISH-OUTPUT fail outside any request; the

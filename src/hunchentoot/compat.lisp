@@ -4,11 +4,12 @@
 ;;;; Gallop uses Hunchentoot's exported generic functions (START-LISTENING,
 ;;;; EXECUTE-ACCEPTOR, HANDLE-INCOMING-CONNECTION, PROCESS-CONNECTION,
 ;;;; INITIALIZE-CONNECTION-STREAM, RESET-CONNECTION-STREAM, SHUTDOWN, STOP ...)
-;;;; with one exception, kept here: the listen socket that Hunchentoot's own
-;;;; START-LISTENING creates is reachable only through the internal accessor
-;;;; ACCEPTOR-LISTEN-SOCKET.  It has the same name and meaning in 1.2.38 and in
-;;;; 1.3.x (STOP uses it in both), and the check below makes a Hunchentoot
-;;;; that changes it fail at load time rather than at run time.
+;;;; and, where no exported name does the job, the internal names below,
+;;;; each with the reason and a check that makes a Hunchentoot that changes
+;;;; it fail at load time rather than at run time.  Every one has the same
+;;;; name and meaning in 1.2.38 and in 1.3.x.  The first: the listen socket
+;;;; that Hunchentoot's own START-LISTENING creates is reachable only through
+;;;; the internal accessor ACCEPTOR-LISTEN-SOCKET (STOP uses it in both).
 
 (in-package #:gallop)
 
@@ -243,3 +244,22 @@ progress."
   (load-time-value (check-internal-function "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER"
                                             '("CONTENT-TYPE" "EXTERNAL-FORMAT"))
                    t))
+
+;;; HANDLE-REQUEST's error handling (errors.lisp): Hunchentoot's own method
+;;; answers a handler's ERROR by throwing to the internal catch tag
+;;; HANDLER-DONE the values (NIL condition backtrace), which PROCESS-REQUEST
+;;; reports, after setting *FINISH-PROCESSING-SOCKET* when the head was
+;;; already sent.  Gallop's method for its acceptors does the same with a
+;;; bounded backtrace.  Same names and meaning in 1.2.38 and 1.3.x (the two
+;;; specials are checked above).
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (find-symbol "HANDLER-DONE" '#:hunchentoot)
+    (error "This Hunchentoot has no HANDLER-DONE catch tag.")))
+
+(defun hunchentoot-handler-done (condition backtrace)
+  "End the current request's handler as Hunchentoot's HANDLE-REQUEST does
+when the handler signals CONDITION, with BACKTRACE (a string, or NIL)."
+  (when (symbol-value (find-symbol "*HEADERS-SENT*" '#:hunchentoot))
+    (setf (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot)) t))
+  (throw (load-time-value (find-symbol "HANDLER-DONE" '#:hunchentoot) t)
+    (values nil condition backtrace)))

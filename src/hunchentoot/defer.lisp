@@ -30,6 +30,9 @@
   connection acceptor request reply session
   (answered nil))
 
+(defmethod print-object ((deferred deferred) stream)
+  (print-unreadable-object (deferred stream :type t :identity t)))
+
 (defun defer-request ()
   "In a Hunchentoot handler served by Gallop (a Gallop acceptor, or
 GALLOP:TASKMASTER): answer this request later, from another thread, and let

@@ -315,15 +315,39 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
     (usocket:unknown-error
      (client-abort-condition-p (ignore-errors (slot-value object 'usocket::real-error))))))
 
+(defun client-timeout-condition-p (object)
+  "True if OBJECT is a condition saying a read or write on the client's
+connection made no progress in time (looked into as CLIENT-ABORT-CONDITION-P
+does)."
+  (typecase object
+    (gallop.core:connection-timeout-error t)
+    (usocket:unknown-error
+     (client-timeout-condition-p (ignore-errors (slot-value object 'usocket::real-error))))))
+
 (defmethod hunchentoot:acceptor-log-message :around ((acceptor hunchentoot:acceptor) log-level
                                                      format-string &rest format-arguments)
-  ;; Hunchentoot logs a client that hung up mid-request or mid-response as an
-  ;; error, with a backtrace.  On a Gallop connection it is counted in
-  ;; GALLOP:STATS (:ABORTED) instead, as the native API does.
-  (declare (ignore log-level format-string))
-  (if (and *connection* (some #'client-abort-condition-p format-arguments))
-      (gallop.core:note-client-abort (gallop.core:connection-engine *connection*))
-      (call-next-method)))
+  ;; On a Gallop connection:
+  ;;  - a client that hung up mid-request or mid-response, which Hunchentoot
+  ;;    logs as an error, is counted in GALLOP:STATS (:ABORTED) instead, as
+  ;;    the native API does;
+  ;;  - a client that timed out is logged at most once a minute, with the
+  ;;    count of those not logged (GALLOP.CORE:TIMEOUT-LINE-DUE);
+  ;;  - no message is longer than GALLOP.CORE:+MAX-LOG-LINE+.
+  (cond ((null *connection*) (call-next-method))
+        ((some #'client-abort-condition-p format-arguments)
+         (gallop.core:note-client-abort (gallop.core:connection-engine *connection*)))
+        ((some #'client-timeout-condition-p format-arguments)
+         (let ((skipped (gallop.core:timeout-line-due (gallop.core:connection-engine *connection*))))
+           (when skipped
+             (call-next-method acceptor log-level "~A~[~:;~:* (and ~D more client timeouts ~
+                                                    in the last minute, not logged)~]"
+                               (gallop.core:cut-log-line
+                                (apply #'format nil format-string format-arguments))
+                               skipped))))
+        (t
+         (call-next-method acceptor log-level "~A"
+                           (gallop.core:cut-log-line
+                            (apply #'format nil format-string format-arguments))))))
 
 (defmethod hunchentoot:detach-socket :after ((acceptor hunchentoot:acceptor))
   ;; The handler keeps the stream (a WebSocket, a tunnel): Gallop stops

@@ -110,6 +110,9 @@ to octets, then UTF-8 (invalid sequences become replacement characters)."
   (host "" :type (simple-array character (*)) :read-only t)
   (name "" :type simple-string :read-only t))
 
+(defmethod print-object ((memo host-memo) stream)
+  (print-unreadable-object (memo stream :type t :identity t)))
+
 (defun host-value (server buffer start end)
   "The Host header value in BUFFER[START,END) as a string: the one of SERVER's
 memo when the octets are the same, so that neither the string nor its

@@ -165,7 +165,7 @@ is finished, or failed), finish it; else give the connection back."
                              gone t
                              (exchange-keep-alive ex) nil)
                        (unless (client-gone-p (exchange-server ex) e)
-                         (log-error (exchange-server ex) "Streaming to ~A failed: ~A" c e)))))
+                         (log-failure (exchange-server ex) e "Streaming to ~A failed: ~A" c e)))))
                (cond ((or closed last)
                       (setf closed t)
                       (unclaim ex claim t))
@@ -208,7 +208,7 @@ is finished, or failed), finish it; else give the connection back."
                          (setf delivered nil
                                (exchange-keep-alive ex) nil)
                          (unless (client-gone-p (exchange-server ex) e)
-                           (log-error (exchange-server ex) "Responding failed: ~A" e)))))
+                           (log-failure (exchange-server ex) e "Responding failed: ~A" e)))))
                  (unclaim ex claim t)
                  delivered)))
             (t (start-streaming ex status headers))))))
@@ -225,12 +225,16 @@ log line, and nobody to answer."
 (defun internal-error (server ex condition)
   "The app failed with CONDITION: log it once, answer 500 (503 when it ran
 past its deadline; 400 or 413 when it was the client's body, not logged)
-unless it already answered, and close the connection."
+unless it already answered.  The connection closes after it, but for a 500
+written whole: the engine then goes on with the connection as after any
+answer (the rest of an unread body skipped, or the connection closed)."
   (let ((timeout (typep condition 'handler-timeout))
         (body-status (and (typep condition 'gallop.core:request-body-error)
                           (gallop.core:request-body-error-status condition))))
-    (setf (exchange-keep-alive ex) nil)
+    (when (or timeout body-status (exchange-responded ex))
+      (setf (exchange-keep-alive ex) nil))
     (when (client-gone-p server condition)
+      (setf (exchange-keep-alive ex) nil)
       (return-from internal-error))
     (if body-status
         (unless (exchange-responded ex)
@@ -239,15 +243,17 @@ unless it already answered, and close the connection."
                     (list (format nil "~D ~A~%" body-status
                                   (gallop.core:reason-phrase body-status))))))
         (progn
-          (log-error server "~:[Error in app~;App interrupted~]: ~A" timeout condition)
+          (log-failure server condition "~:[Error in app~;App interrupted~]: ~A" timeout condition)
           (unless (exchange-responded ex)
-            (ignore-errors
-             (respond ex (if timeout 503 500) '(:content-type "text/plain; charset=utf-8")
-                      (cond ((server-debug server)
-                             (list (format nil "~:[Internal Server Error~;Service Unavailable~]~%~%~A~%"
-                                           timeout condition)))
-                            (timeout '("Service Unavailable"))
-                            (t '("Internal Server Error"))))))))))
+            (handler-case
+                (respond ex (if timeout 503 500) '(:content-type "text/plain; charset=utf-8")
+                         (cond ((server-debug server)
+                                (list (format nil "~:[Internal Server Error~;Service Unavailable~]~%~%~A~%"
+                                              timeout condition)))
+                               (timeout '("Service Unavailable"))
+                               (t '("Internal Server Error"))))
+              (error ()
+                (setf (exchange-keep-alive ex) nil))))))))
 
 (defparameter +empty-body+ (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
   "The :RAW-BODY of every request without a body: always at end of file, so

@@ -26,12 +26,32 @@
   (print-unreadable-object (server stream :type t)
     (format stream "~A:~D" (server-address server) (server-port server))))
 
+(defvar *log-lock* (sb-thread:make-mutex :name "gallop log")
+  "Held while a line is written to a server's log, so that lines written by
+two workers at once do not mix.")
+
 (defun log-error (server format-control &rest args)
+  "Write one line to SERVER's log, cut at GALLOP.CORE:+MAX-LOG-LINE+."
   (let ((log (server-log server)))
     (when log
       (ignore-errors
-       (format log "~&[gallop ~A] ~?~%" (iso-time) format-control args)
-       (finish-output log)))))
+       (let ((line (gallop.core:cut-log-line (apply #'format nil format-control args))))
+         (sb-thread:with-mutex (*log-lock*)
+           (format log "~&[gallop ~A] ~A~%" (iso-time) line)
+           (finish-output log)))))))
+
+(defun log-failure (server condition format-control &rest args)
+  "Log (LOG-ERROR) that a request failed with CONDITION; when CONDITION is a
+client's timeout, only if a line is due (GALLOP.CORE:TIMEOUT-LINE-DUE),
+with the count of those not logged since the last."
+  (if (typep condition 'gallop.core:connection-timeout-error)
+      (let* ((engine (server-engine server))
+             (skipped (if engine (gallop.core:timeout-line-due engine) 0)))
+        (when skipped
+          (log-error server "~?~[~:;~:* (and ~D more client timeouts in the last ~
+                             minute, not logged)~]"
+                     format-control args skipped)))
+      (apply #'log-error server format-control args)))
 
 (defun iso-time ()
   (multiple-value-bind (s m h day month year) (decode-universal-time (get-universal-time))
@@ -49,4 +69,7 @@
   (state :open :type (member :open :responding :done :suspended)) ; see CLAIM, server.lisp
   (responded nil)
   (streaming nil))
+
+(defmethod print-object ((exchange exchange) stream)
+  (print-unreadable-object (exchange stream :type t :identity t)))
 

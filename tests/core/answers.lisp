@@ -329,6 +329,52 @@ through its loop, e.g. after a GC.)"
 (test overload-answer-is-valid-http-native (check-overload :native))
 (test overload-answer-is-valid-http-easy-acceptor (check-overload :easy))
 
+(defun check-silent-connections-do-not-overload (kind)
+  "One worker, a queue of one, the worker blocked: twenty connections that
+send nothing do not fill the queue, so a client with a request is still
+accepted and served once the worker is free; a silent one that then sends
+its request is served too."
+  (with-globals ((*wire-entered* (sb-thread:make-semaphore))
+                 (*wire-release* (sb-thread:make-semaphore)))
+    (with-front-end (port server kind '(:max-thread-count 1 :standby-thread-count 1
+                                       :max-queue-length 1))
+      (let ((busy (connect port))
+            (silent '())
+            (client nil))
+        (unwind-protect
+             (progn
+               (send busy (crlf "GET /wire-block HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *wire-entered* :timeout 10))
+               (setf silent (loop repeat 20 collect (connect port)))
+               (is (wait-until (lambda () (= 21 (getf (gallop:stats server) :open))))
+                   "~(~A~): the silent connections were not accepted: ~S" kind (gallop:stats server))
+               (is (zerop (getf (gallop:stats server) :pending)))
+               ;; A client with a request waits for the worker, not 503.
+               (setf client (connect port))
+               (send client (crlf "GET /wire-ok HTTP/1.1" "Host: x"))
+               (is (wait-until (lambda () (eql 1 (getf (gallop:stats server) :pending))))
+                   "~(~A~): the request is not waiting: ~S" kind (gallop:stats server))
+               (is (zerop (getf (gallop:stats server) :shed)))
+               (sb-thread:signal-semaphore *wire-release*)
+               (check-ok-answer (format nil "~(~A~) the blocked request" kind)
+                                (read-wire-or-error busy) 0)
+               (check-ok-answer (format nil "~(~A~) the request beside silent connections" kind)
+                                (read-wire-or-error client) 0)
+               ;; A silent connection that speaks at last is served.
+               (send (first silent) (crlf "GET /wire-ok HTTP/1.1" "Host: x"))
+               (check-ok-answer (format nil "~(~A~) a silent connection's late request" kind)
+                                (read-wire-or-error (first silent)) 0)
+               (is (zerop (getf (gallop:stats server) :pending))))
+          (sb-thread:signal-semaphore *wire-release* 10)
+          (mapc #'usocket:socket-close silent)
+          (when client (usocket:socket-close client))
+          (usocket:socket-close busy))))))
+
+(test silent-connections-do-not-overload-native
+  (check-silent-connections-do-not-overload :native))
+(test silent-connections-do-not-overload-easy-acceptor
+  (check-silent-connections-do-not-overload :easy))
+
 ;;; A soft stop: a request already sent on an idle keep-alive connection is
 ;;; answered, with Connection: close, and the connection then ends.
 

@@ -203,3 +203,35 @@ its 408 after the header timeout.  (How rarely it switches while resting:
   (is (wait-until (lambda ()
                     (notany (lambda (name) (search "gallop " name)) (os-thread-names))))
       "~S" (os-thread-names)))
+
+(test engine-structures-print-as-one-short-line
+  ;; They are arguments in the frames of every backtrace of a handler's
+  ;; error: printed in full, an engine is its whole connection table.
+  (with-engine (engine port :standby-thread-count 2)
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket (crlf "GET /a HTTP/1.1" "Host: x"))
+             (read-response socket)
+             (let* ((pool (gallop.core::engine-pool engine))
+                    (connection (find-if #'identity (gallop.core::engine-table engine)))
+                    (objects (list engine pool
+                                   (svref (gallop.core::pool-groups pool) 0)
+                                   (first (gallop.core::pool-workers pool))
+                                   (gallop.core::pool-timers pool)
+                                   (gallop.core::engine-wheel engine)
+                                   (svref (gallop.core::engine-tallies engine) 0)
+                                   gallop.core::*buffer-pool*
+                                   connection
+                                   (gallop.core::connection-request connection)
+                                   (gallop.core::make-chunk-decoder)
+                                   (gallop.core::make-idle-meter)
+                                   (gallop.core::make-load-history 0 0))))
+               (is (notany #'null objects))
+               (dolist (object objects)
+                 (let ((text (let ((*print-circle* nil) (*print-length* nil) (*print-level* nil))
+                               (prin1-to-string object))))
+                   (is (and (<= (length text) 100) (string= "#<" text :end2 2))
+                       "~A prints as ~D characters: ~A" (type-of object) (length text)
+                       (subseq text 0 (min 200 (length text))))))))
+        (usocket:socket-close socket)))))

@@ -86,6 +86,45 @@
     ;; and the server still serves
     (is (= 200 (response-status (get-request port "/"))))))
 
+(defparameter *bad-request-lines*
+  `(("an HTTP/0.9 request" 400 ,(format nil "GET /fast~C~C" #\Return #\Linefeed))
+    ("no version, bare LF" 400 ,(format nil "GET /~C" #\Linefeed))
+    ("garbage" 400 ,(format nil "HELLO THERE~C~C" #\Return #\Linefeed))
+    ("a version after the target and more" 400 ,(format nil "GET / HTTP/1.1 x~C~C" #\Return #\Linefeed))
+    ("version 2" 505 ,(format nil "GET / HTTP/2.0~C~C" #\Return #\Linefeed))
+    ("nine empty lines" 400 ,(format nil "~{~A~}" (loop repeat 9 collect (format nil "~C~C" #\Return #\Linefeed)))))
+  "Request lines that no header line can make valid, sent alone: name,
+status, the octets.")
+
+(test request-lines-that-cannot-begin-a-head-are-refused-at-once
+  ;; Once its request line is whole, a head that can never be valid is
+  ;; refused then, not when the header timeout (a minute here) runs out.
+  (with-engine (engine port :header-timeout 60)
+    (loop for (name status text) in *bad-request-lines*
+          do (let ((socket (connect port :timeout 10)))
+               (unwind-protect
+                    (progn
+                      (send socket text)
+                      ;; The answer and the end of the connection, within
+                      ;; the 10 s the socket waits, or the read fails.
+                      (is (equalp (gallop.core::error-response status)
+                                  (coerce (read-to-eof (usocket:socket-stream socket))
+                                          '(simple-array (unsigned-byte 8) (*))))
+                          "~A: not answered ~D at once" name status))
+                 (usocket:socket-close socket))))
+    (is (= (length *bad-request-lines*) (engine-stat engine :rejected)))
+    ;; A partial head whose request line is good waits for the rest.
+    (let ((socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket (format nil "GET / HTTP/1.1~C~CHost: x~C~C" #\Return #\Linefeed
+                                  #\Return #\Linefeed))
+             (is (wait-until (lambda () (plusp (engine-stat engine :head-bytes))))
+                 "the partial head was not parked")
+             (send socket (format nil "~C~C" #\Return #\Linefeed))
+             (is (= 200 (response-status (read-response socket)))))
+        (usocket:socket-close socket)))))
+
 (test good-heads-pass
   (with-engine (engine port)
     (dolist (text (list (raw-lines "GET /a%20b?x=%C3%A9 HTTP/1.1" "Host: x")

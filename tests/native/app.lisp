@@ -367,7 +367,9 @@
              (progn
                (send socket (crlf "GET /fail HTTP/1.1" "Host: x"))
                (is (= 500 (response-status (read-response socket))))
-               ;; and the connection is closed, not left waiting
+               ;; and the connection serves the next request
+               (send socket (crlf "GET /ok HTTP/1.1" "Host: x" "Connection: close"))
+               (is (string= "ok" (body-string (read-response socket))))
                (is (closed-by-peer-p socket)))
           (usocket:socket-close socket)))
       (is (= 200 (response-status (get-request (native-port server) "/ok"))))
