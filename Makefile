@@ -190,3 +190,19 @@ bench-slow-readers:
 	@set -o pipefail; \
 	 $(LISP) --load bench/slow-readers.lisp --eval '(gallop-bench-slow-readers:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
+
+# Cheap attacks (bench/attacks.lisp; results in BENCHMARKS.md, "Attacks"):
+# connections that send nothing or part of a head, a handler that fails on
+# every request, clients that hang up in the middle of a body; each against
+# gallop:start, gallop:easy-acceptor, stock Hunchentoot and (where it has the
+# same thing to do) nginx, each in its own process, beside a fresh client
+# asking once a second.  Non-zero when a Gallop row misses its bar.
+#   make bench-attacks   about 8 min
+
+.PHONY: bench-attacks
+
+bench-attacks: deps
+	@scripts/deps.sh wrk nginx-light
+	@set -o pipefail; \
+	 $(LISP) --load bench/attacks.lisp --eval '(gallop-bench-attacks:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'

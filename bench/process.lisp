@@ -9,7 +9,7 @@
   (:use #:common-lisp)
   (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
            #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit
-           #:proc-status #:make-tls-certificate))
+           #:proc-status #:proc-field #:make-tls-certificate #:fetch #:probe-yo))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -126,7 +126,57 @@ soft limit."
             (when (zerop (%setrlimit +rlimit-nofile+ sap))
               (return target))))))))
 
+;;; A fresh client
+
+(require :sb-bsd-sockets)
+
+(defun clock-ms ()
+  (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
+
+(defun fetch (port path)
+  "GET PATH with Connection: close on a fresh connection to PORT: the octets
+of the whole answer, up to the server's close, or NIL if that failed."
+  (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (unwind-protect
+         (ignore-errors
+          (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
+          (let ((stream (sb-bsd-sockets:socket-make-stream s :input t :output t :timeout 10
+                                                             :element-type '(unsigned-byte 8))))
+            (write-sequence (map '(simple-array (unsigned-byte 8) (*)) #'char-code
+                                 (format nil "GET ~A HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
+                                           path #\Return #\Linefeed #\Return #\Linefeed
+                                           #\Return #\Linefeed #\Return #\Linefeed))
+                            stream)
+            (finish-output stream)
+            (coerce (loop for b = (read-byte stream nil) while b collect b)
+                    '(simple-array (unsigned-byte 8) (*)))))
+      (ignore-errors (sb-bsd-sockets:socket-close s)))))
+
+(defun probe-yo (port)
+  "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
+exact answer, or NIL."
+  (let* ((start (clock-ms))
+         (octets (fetch port "/yo")))
+    (when octets
+      (let* ((text (map 'string #'code-char octets))
+             (head-end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
+                               text))
+             (length-at (search (format nil "~C~CContent-Length: " #\Return #\Linefeed) text
+                                :test #'char-equal)))
+        (and head-end length-at
+             (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
+             (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
+             (string= "Hey!" (subseq text (+ head-end 4)))
+             (- (clock-ms) start))))))
+
 ;;; /proc, and TLS
+
+(defun proc-field (pid field)
+  "The number after FIELD: in /proc/PID/status, or NIL."
+  (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
+    (and in (loop for line = (read-line in nil) while line
+                  when (uiop:string-prefix-p (format nil "~A:" field) line)
+                    return (parse-integer line :start (1+ (length field)) :junk-allowed t)))))
 
 (defun proc-status (pid)
   "VmRSS in KiB and the thread count of PID, from /proc/PID/status."

@@ -26,7 +26,8 @@
 ;;;; the number of octets read (native: from :RAW-BODY; Hunchentoot: from
 ;;;; (HUNCHENTOOT:RAW-POST-DATA :WANT-STREAM T)); /ignore answers "ignored"
 ;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
-;;;; measures the server's memory while clients upload to them.
+;;;; measures the server's memory while clients upload to them.  /error
+;;;; signals an error in the handler (bench/attacks.lisp).
 ;;;;
 ;;;; BENCH_TLS_CERT and BENCH_TLS_KEY (PEM files; `make bench-tls`) make
 ;;;; every kind answer HTTPS only: stock HUNCHENTOOT:EASY-SSL-ACCEPTOR,
@@ -163,6 +164,12 @@ buffer per request, reused), keeping nothing; the number of octets read."
   (setf (hunchentoot:content-type*) "text/plain")
   "ignored")
 
+;;; Errors (bench/attacks.lisp): a handler that signals one, as a bug a
+;;; client can reach does.
+
+(hunchentoot:define-easy-handler (fail :uri "/error") ()
+  (error "The handler of /error failed, as it always does."))
+
 (defun query-parameter (query name)
   "The value of NAME in the query string QUERY (no decoding: the benchmark's
 names are plain)."
@@ -198,6 +205,8 @@ answered \"Hey!\" *LATER-SECONDS* after the request by a timer
                  (list (princ-to-string (count-body (getf env :raw-body))))))
           ((string= path "/ignore")
            '(200 (:content-type "text/plain") ("ignored")))
+          ((string= path "/error")
+           (error "The app failed at /error, as it always does."))
           (t
            '(404 (:content-type "text/plain") ("Not Found"))))))
 

@@ -78,48 +78,6 @@ it, for SECONDS.  Returns the octets sent."
              (sleep 0.05))
     total))
 
-(defun fetch (port path)
-  "GET PATH with Connection: close on a fresh connection to PORT: the octets
-of the whole answer, up to the server's close, or NIL if that failed."
-  (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
-    (unwind-protect
-         (ignore-errors
-          (sb-bsd-sockets:socket-connect s #(127 0 0 1) port)
-          (let ((stream (sb-bsd-sockets:socket-make-stream s :input t :output t :timeout 10
-                                                             :element-type '(unsigned-byte 8))))
-            (write-sequence (ascii (format nil "GET ~A HTTP/1.1~C~CHost: b~C~CConnection: close~C~C~C~C"
-                                           path #\Return #\Linefeed #\Return #\Linefeed
-                                           #\Return #\Linefeed #\Return #\Linefeed))
-                            stream)
-            (finish-output stream)
-            (coerce (loop for b = (read-byte stream nil) while b collect b)
-                    '(simple-array (unsigned-byte 8) (*)))))
-      (ignore-errors (sb-bsd-sockets:socket-close s)))))
-
-(defun probe (port)
-  "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
-exact answer, or NIL."
-  (let* ((start (now-ms))
-         (octets (fetch port "/yo")))
-    (when octets
-      (let* ((text (map 'string #'code-char octets))
-             (head-end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
-                               text))
-             (length-at (search (format nil "~C~CContent-Length: " #\Return #\Linefeed) text
-                                :test #'char-equal)))
-        (and head-end length-at
-             (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
-             (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
-             (string= "Hey!" (subseq text (+ head-end 4)))
-             (- (now-ms) start))))))
-
-(defun proc-field (pid field)
-  "The number after FIELD: in /proc/PID/status, or NIL."
-  (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
-    (and in (loop for line = (read-line in nil) while line
-                  when (uiop:string-prefix-p (format nil "~A:" field) line)
-                    return (parse-integer line :start (1+ (length field)) :junk-allowed t)))))
-
 (defun pool-threads (process)
   (let ((text (ask-process process "stats" "STATS ")))
     (and text (getf (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
@@ -157,7 +115,7 @@ slow reader does to the others."
                 (prober (sb-thread:make-thread
                          (lambda ()
                            (loop until done
-                                 do (let ((ms (probe port)))
+                                 do (let ((ms (probe-yo port)))
                                       (sb-thread:with-mutex (lock)
                                         (if ms (push ms latencies) (incf failures))))
                                     (sleep 0.2)))))

@@ -1,0 +1,358 @@
+;;;; attacks.lisp -- `make bench-attacks`: what cheap attacks cost each
+;;;; server, while a fresh client asks for /yo.
+;;;;
+;;;;   scripts/lisp.sh --load bench/attacks.lisp --eval '(gallop-bench-attacks:main)'
+;;;;
+;;;; Each attack runs against a fresh server process of each kind: native
+;;;; (GALLOP:START), gallop (GALLOP:EASY-ACCEPTOR), stock (Hunchentoot's own,
+;;;; for comparison) and, where it has the same thing to do, Debian's nginx.
+;;;; Servers are bench/server.lisp with its defaults (1 GiB heap, 100
+;;;; threads); only their timeouts are raised where said, so that the
+;;;; attack's connections stay for the whole measurement.
+;;;;
+;;;;   silent   ATTACK_SILENT (12,000) connections that send nothing and
+;;;;            ATTACK_SLOWLORIS (3,000) that send part of a head, then a
+;;;;            header line every 10 s, held open (timeouts 120 s; nginx:
+;;;;            client_header_timeout 120 s, worker_connections 20,000).
+;;;;            Meanwhile ATTACK_PROBES (50) fresh GET /yo, one a second.
+;;;;            Bar: every probe answered exactly, median under 50 ms.
+;;;;   errors   wrk -c100 for ATTACK_ERROR_SECONDS (10) on /yo, then as long
+;;;;            on /error, a handler that signals an error, with the message
+;;;;            log on (to a file).  Bar: /error's rate at least half of
+;;;;            /yo's, at most 8 KiB of log per error.  (nginx: no handler.)
+;;;;   hangups  ATTACK_HANGUP_ROUNDS (3) rounds of 100 clients that each send
+;;;;            POST /upload with Content-Length 100,000 and 1,000 octets of
+;;;;            body, wait 3 s and close (the handler reads the body as a
+;;;;            stream).  RSS after a full GC, before and after.  Bar: within
+;;;;            32 MiB of before, the server alive and answering.  (nginx: no
+;;;;            handler.)
+;;;; A monitor samples the server's RSS and threads (nginx: master and
+;;;; workers summed) every 250 ms.  Prints one Markdown table; exits 1 when a
+;;;; Gallop row misses its bar, 2 when the harness broke.  Traffic goes to
+;;;; 127.0.0.1 only; each attack is bounded in time.
+;;;;
+;;;; Environment: ATTACK_KINDS ("native,gallop,stock,nginx"), ATTACK_CASES
+;;;; ("silent,errors,hangups"), the counts above, ATTACK_PORT (18520).
+
+(load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
+(load (merge-pathnames "sockets.lisp" (or *load-truename* *default-pathname-defaults*)))
+
+(defpackage #:gallop-bench-attacks
+  (:use #:common-lisp #:gallop-bench-process #:gallop-bench-sockets)
+  (:export #:main))
+(in-package #:gallop-bench-attacks)
+
+(defun env-list (name default)
+  (let ((v (env name)))
+    (if v (remove "" (uiop:split-string v :separator ",") :test #'string=) default)))
+
+(defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
+(defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups")))
+(defparameter *silent* (env-int "ATTACK_SILENT" 12000))
+(defparameter *slowloris* (env-int "ATTACK_SLOWLORIS" 3000))
+(defparameter *probes* (env-int "ATTACK_PROBES" 50))
+(defparameter *error-seconds* (env-int "ATTACK_ERROR_SECONDS" 10))
+(defparameter *hangup-rounds* (env-int "ATTACK_HANGUP_ROUNDS" 3))
+(defparameter *port* (env-int "ATTACK_PORT" 18520))
+(defparameter *goal-ms* 50 "A probe's median must be under this.")
+(defparameter *logs* (merge-pathnames "bench/results/tmp/attacks/" *repo*))
+
+(defun gallop-kind-p (kind) (member kind '("native" "gallop") :test #'string=))
+
+(defun median (list)
+  (if list (nth (floor (length list) 2) (sort (copy-list list) #'<)) 0))
+
+;;; The server under attack: a bench/server.lisp child, or nginx
+
+(defstruct target kind process pid port log)
+
+(defun nginx-conf (dir port)
+  (format nil "worker_processes 1;
+worker_rlimit_nofile 20000;
+daemon off;
+error_log ~Aerror.log;
+pid ~Anginx.pid;
+events { worker_connections 20000; }
+http {
+  access_log off;
+  client_body_temp_path ~Abody;
+  proxy_temp_path ~Aproxy;
+  fastcgi_temp_path ~Afastcgi;
+  uwsgi_temp_path ~Auwsgi;
+  scgi_temp_path ~Ascgi;
+  client_header_timeout 120s;
+  keepalive_timeout 120s;
+  server {
+    listen 127.0.0.1:~D;
+    default_type text/plain;
+    location = /yo { return 200 \"Hey!\"; }
+  }
+}
+" dir dir dir dir dir dir dir port))
+
+(defun start-target (kind port environment)
+  (let ((log (merge-pathnames (format nil "~A.log" kind) *logs*)))
+    (if (string= kind "nginx")
+        (let* ((dir (namestring (merge-pathnames "nginx/" *logs*)))
+               (conf (concatenate 'string dir "nginx.conf")))
+          (ensure-directories-exist dir)
+          (with-open-file (out conf :direction :output :if-exists :supersede)
+            (write-string (nginx-conf dir port) out))
+          (let ((process (sb-ext:run-program "nginx" (list "-p" dir "-e" (concatenate 'string dir "error.log")
+                                                           "-c" conf)
+                                             :search t :wait nil :output nil :error nil)))
+            (loop repeat 100 until (probe-yo port) do (sleep 0.1))
+            (make-target :kind kind :process process :pid (sb-ext:process-pid process)
+                         :port port :log log)))
+        (multiple-value-bind (process pid)
+            (start-bench-server kind port :environment environment :log log
+                                          :if-log-exists :supersede)
+          (probe-yo port)                 ; the first request compiles dispatch
+          (make-target :kind kind :process process :pid pid :port port :log log)))))
+
+(defun stop-target (target)
+  (kill-and-reap (target-process target)))
+
+(defun children (pid)
+  (let ((text (ignore-errors (uiop:read-file-string (format nil "/proc/~D/task/~D/children" pid pid)))))
+    (and text (mapcar #'parse-integer (uiop:split-string (string-trim " " text))))))
+
+(defun tree-status (pid)
+  "VmRSS (KiB) and threads of PID and its children, summed."
+  (let ((rss 0) (threads 0))
+    (dolist (p (cons pid (children pid)) (values rss threads))
+      (multiple-value-bind (r th) (proc-status p)
+        (incf rss (or r 0))
+        (incf threads (or th 0))))))
+
+(defun server-gc-rss (target)
+  "A full GC in the server, then its RSS in MiB."
+  (ask-process (target-process target) "gc" "GC " 60)
+  (round (or (proc-status (target-pid target)) 0) 1024))
+
+(defun log-size (target)
+  (or (ignore-errors (with-open-file (in (target-log target)) (file-length in))) 0))
+
+;;; Watching: peaks of the server, and a fresh client once a second
+
+(defstruct watch (peak-rss 0) (peak-threads 0) (latencies '()) (failures 0) (done nil))
+
+(defun start-watch (target &key (probes 0))
+  "Sample TARGET every 250 ms; with PROBES, ask /yo once a second that many
+times.  Returns the watch and a function that waits for the probes, stops
+sampling and returns the watch."
+  (let* ((w (make-watch))
+         (lock (sb-thread:make-mutex))
+         (monitor (sb-thread:make-thread
+                   (lambda ()
+                     (loop until (watch-done w)
+                           do (multiple-value-bind (rss threads) (tree-status (target-pid target))
+                                (setf (watch-peak-rss w) (max (watch-peak-rss w) rss)
+                                      (watch-peak-threads w) (max (watch-peak-threads w) threads)))
+                              (sleep 0.25)))))
+         (prober (and (plusp probes)
+                      (sb-thread:make-thread
+                       (lambda ()
+                         (dotimes (i probes)
+                           (let ((start (get-internal-real-time))
+                                 (ms (probe-yo (target-port target))))
+                             (sb-thread:with-mutex (lock)
+                               (if ms (push ms (watch-latencies w)) (incf (watch-failures w))))
+                             (let ((left (- 1 (/ (- (get-internal-real-time) start)
+                                                 internal-time-units-per-second))))
+                               (when (plusp left) (sleep left))))))))))
+    (values w (lambda ()
+                (when prober (sb-thread:join-thread prober))
+                (setf (watch-done w) t)
+                (sb-thread:join-thread monitor)
+                w))))
+
+(defun row (target attack w &rest more)
+  (list* :kind (target-kind target) :attack attack
+         :probes (+ (length (watch-latencies w)) (watch-failures w))
+         :answered (length (watch-latencies w))
+         :median-ms (median (watch-latencies w))
+         :max-ms (reduce #'max (watch-latencies w) :initial-value 0)
+         :peak-threads (watch-peak-threads w)
+         :peak-rss-mb (round (watch-peak-rss w) 1024)
+         ;; Alive, and a fresh GET /yo answered exactly.
+         :alive (and (alive-p (target-process target)) (probe-yo (target-port target)) t)
+         more))
+
+;;; silent: connections that send nothing or part of a head
+
+(defparameter *slowloris-head* (ascii (format nil "GET /yo HTTP/1.1~C~CHost: b~C~C"
+                                              #\Return #\Linefeed #\Return #\Linefeed)))
+(defparameter *slowloris-line* (ascii (format nil "X-a: b~C~C" #\Return #\Linefeed)))
+
+(defun open-many (port count)
+  "COUNT non-blocking connections to PORT (connecting); their fds."
+  (let ((address (loopback-address port)))
+    (loop repeat count
+          for fd = (open-socket address)
+          while fd
+          collect fd)))
+
+(defun connected-p (fd)
+  "True if FD connected and the server has neither closed it nor answered."
+  (let ((r (aref (poll-fds (vector fd) (vector (logior +pollin+ +pollout+)) 0) 0)))
+    (and (logtest r +pollout+) (not (logtest r (logior +pollin+ +pollerr+ +pollhup+)))
+         (zerop (socket-error fd)))))
+
+(defun send-to-all (fds octets)
+  (dolist (fd fds)
+    (when (connected-p fd)
+      (send-some fd octets 0 (length octets)))))
+
+(defun attack-silent (target)
+  (let* ((port (target-port target))
+         (silent (open-many port *silent*))
+         (slow (open-many port *slowloris*)))
+    (unwind-protect
+         (progn
+           ;; Until every connection completed (a full accept queue makes
+           ;; the kernel retry a SYN after 1, 3, 7 s), at most 30 s.
+           (loop repeat 30
+                 until (every #'connected-p (append silent slow))
+                 do (sleep 1))
+           (send-to-all slow *slowloris-head*)
+           (multiple-value-bind (w finish) (start-watch target :probes *probes*)
+             (loop repeat (ceiling *probes* 10)
+                   do (sleep 10)
+                      (send-to-all slow *slowloris-line*))
+             (funcall finish)
+             (row target "silent" w
+                  :load (format nil "~D silent + ~D slowloris" *silent* *slowloris*)
+                  :notes (format nil "held at the end: ~D + ~D"
+                                 (count-if #'connected-p silent) (count-if #'connected-p slow)))))
+      (mapc #'%close silent)
+      (mapc #'%close slow))))
+
+;;; errors: a handler that signals an error
+
+(defun wrk (port path seconds)
+  "Run wrk -t1 -c100 on PATH: requests done, requests a second, non-2xx."
+  (let* ((out (uiop:run-program (list "wrk" "-t1" "-c100" (format nil "-d~Ds" seconds)
+                                      (format nil "http://127.0.0.1:~D~A" port path))
+                                :output :string :ignore-error-status t))
+         (done (number-near out " requests in"))
+         (rate (number-near out "Requests/sec:" :after t))
+         (bad (or (number-near out "Non-2xx or 3xx responses:" :after t) 0)))
+    (values (or done 0) (or rate 0) bad)))
+
+(defun number-near (text marker &key after)
+  "The number just before MARKER in TEXT (AFTER: just after it), or NIL."
+  (let ((at (search marker text)))
+    (when at
+      (if after
+          (let ((*read-eval* nil))
+            (ignore-errors (read-from-string text t nil :start (+ at (length marker)))))
+          (let* ((line-start (1+ (or (position #\Newline text :end at :from-end t) -1))))
+            (ignore-errors (parse-integer (string-trim " " (subseq text line-start at)))))))))
+
+(defun attack-errors (target)
+  (let ((port (target-port target)))
+    (multiple-value-bind (w finish) (start-watch target)
+      (multiple-value-bind (ok-done ok-rate) (wrk port "/yo" *error-seconds*)
+        (declare (ignore ok-done))
+        (let ((log-before (log-size target)))
+          (multiple-value-bind (done rate bad) (wrk port "/error" *error-seconds*)
+            (funcall finish)
+            (let ((per-error (if (plusp bad) (round (- (log-size target) log-before) bad) 0)))
+              (row target "errors" w
+                   :load (format nil "wrk -c100, ~D s each" *error-seconds*)
+                   :rate-ratio (if (plusp ok-rate) (/ rate ok-rate) 0)
+                   :log-per-error per-error
+                   :notes (format nil "/error ~D requests (~D not 2xx), ~,2F of /yo's rate; ~
+                                       log ~D B per error"
+                                  done bad (if (plusp ok-rate) (/ rate ok-rate) 0) per-error)))))))))
+
+;;; hangups: clients that send part of a body and close
+
+(defun hangup-round (port clients)
+  (let* ((head (ascii (format nil "POST /upload HTTP/1.1~C~CHost: b~C~CContent-Length: 100000~C~C~C~C"
+                              #\Return #\Linefeed #\Return #\Linefeed
+                              #\Return #\Linefeed #\Return #\Linefeed)))
+         (body (make-array 1000 :element-type '(unsigned-byte 8) :initial-element 97))
+         (fds (open-many port clients)))
+    (sleep 0.5)
+    (dolist (fd fds)
+      (send-some fd head 0 (length head))
+      (send-some fd body 0 (length body)))
+    (sleep 3)
+    (mapc #'%close fds)))
+
+(defun attack-hangups (target)
+  (let ((before (server-gc-rss target))
+        (log-before (log-size target)))
+    (multiple-value-bind (w finish) (start-watch target)
+      (dotimes (i *hangup-rounds*)
+        (hangup-round (target-port target) 100))
+      (sleep 1)
+      (funcall finish)
+      (let ((after (server-gc-rss target)))
+        (row target "hangups" w
+             :load (format nil "~D x 100 clients" *hangup-rounds*)
+             :rss-rise-mb (- after before)
+             :notes (format nil "RSS after GC ~D -> ~D MiB; log +~D B"
+                            before after (- (log-size target) log-before)))))))
+
+;;; The table
+
+(defun run-case (kind case port)
+  (let ((environment (append (list "BENCH_MESSAGE_LOG=1")
+                             (when (string= case "silent") (list "BENCH_TIMEOUT=120"))
+                             (sb-ext:posix-environ)))
+        (target nil))
+    (unwind-protect
+         (progn
+           (setf target (start-target kind port environment))
+           (cond ((string= case "silent") (attack-silent target))
+                 ((string= kind "nginx") nil) ; no handler to attack
+                 ((string= case "errors") (attack-errors target))
+                 ((string= case "hangups") (attack-hangups target))))
+      (when target (stop-target target)))))
+
+(defun bar-missed (row)
+  "Why a Gallop ROW misses the attack's bar, or NIL."
+  (let ((attack (getf row :attack)))
+    (cond ((not (getf row :alive)) "the server died or stopped answering")
+          ((and (string= attack "silent")
+                (or (/= (getf row :answered) (getf row :probes))
+                    (>= (getf row :median-ms) *goal-ms*)))
+           "a probe failed or the median was too slow")
+          ((and (string= attack "errors")
+                (or (< (getf row :rate-ratio) 1/2) (> (getf row :log-per-error) 8192)))
+           "errors were too slow or logged too much")
+          ((and (string= attack "hangups") (> (getf row :rss-rise-mb) 32))
+           "RSS rose more than 32 MiB"))))
+
+(defun print-row (row)
+  (format t "| ~A | ~A | ~A | ~D/~D | ~D | ~D | ~D | ~D | ~:[no~;yes~] | ~A |~%"
+          (getf row :attack) (getf row :kind) (getf row :load)
+          (getf row :answered) (getf row :probes) (getf row :median-ms) (getf row :max-ms)
+          (getf row :peak-threads) (getf row :peak-rss-mb) (getf row :alive)
+          (getf row :notes))
+  (finish-output))
+
+(defun main ()
+  (handler-case
+      (progn
+        (raise-fd-limit)
+        (ensure-directories-exist *logs*)
+        (format t "| attack | server | load | probes answered | median ms | max ms | peak threads | peak RSS MiB | answering at the end | notes |~%")
+        (format t "|---|---|---|--:|--:|--:|--:|--:|---|---|~%")
+        (let ((missed '()))
+          (dolist (case *cases*)
+            (loop for kind in *kinds*
+                  for port from *port*
+                  do (let ((row (run-case kind case port)))
+                       (when row
+                         (print-row row)
+                         (let ((why (and (gallop-kind-p kind) (bar-missed row))))
+                           (when why (push (format nil "~A ~A: ~A" case kind why) missed)))))))
+          (format t "~%~:[Every Gallop row held its bar.~;~:*~{~A~%~}~]~%" (reverse missed))
+          (uiop:quit (if missed 1 0))))
+    (error (e)
+      (format *error-output* "~&bench-attacks: ~A~%" e)
+      (uiop:quit 2))))
