@@ -16,10 +16,11 @@
 ;;;;            client_header_timeout 120 s, worker_connections 20,000).
 ;;;;            Meanwhile ATTACK_PROBES (50) fresh GET /yo, one a second.
 ;;;;            Bar: every probe answered exactly, median under 50 ms.
-;;;;   errors   wrk -c100 for ATTACK_ERROR_SECONDS (10) on /yo, then as long
-;;;;            on /error, a handler that signals an error, with the message
-;;;;            log on (to a file).  Bar: /error's rate at least half of
-;;;;            /yo's, at most 8 KiB of log per error.  (nginx: no handler.)
+;;;;   errors   wrk -c100 for ATTACK_ERROR_SECONDS (5) on /yo, then as long
+;;;;            on /error, a handler that signals an error, three rounds, with
+;;;;            the message log on (to a file).  Bar: /error's median rate at
+;;;;            least half of /yo's, at most 8 KiB of log per error.  (nginx:
+;;;;            no handler.)
 ;;;;   hangups  ATTACK_HANGUP_ROUNDS (3) rounds of 100 clients that each send
 ;;;;            POST /upload with Content-Length 100,000 and 1,000 octets of
 ;;;;            body, wait 3 s and close (the handler reads the body as a
@@ -51,7 +52,7 @@
 (defparameter *silent* (env-int "ATTACK_SILENT" 12000))
 (defparameter *slowloris* (env-int "ATTACK_SLOWLORIS" 3000))
 (defparameter *probes* (env-int "ATTACK_PROBES" 50))
-(defparameter *error-seconds* (env-int "ATTACK_ERROR_SECONDS" 10))
+(defparameter *error-seconds* (env-int "ATTACK_ERROR_SECONDS" 5))
 (defparameter *hangup-rounds* (env-int "ATTACK_HANGUP_ROUNDS" 3))
 (defparameter *port* (env-int "ATTACK_PORT" 18520))
 (defparameter *goal-ms* 50 "A probe's median must be under this.")
@@ -199,11 +200,6 @@ sampling and returns the watch."
     (and (logtest r +pollout+) (not (logtest r (logior +pollin+ +pollerr+ +pollhup+)))
          (zerop (socket-error fd)))))
 
-(defun send-to-all (fds octets)
-  (dolist (fd fds)
-    (when (connected-p fd)
-      (send-some fd octets 0 (length octets)))))
-
 (defun attack-silent (target)
   (let* ((port (target-port target))
          (silent (open-many port *silent*))
@@ -215,16 +211,26 @@ sampling and returns the watch."
            (loop repeat 30
                  until (every #'connected-p (append silent slow))
                  do (sleep 1))
-           (send-to-all slow *slowloris-head*)
-           (multiple-value-bind (w finish) (start-watch target :probes *probes*)
-             (loop repeat (ceiling *probes* 10)
-                   do (sleep 10)
-                      (send-to-all slow *slowloris-line*))
-             (funcall finish)
-             (row target "silent" w
-                  :load (format nil "~D silent + ~D slowloris" *silent* *slowloris*)
-                  :notes (format nil "held at the end: ~D + ~D"
-                                 (count-if #'connected-p silent) (count-if #'connected-p slow)))))
+           (let ((started (make-hash-table)))
+             (flet ((keep-sending ()
+                      ;; The head first, then a header line each time:
+                      ;; a connection that completed late gets its head now.
+                      (dolist (fd slow)
+                        (when (connected-p fd)
+                          (let ((octets (if (gethash fd started) *slowloris-line* *slowloris-head*)))
+                            (send-some fd octets 0 (length octets))
+                            (setf (gethash fd started) t))))))
+               (keep-sending)
+               (multiple-value-bind (w finish) (start-watch target :probes *probes*)
+                 (loop repeat (ceiling *probes* 10)
+                       do (sleep 10)
+                          (keep-sending))
+                 (funcall finish)
+                 (row target "silent" w
+                      :load (format nil "~D silent + ~D slowloris" *silent* *slowloris*)
+                      :notes (format nil "held at the end: ~D + ~D"
+                                     (count-if #'connected-p silent)
+                                     (count-if #'connected-p slow)))))))
       (mapc #'%close silent)
       (mapc #'%close slow))))
 
@@ -250,22 +256,32 @@ sampling and returns the watch."
           (let* ((line-start (1+ (or (position #\Newline text :end at :from-end t) -1))))
             (ignore-errors (parse-integer (string-trim " " (subseq text line-start at)))))))))
 
+(defparameter *error-rounds* 3
+  "Rounds of /yo then /error, each ATTACK_ERROR_SECONDS long: the ratio is of
+the medians, so that the host's drift within the run counts for little.")
+
 (defun attack-errors (target)
-  (let ((port (target-port target)))
+  (let ((port (target-port target))
+        (ok-rates '()) (rates '()) (done 0) (bad 0) (log-bytes 0))
     (multiple-value-bind (w finish) (start-watch target)
-      (multiple-value-bind (ok-done ok-rate) (wrk port "/yo" *error-seconds*)
-        (declare (ignore ok-done))
+      (dotimes (round *error-rounds*)
+        (push (nth-value 1 (wrk port "/yo" *error-seconds*)) ok-rates)
         (let ((log-before (log-size target)))
-          (multiple-value-bind (done rate bad) (wrk port "/error" *error-seconds*)
-            (funcall finish)
-            (let ((per-error (if (plusp bad) (round (- (log-size target) log-before) bad) 0)))
-              (row target "errors" w
-                   :load (format nil "wrk -c100, ~D s each" *error-seconds*)
-                   :rate-ratio (if (plusp ok-rate) (/ rate ok-rate) 0)
-                   :log-per-error per-error
-                   :notes (format nil "/error ~D requests (~D not 2xx), ~,2F of /yo's rate; ~
-                                       log ~D B per error"
-                                  done bad (if (plusp ok-rate) (/ rate ok-rate) 0) per-error)))))))))
+          (multiple-value-bind (n rate non-2xx) (wrk port "/error" *error-seconds*)
+            (incf done n)
+            (incf bad non-2xx)
+            (incf log-bytes (- (log-size target) log-before))
+            (push rate rates))))
+      (funcall finish)
+      (let ((ratio (if (plusp (median ok-rates)) (/ (median rates) (median ok-rates)) 0))
+            (per-error (if (plusp bad) (round log-bytes bad) 0)))
+        (row target "errors" w
+             :load (format nil "wrk -c100, ~D x ~D s on each" *error-rounds* *error-seconds*)
+             :rate-ratio ratio
+             :log-per-error per-error
+             :notes (format nil "/error ~D requests (~D not 2xx), ~,2F of /yo's rate (medians); ~
+                                 log ~D B per error"
+                            done bad ratio per-error))))))
 
 ;;; hangups: clients that send part of a body and close
 

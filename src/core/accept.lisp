@@ -4,13 +4,20 @@
 
 (in-package #:gallop.core)
 
+(defun free-workers (engine)
+  "Idle workers that no fresh connection was handed to in this tick of the
+housekeeper (CLAIMS, reset every tick): a burst accepted at once is not all
+taken for free workers' work, and a silent connection handed to an idle
+worker stops counting against it within a tick."
+  (max 0 (- (pool-idle-count (engine-pool engine)) (engine-claims engine))))
+
 (defun engine-overloaded-p (engine)
   "True when the connections waiting for a worker (PENDING) fill every
-worker that could still take one (idle workers, and those the pool may still
+worker that could still take one (free workers, and those the pool may still
 start) plus the queue of MAX-QUEUE: a new connection would only wait, so it
-gets 503 at once instead.  A connection waits for a worker when it was
-accepted with a request already sent while no worker was idle, until a
-worker serves it (ENGINE-ADOPT-FD).  One that has sent nothing costs no
+gets 503 at once instead.  A connection waits for a worker when its whole
+request head was there while no worker was free, until a worker serves it
+\(ENGINE-ADOPT-FD).  One that has sent nothing, or part of a head, holds no
 worker and never counts: its limits are the fds, the head budget and the
 header timeout, so that clients who open connections and stay silent cannot
 make the server refuse everyone else (doc/design.md, \"Silent connections
@@ -18,7 +25,7 @@ are not work\")."
   (let ((pool (engine-pool engine)))
     (>= (engine-pending engine)
         (+ (engine-max-queue engine)
-           (pool-idle-count pool)
+           (free-workers engine)
            (max 0 (- (pool-max-threads pool) (pool-thread-count pool)))))))
 
 (defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
@@ -45,14 +52,16 @@ beyond the table)."
       (sb-ext:atomic-incf (engine-accepted engine))
       (setf (svref table fd) c)
       (multiple-value-bind (ok errno)
-          (cond ((plusp (pool-idle-count (engine-pool engine)))
-                 (hand-to-workers c nil))
-                ((or (minusp (engine-housekeeper-epfd engine))
-                     (eq :ready (poll-fds fd +pollin+ -1 0)))
-                 ;; No worker is free, and its request is here.
-                 (hand-to-workers c t))
-                ;; No worker is free and the client has sent nothing yet.
-                (t (watch-silent c)))
+          (cond ((plusp (free-workers engine))
+                 (hand-to-workers c :claim))
+                ((minusp (engine-housekeeper-epfd engine))
+                 (hand-to-workers c :pending))
+                (t
+                 ;; No worker is free: is its request here?
+                 (ecase (peek-fresh c)
+                   (:complete (hand-to-workers c :pending))
+                   (:partial (hand-to-workers c nil))
+                   (:none (watch-silent c)))))
         (unless ok
           (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D" fd errno)
           (setf (connection-state c) :active)
@@ -60,15 +69,25 @@ beyond the table)."
           (return-from engine-adopt-fd nil)))
       c)))
 
-(defun hand-to-workers (c queued)
+(defun peek-fresh (c)
+  "PEEK-REQUEST on the fresh connection C; on TLS, any octet is :COMPLETE
+\(a handshake is a worker's work as a request is)."
+  (let ((what (peek-request (connection-fd c))))
+    (if (and (eq what :partial) (connection-tls-p c)) :complete what)))
+
+(defun hand-to-workers (c count)
   "Put the fresh connection C in its group's epoll set, for a worker to
-serve.  QUEUED: no worker was free, and C's request (or the start of it) is
-here, so C waits for one: count it in PENDING until a worker takes it.
-Returns what EPOLL-CTL does."
+serve.  COUNT :CLAIM: a worker was free, and is no longer free for the next
+connection in this tick (FREE-WORKERS); :PENDING: none was and C's whole
+request head is here, so C waits for one, counted in PENDING until a worker
+takes it; NIL: C has sent part of a head, or nothing, and costs no worker
+until the rest comes.  Returns what EPOLL-CTL does."
   (let ((engine (connection-engine c)))
-    (when queued
-      (setf (conn-slot c queued) t)
-      (sb-ext:atomic-incf (engine-pending engine)))
+    (ecase count
+      (:claim (sb-ext:atomic-incf (engine-claims engine)))
+      (:pending (setf (conn-slot c queued) t)
+       (sb-ext:atomic-incf (engine-pending engine)))
+      ((nil)))
     (setf (connection-state c) :parked)
     (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-add+ (connection-fd c)
                +connection-events+ (connection-token c))))
@@ -83,23 +102,26 @@ then WAKE-SILENT hands it to the workers.  Returns what EPOLL-CTL does."
 
 (defun wake-silent (c)
   "In the housekeeper: the :WAITING connection C has sent its first octets
-(or hung up).  Hand it to the workers; or, if the engine is overloaded now,
-answer it 503 as a new connection would be (so that no request waits beyond
-MAX-QUEUE however its octets and its accept were ordered)."
+\(or hung up).  Hand it to the workers; or, if its whole request head is
+here and the engine is overloaded now, answer it 503 as a new connection
+would be, so that no more requests wait than MAX-QUEUE allows however their
+octets and their accept were ordered."
   (let ((engine (connection-engine c)))
     (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-del+ (connection-fd c) 0 0)
-    (if (engine-overloaded-p engine)
-        (progn
-          (sb-ext:atomic-incf (engine-shed engine))
-          (setf (connection-state c) :active)
-          (reject-connection c (response-503 engine) :registered nil))
-        (multiple-value-bind (ok errno)
-            (hand-to-workers c (zerop (pool-idle-count (engine-pool engine))))
-          (unless ok
-            (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D"
-                              (connection-fd c) errno)
+    (let ((what (peek-fresh c)))
+      (if (and (eq what :complete) (engine-overloaded-p engine))
+          (progn
+            (sb-ext:atomic-incf (engine-shed engine))
             (setf (connection-state c) :active)
-            (close-connection c))))))
+            (reject-connection c (response-503 engine) :registered nil))
+          (multiple-value-bind (ok errno)
+              (hand-to-workers c (cond ((plusp (free-workers engine)) :claim)
+                                       ((eq what :complete) :pending)))
+            (unless ok
+              (log-engine-error engine "epoll_ctl ADD of fd ~D failed: errno ~D"
+                                (connection-fd c) errno)
+              (setf (connection-state c) :active)
+              (close-connection c)))))))
 
 (defun engine-shed-fd (engine fd &key close-hook)
   "Answer the fresh socket FD with 503 and Retry-After, without a worker, and

@@ -49,6 +49,7 @@ serves: record its framing."
                           synth synth-pos synth-data-left synth-done framing-broken engine) c
     (setf head-left (- scan in-start)
           (conn-slot c blank-lines) 0
+          (conn-slot c line-checked) nil
           framing-broken nil
           synth nil synth-pos 0 synth-data-left 0 synth-done nil)
     (cond (chunked

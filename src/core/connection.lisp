@@ -94,9 +94,9 @@ TALLY) this connection's requests count in: its group's.")
                  :documentation "When the first byte of a still-incomplete head arrived.")
    (fresh :initform t :documentation "True until the first request is served.")
    (queued :initform nil
-           :documentation "True while C counts in its engine's PENDING: accepted
-with input already waiting while no worker was idle, and no worker has
-served it yet (ENGINE-ADOPT-FD).")
+           :documentation "True while C counts in its engine's PENDING: its
+request was here and no worker was free when it was handed to the workers,
+and none has served it yet (HAND-TO-WORKERS).")
    (gone :initform nil
          :documentation "True once a send failed because the client went away.")
    (peer-closed :initform nil
@@ -138,6 +138,9 @@ TLS stream it reads and writes instead of its fd.")
              :documentation "Octets of the engine's head budget this connection holds.")
    (blank-lines :initform 0 :type fixnum
                 :documentation "Empty lines skipped since the last request (SCAN-HEAD).")
+   (line-checked :initform nil
+                 :documentation "True once CHECK-PARTIAL-HEAD checked the request
+line of the head being read (until BEGIN-MESSAGE).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
 CONNECTION-DETACH): its reads pass through and know no request boundary.")

@@ -123,6 +123,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (aborted 0 :type sb-ext:word)
   (rejected 0 :type sb-ext:word)
   (pending 0 :type sb-ext:word)
+  (claims 0 :type sb-ext:word) ; fresh connections handed to free workers this tick (FREE-WORKERS)
   (head-bytes 0 :type sb-ext:word)
   (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
@@ -214,8 +215,46 @@ a server log must cost a bounded amount.")
 than +MAX-LOG-LINE+."
   (if (<= (length string) +max-log-line+)
       string
-      (let ((note (format nil "~%... (~D characters not logged)" (- (length string) +max-log-line+))))
+      (let ((note (format nil "~%... (~D more characters not logged)"
+                          (- (length string) +max-log-line+))))
         (concatenate 'string (subseq string 0 (- +max-log-line+ (length note))) note))))
+
+(defclass log-line-stream (sb-gray:fundamental-character-output-stream)
+  ((out :initform (make-string-output-stream) :reader log-line-out)
+   (left :initform +max-log-line+ :accessor log-line-left))
+  (:documentation "A string stream that takes +MAX-LOG-LINE+ characters, then
+throws to LOG-LINE-FULL: what a log line may cost to make is bounded too."))
+
+(defmethod sb-gray:stream-write-char ((s log-line-stream) char)
+  (when (<= (log-line-left s) 0)
+    (throw 'log-line-full t))
+  (decf (log-line-left s))
+  (write-char char (log-line-out s)))
+
+(defmethod sb-gray:stream-write-string ((s log-line-stream) string &optional (start 0) end)
+  (let* ((end (or end (length string)))
+         (n (min (- end start) (max 0 (log-line-left s)))))
+    (write-string string (log-line-out s) :start start :end (+ start n))
+    (decf (log-line-left s) n)
+    (when (< n (- end start))
+      (throw 'log-line-full t))
+    string))
+
+(defmethod sb-gray:stream-line-column ((s log-line-stream))
+  nil)
+
+(defun format-log-line (format-control args)
+  "FORMAT-CONTROL applied to ARGS, as a string of at most +MAX-LOG-LINE+
+characters and a note when it was cut (the rest is not even made); true as
+a second value when it was cut."
+  (let* ((stream (make-instance 'log-line-stream))
+         (cut (catch 'log-line-full
+                (apply #'format stream format-control args)
+                nil))
+         (text (get-output-stream-string (log-line-out stream))))
+    (if cut
+        (values (concatenate 'string text (format nil "~%... (the rest not logged)")) t)
+        (values text nil))))
 
 (defun log-engine-error (engine format-control &rest args)
   (let ((log (engine-log-error engine)))
@@ -294,8 +333,8 @@ Connection: close."
 (defun engine-stats (engine)
   "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
 epoll), :ACTIVE (owned by a worker or by a handler that detached them),
-:IN-FLIGHT requests, :PENDING (waiting for a worker, see
-ENGINE-OVERLOADED-P), totals :ACCEPTED,
+:IN-FLIGHT requests, :PENDING (whole request heads waiting for a worker,
+see ENGINE-OVERLOADED-P), totals :ACCEPTED,
 :CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
 :HEAD-BYTES (input buffers counted against the head budget: those of
 connections parked with a partial head, and those grown for a long head),

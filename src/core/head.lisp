@@ -64,10 +64,11 @@ surrounding spaces and tabs: the bounds of a header field's value."
         do (decf end))
   (values start end))
 
-(defun check-request-line (buffer start end)
+(defun check-request-line (buffer start end &optional (method-symbol t))
   "Check the request line BUFFER[START,END) (END at its LF, which a CR must
 precede).  Returns the status that refuses it or NIL, the HTTP minor version
-\(0 or 1), the method's symbol, and the bounds of the request target."
+\(0 or 1), the method's symbol (NIL unless METHOD-SYMBOL), and the bounds of
+the request target."
   (declare (type octets buffer) (type fixnum start end) (optimize speed))
   (unless (and (> end start) (= (aref buffer (1- end)) +cr+))
     (return-from check-request-line 400))
@@ -104,7 +105,7 @@ precede).  Returns the status that refuses it or NIL, the HTTP minor version
       (let ((major (- (aref buffer (+ i 5)) 48))
             (minor (- (aref buffer (+ i 7)) 48)))
         (if (and (= major 1) (<= minor 1))
-            (values nil minor (method-symbol buffer start method-end)
+            (values nil minor (and method-symbol (method-symbol buffer start method-end))
                     (1+ method-end) (1- i))
             (values 505 0))))))
 
@@ -317,12 +318,20 @@ C's request record).  Returns the status that refuses it, or NIL."
     (%parse-head inbuf in-start scan request
                  (engine-methods engine) (engine-max-body-bytes engine))))
 
+(defconstant +early-line-check-bytes+ 8192
+  "How far into a partial head CHECK-PARTIAL-HEAD looks for the end of the
+request line: a longer line is left to the head's own checks.")
+
 (defun check-partial-head (c)
   "Check the request line of the incomplete head buffered in C, once it has
 arrived whole.  Returns the status that refuses it (CHECK-REQUEST-LINE), or
 NIL.  A line that can never begin a valid head (an HTTP/0.9 request line,
-garbage) is refused at once, not after the header timeout."
+garbage) is refused at once, not after the header timeout.  Each message's
+line is checked once, and a park looks at most +EARLY-LINE-CHECK-BYTES+
+into it, so slow clients cannot make it cost more than the read did."
   (with-connection-slots (inbuf in-start in-end) c
-    (when inbuf
-      (let ((lf (line-end inbuf in-start in-end)))
-        (and lf (values (check-request-line inbuf in-start lf)))))))
+    (when (and inbuf (not (conn-slot c line-checked)))
+      (let ((lf (line-end inbuf in-start (min in-end (+ in-start +early-line-check-bytes+)))))
+        (when lf
+          (setf (conn-slot c line-checked) t)
+          (values (check-request-line inbuf in-start lf nil)))))))

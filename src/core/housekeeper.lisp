@@ -152,7 +152,10 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
                        (t (connection-event engine data)))))
              (let ((now (now-ms)))
                (when (>= now next-tick)
-                 (setf next-tick (+ now +tick-ms+))
+                 (setf next-tick (+ now +tick-ms+)
+                       ;; A connection handed to a free worker a tick ago
+                       ;; was taken, or is silent: see FREE-WORKERS.
+                       (engine-claims engine) 0)
                  (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
                    (error (e) (log-engine-error engine "Timer error: ~A" e)))
                  (when accept-paused

@@ -48,8 +48,7 @@ kept).")
   "A worker serves C (or C closes): it is no longer fresh, nor queued."
   (when (conn-slot c fresh)
     (setf (conn-slot c fresh) nil)
-    (when (conn-slot c queued)
-      (setf (conn-slot c queued) nil)
+    (when (shiftf (conn-slot c queued) nil)
       (sb-ext:atomic-decf (engine-pending (connection-engine c))))))
 
 

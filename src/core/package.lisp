@@ -56,6 +56,7 @@
    #:reason-phrase #:+response-100+
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    #:timeout-line-due #:backtrace-due-p #:+backtraces-per-second+ #:+max-log-line+ #:cut-log-line
+   #:format-log-line
    ;; utilities used by the layers above
    #:octet-position #:octets-case #:octets-match-p #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit

@@ -47,9 +47,10 @@ epoll, not in a worker.")
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")
       (max-queue-length 1024
-       "The most accepted connections waiting for a worker (their request sent,
-no worker free) before new ones get an immediate 503 with Retry-After.
-Connections that sent nothing do not count."))
+       "The most accepted connections waiting for a worker (their whole request
+head sent, no worker free) before new ones get an immediate 503 with
+Retry-After.  Connections that sent nothing or part of a head do not
+count."))
     "Each user setting: (NAME DEFAULT-FORM DOCUMENTATION).  Times in seconds,
 sizes in octets."))
 

@@ -44,6 +44,8 @@
 (defconstant +f-setfl+ 4)
 (defconstant +f-dupfd-cloexec+ 1030)
 (defconstant +msg-nosignal+ #x4000)
+(defconstant +msg-peek+ #x2)
+(defconstant +msg-dontwait+ #x40)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
 (defconstant +pollin+ #x001)
@@ -286,6 +288,25 @@ one already past expires at once."
               (t (let ((errno (%errno)))
                    (unless (= errno +eintr+)
                      (return (values -1 errno))))))))))
+
+(defun peek-request (fd)
+  "What the client of the non-blocking socket FD has sent so far, left
+unread: :NONE (nothing, or its end), :PARTIAL (part of a request head, or
+a head longer than 4 KiB) or :COMPLETE (a whole head: an empty line, LF LF
+or LF CR LF, as SCAN-HEAD finds it)."
+  (sb-alien:with-alien ((buffer (array (sb-alien:unsigned 8) 4096)))
+    (let* ((sap (sb-alien:alien-sap buffer))
+           (n (%recv fd sap 4096 (logior +msg-peek+ +msg-dontwait+))))
+      (declare (type fixnum n))
+      (cond ((<= n 0) :none)
+            ((loop for i of-type fixnum from 0 below (1- n)
+                   thereis (and (= (sb-sys:sap-ref-8 sap i) 10)
+                                (or (= (sb-sys:sap-ref-8 sap (1+ i)) 10)
+                                    (and (< (+ i 2) n)
+                                         (= (sb-sys:sap-ref-8 sap (1+ i)) 13)
+                                         (= (sb-sys:sap-ref-8 sap (+ i 2)) 10)))))
+             :complete)
+            (t :partial)))))
 
 (defun send-from (fd buffer start end)
   "send(2) BUFFER[START,END) without raising SIGPIPE.  Returns the count

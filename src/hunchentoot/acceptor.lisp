@@ -68,10 +68,11 @@ away or timed out."
                       condition
                       (unless (or (client-abort-condition-p condition)
                                   (client-timeout-condition-p condition)
+                                  ;; An error page's template may show the
+                                  ;; backtrace whenever this is true.
                                   (not (or (and hunchentoot:*log-lisp-errors-p*
                                                 hunchentoot:*log-lisp-backtraces-p*)
-                                           (and hunchentoot:*show-lisp-errors-p*
-                                                hunchentoot:*show-lisp-backtraces-p*))))
+                                           hunchentoot:*show-lisp-backtraces-p*)))
                         (if (or (null *connection*)
                                 (gallop.core:backtrace-due-p
                                  (gallop.core:connection-engine *connection*)))

@@ -332,22 +332,30 @@ does)."
   ;;    the native API does;
   ;;  - a client that timed out is logged at most once a minute, with the
   ;;    count of those not logged (GALLOP.CORE:TIMEOUT-LINE-DUE);
-  ;;  - no message is longer than GALLOP.CORE:+MAX-LOG-LINE+.
-  (cond ((null *connection*) (call-next-method))
-        ((some #'client-abort-condition-p format-arguments)
-         (gallop.core:note-client-abort (gallop.core:connection-engine *connection*)))
-        ((some #'client-timeout-condition-p format-arguments)
-         (let ((skipped (gallop.core:timeout-line-due (gallop.core:connection-engine *connection*))))
-           (when skipped
-             (call-next-method acceptor log-level "~A~[~:;~:* (and ~D more client timeouts ~
-                                                    in the last minute, not logged)~]"
-                               (gallop.core:cut-log-line
-                                (apply #'format nil format-string format-arguments))
-                               skipped))))
-        (t
-         (call-next-method acceptor log-level "~A"
-                           (gallop.core:cut-log-line
-                            (apply #'format nil format-string format-arguments))))))
+  ;;  - no message is longer than GALLOP.CORE:+MAX-LOG-LINE+: one that would
+  ;;    be is passed on cut, as a string; any other as it came, so that
+  ;;    methods of the user's see the arguments.  A message whose making
+  ;;    fails is passed on as it came, for Hunchentoot's own handling.
+  (flet ((bounded ()
+           (handler-case (gallop.core:format-log-line format-string format-arguments)
+             (error () (return-from hunchentoot:acceptor-log-message (call-next-method))))))
+    (cond ((null *connection*) (call-next-method))
+          ((some #'client-abort-condition-p format-arguments)
+           (gallop.core:note-client-abort (gallop.core:connection-engine *connection*)))
+          ((null (hunchentoot:acceptor-message-log-destination acceptor))
+           nil)
+          ((some #'client-timeout-condition-p format-arguments)
+           (let ((skipped (gallop.core:timeout-line-due
+                           (gallop.core:connection-engine *connection*))))
+             (when skipped
+               (call-next-method acceptor log-level "~A~[~:;~:* (and ~D more client timeouts ~
+                                                      in the last minute, not logged)~]"
+                                 (bounded) skipped))))
+          (t
+           (multiple-value-bind (text cut) (bounded)
+             (if cut
+                 (call-next-method acceptor log-level "~A" text)
+                 (call-next-method)))))))
 
 (defmethod hunchentoot:detach-socket :after ((acceptor hunchentoot:acceptor))
   ;; The handler keeps the stream (a WebSocket, a tunnel): Gallop stops

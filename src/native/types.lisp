@@ -35,7 +35,7 @@ two workers at once do not mix.")
   (let ((log (server-log server)))
     (when log
       (ignore-errors
-       (let ((line (gallop.core:cut-log-line (apply #'format nil format-control args))))
+       (let ((line (gallop.core:format-log-line format-control args)))
          (sb-thread:with-mutex (*log-lock*)
            (format log "~&[gallop ~A] ~A~%" (iso-time) line)
            (finish-output log)))))))

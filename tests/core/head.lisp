@@ -113,17 +113,19 @@ status, the octets.")
                           "~A: not answered ~D at once" name status))
                  (usocket:socket-close socket))))
     (is (= (length *bad-request-lines*) (engine-stat engine :rejected)))
-    ;; A partial head whose request line is good waits for the rest.
-    (let ((socket (connect port)))
-      (unwind-protect
-           (progn
-             (send socket (format nil "GET / HTTP/1.1~C~CHost: x~C~C" #\Return #\Linefeed
-                                  #\Return #\Linefeed))
-             (is (wait-until (lambda () (plusp (engine-stat engine :head-bytes))))
-                 "the partial head was not parked")
-             (send socket (format nil "~C~C" #\Return #\Linefeed))
-             (is (= 200 (response-status (read-response socket)))))
-        (usocket:socket-close socket)))))
+    ;; A partial head whose request line is good waits for the rest, with
+    ;; a line of a few octets or one longer than the early check looks.
+    (dolist (target (list "/" (format nil "/~A" (make-string 10000 :initial-element #\a))))
+      (let ((socket (connect port)))
+        (unwind-protect
+             (progn
+               (send socket (format nil "GET ~A HTTP/1.1~C~CHost: x~C~C" target
+                                    #\Return #\Linefeed #\Return #\Linefeed))
+               (is (wait-until (lambda () (plusp (engine-stat engine :head-bytes))))
+                   "the partial head was not parked")
+               (send socket (format nil "~C~C" #\Return #\Linefeed))
+               (is (= 200 (response-status (read-response socket)))))
+          (usocket:socket-close socket))))))
 
 (test good-heads-pass
   (with-engine (engine port)
