@@ -32,7 +32,10 @@
     (force-output stream)
     (error "failure after the head")))
 
-(defparameter *error-paths* '("/err/plain" "/err/bad-request" "/err/after-head" "/err/deep"))
+(defparameter *error-paths* '("/err/plain" "/err/bad-request" "/err/after-head")
+  "The paths whose answers stock Hunchentoot and Gallop must write alike.  Not
+/err/deep: stock Hunchentoot prints its 300 frames with every argument in
+full, tens of megabytes, and may not answer at all.")
 
 (defun error-exchange (port path)
   "The octets PORT sends for GET PATH with Connection: close, to the end of
@@ -59,9 +62,8 @@ the connection, as a string with the Date value and the port blanked."
           for s in stock
           for g in gallop
           do (is (string= s g) "For ~A:~%stock:  ~S~%gallop: ~S" path s g))
-    (destructuring-bind (plain bad-request after-head deep) gallop
+    (destructuring-bind (plain bad-request after-head) gallop
       (is (search "HTTP/1.1 500 Internal Server Error" plain :end2 40))
-      (is (search "HTTP/1.1 500 Internal Server Error" deep :end2 40))
       (is (search "HTTP/1.1 400 Bad Request" bad-request :end2 40))
       (is (search "partial" after-head)))))
 
@@ -96,7 +98,9 @@ start of a line; lines that do not belong to the entry before."
     (let ((log (make-string-output-stream)))
       (with-server (server 'gallop:easy-acceptor :message-log-destination log)
         (dolist (path '("/err/plain" "/err/huge" "/err/deep"))
-          (error-exchange (port-of server) path)))
+          (is (search "HTTP/1.1 500 Internal Server Error"
+                      (error-exchange (port-of server) path) :end2 40)
+              "~A was not answered 500" path)))
       (let* ((entries (log-entries (get-output-stream-string log)))
              (plain (entry-with entries "plain failure 42"))
              (huge (entry-with entries "huge failure xxx"))
