@@ -145,6 +145,10 @@ complete and checked, then begin its message: true.  NIL when there is none
                (:line-too-long (return (answer-through-source c +response-414+)))
                (:too-large (return (answer-through-source c +response-431+)))
                (:incomplete
+                (let ((refusal (check-partial-head c)))
+                  ;; A line no header can make valid: refused now.
+                  (when refusal
+                    (return (answer-through-source c (error-response refusal)))))
                 (unless (make-room c (engine-max-head-bytes engine))
                   ;; Full: at the head limit (431), or short of it because
                   ;; the head budget is spent (503), as on a plain socket.

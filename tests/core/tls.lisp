@@ -212,6 +212,18 @@ Twice on one connection."
                (is (and (wire-response-p response) (= 408 (wire-status response))) "~A" response)))
         (tls-close client)))))
 
+(test an-http/0.9-request-line-over-tls-gets-400-at-once
+  ;; As on a plain connection: refused when the line is whole, not when the
+  ;; header timeout (a minute here) runs out.
+  (with-tls-app (server #'tls-app :header-timeout 60)
+    (let ((client (tls-connect (native-port server))))
+      (unwind-protect
+           (progn
+             (tls-send client (octets (format nil "GET /fast~C~C" #\Return #\Linefeed)))
+             (let ((response (tls-read-wire client :close t :timeout 8)))
+               (is (and (wire-response-p response) (= 400 (wire-status response))) "~A" response)))
+        (tls-close client)))))
+
 (defun read-all-with-timeout (stream seconds)
   "Read STREAM to its end within SECONDS: the octets, and :EOF or :TIMEOUT
 \(or :RESET when the read failed)."
