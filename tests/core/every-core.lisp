@@ -279,6 +279,17 @@ answer is exact."
                            (logior gallop.core::+epollin+ gallop.core::+epollerr+)))
         (is (logtest gallop.core::+epollrdhup+ (served-flags flags)) "flags ~D" flags)))))
 
+(defun in-its-groups-set-p (server socket)
+  "True once the server's side of SOCKET waits in its group's epoll set, not
+in the housekeeper's: a connection accepted while no worker was free, and
+silent then, joins its group's set only once the housekeeper has seen its
+first octets (accept.lisp's WAKE-SILENT)."
+  (let ((port (usocket:get-local-port socket)))
+    (some (lambda (c)
+            (and c (eql port (gallop.core:connection-remote-port c))
+                 (not (eq :waiting (gallop.core::connection-state c)))))
+          (gallop.core::engine-table (gallop::server-engine server)))))
+
 (defun other-groups-worker-waits-in-epoll-p (server)
   "True when the worker of the group of SERVER's pool that has an idle worker
 sleeps inside a system call (THREAD-WAIT-KIND :CALL): for a worker with
@@ -327,9 +338,13 @@ counted in :STOLEN.  Without that, they would wait for the gate."
                                     :timeout 10))
                ;; ...while three more requests wait in X's epoll set, the
                ;; first of which will block at the gate too.
-               (send (second x) (crlf "GET /gate HTTP/1.1" "Host: x"))
-               (send (third x) (crlf "GET /yo HTTP/1.1" "Host: x"))
-               (send (fourth x) (crlf "GET /yo HTTP/1.1" "Host: x"))
+               ;; In this order in X's set (each there before the next is
+               ;; sent), so that the batch begins with the one that blocks.
+               (loop for (socket path) in (list (list (second x) "/gate") (list (third x) "/yo")
+                                                (list (fourth x) "/yo"))
+                     do (send socket (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))
+                        (is-true (wait-until (lambda () (in-its-groups-set-p server socket))
+                                             :timeout 10)))
                ;; Let the first go: X's worker answers it, then takes the
                ;; three in one batch and blocks on the first of them.
                (sb-thread:signal-semaphore *gate*)
@@ -373,6 +388,7 @@ and that x1 is answered once the gate opens."
                (when before-x2
                  (funcall before-x2 server))
                (send x2 (crlf "GET /yo HTTP/1.1" "Host: x"))
+               (is-true (wait-until (lambda () (in-its-groups-set-p server x2)) :timeout 10))
                (send y1 (crlf "GET /yo HTTP/1.1" "Host: x"))
                (is (exact-answer-p (read-wire-or-error y1 :persistent t) "Hey!"))
                (is (exact-answer-p (read-wire-or-error x2 :persistent t) "Hey!"))
