@@ -1,8 +1,13 @@
 ;;;; body.lisp -- the request a handler is serving: its head and its body,
-;;;; read as they arrive, in bounded memory, and never past the request's end.
+;;;; in bounded memory, and never past the request's end.
 ;;;;
 ;;;; Once CHECK-HEAD passed, BEGIN-MESSAGE records the request's framing in
-;;;; the connection's REQUEST record.  From then on:
+;;;; the connection's REQUEST record.  A body not all buffered yet is then
+;;;; read by the engine, in epoll, before the handler runs (GATHER-BODY, at
+;;;; the end of this file), into a spool (spool.lisp); the handler reads it
+;;;; from there (BODY-MODE :SPOOL) and never waits for the client.  A body
+;;;; the application streams (the engine's STREAMED-BODIES) is read from the
+;;;; connection as the handler asks for it.  From then on:
 ;;;;  - The native layer reads the head from the record (see request.lisp),
 ;;;;    drops it (CONNECTION-CONSUME-HEAD) and reads the decoded body with
 ;;;;    CONNECTION-READ-BODY, usually through a BODY-STREAM.
@@ -21,13 +26,15 @@
 ;;;;    unread if it is already here; if not, the connection closes after
 ;;;;    the answer (nothing waits for a client's unwanted upload).
 ;;;;
-;;;; Memory: the connection's input buffer (8 KiB) holds at most a window of
-;;;; the body; nothing else is kept.
+;;;; Memory: a streamed body holds at most a window of the connection's input
+;;;; buffer (8 KiB); a body the engine reads first, its spool's share of the
+;;;; body budget (memory) or the disk budget (a temporary file).
 ;;;;
 ;;;; A framing error or a chunked body over MAX-BODY-BYTES signals
 ;;;; REQUEST-BODY-ERROR in the reading code and sets FRAMING-BROKEN: the
-;;;; connection closes after the answer.  A client that stops sending gives
-;;;; CONNECTION-ERROR (read timeout) or end of file, as any read does.
+;;;; connection closes after the answer.  So does a streamed body that comes
+;;;; too slowly (the read timeout, or the minimum data rate: status 408); a
+;;;; client that ends its side gives end of file, as any read does.
 
 (in-package #:gallop.core)
 
@@ -51,7 +58,8 @@ serves: record its framing."
           (conn-slot c blank-lines) 0
           (conn-slot c line-checked) nil
           framing-broken nil
-          synth nil synth-pos 0 synth-data-left 0 synth-done nil)
+          synth nil synth-pos 0 synth-data-left 0 synth-done nil
+          (conn-slot c rate-start) 0)
     (cond (chunked
            (setf body-mode :chunked)
            (reset-chunk-decoder (connection-decoder c) (engine-max-body-bytes engine)))
@@ -104,6 +112,7 @@ buffer no longer counts against the head budget."
           raw t
           (conn-slot c detaching) t)
     (release-request-fields (conn-slot c request))
+    (release-spool c)
     (uncharge-head c)
     c))
 
@@ -125,10 +134,22 @@ buffer no longer counts against the head budget."
   (error condition))
 
 (defun ensure-input (c)
-  "Make sure C has unread input, blocking (bounded by the read timeout).
+  "Make sure C has unread input, blocking (bounded by the read timeout, and
+by the minimum data rate for a body read as it arrives: past either,
+REQUEST-BODY-ERROR 408, and the connection closes after the answer).
 The request is not over, so end of file here means the client went away."
   (with-connection-slots (in-start in-end) c
-    (when (and (= in-start in-end) (not (fill-input c)))
+    (when (and (= in-start in-end)
+               (not (handler-case (fill-input c)
+                      (connection-timeout-error (e)
+                        (let ((rate (body-rate-deadline c)))
+                          (when (and rate (<= rate (now-ms)))
+                            (sb-ext:atomic-incf
+                             (engine-slow-clients (connection-engine c)))))
+                        (if (conn-slot c source)
+                            (error e)   ; TLS through a library: its own reading
+                            (body-broken c (make-condition 'request-body-error
+                                                           :status 408)))))))
       ;; The client ended its side in the middle of a request: there is no
       ;; request to answer (as nginx, nothing is sent; later sends are
       ;; dropped), and the connection closes.
@@ -152,6 +173,9 @@ the last octet copied."
   "Decoded octets of C's chunked body into VECTOR[START,END); returns the
 index after the last octet, less than END only at the end of the body."
   (declare (type fixnum start end))
+  (when (eq (conn-slot c body-mode) :spool)
+    ;; Re-chunking a body the engine read before the handler: its data.
+    (return-from read-chunked-data (read-spooled c vector start end)))
   (let ((d (conn-slot c chunk-decoder)))
     (with-connection-slots (inbuf in-start in-end body-mode) c
       (loop while (< start end)
@@ -187,12 +211,31 @@ a malformed chunked body or one over the limit."
                     (setf body-mode nil))
                   (setf start k)))
                (:chunked
-                (setf start (read-chunked-data c vector start end))))))
+                (setf start (read-chunked-data c vector start end)))
+               (:spool
+                (let ((k (read-spooled c vector start end)))
+                  (when (= k start)
+                    (setf body-mode nil))
+                  (setf start k))))))
   start)
+
+(defun read-spooled (c vector start end)
+  "The next octets of the body the engine read for C (GATHER-BODY) into
+VECTOR[START,END): the index after the last one, START at its end."
+  (declare (type fixnum start end))
+  (let ((spool (conn-slot c spool)))
+    (if (or (null spool) (<= (conn-slot c body-left) 0))
+        start
+        (let ((k (spool-read spool vector start
+                             (+ start (min (- end start) (conn-slot c body-left))))))
+          (decf (conn-slot c body-left) (- k start))
+          k))))
 
 (defun next-chunk-size (c)
   "Decode C's chunked body up to the data of its next chunk: that chunk's
 data octets not yet read, or 0 at the end of the body."
+  (when (eq (conn-slot c body-mode) :spool)
+    (return-from next-chunk-size (max 0 (conn-slot c body-left))))
   (let ((d (conn-slot c chunk-decoder)))
     (with-connection-slots (inbuf in-start in-end) c
       (loop
@@ -253,7 +296,8 @@ Returns the index after the last octet read into VECTOR[START,END)."
         (incf start n)))
     (if (and (< start end) (zerop head-left) body-mode
              (not (conn-slot c framing-broken))) ; a broken body has no more octets
-        (if (eq body-mode :chunked)
+        (if (or (eq body-mode :chunked)
+                (and (eq body-mode :spool) (conn-slot c chunked)))
             (read-rechunked c vector start end)
             (connection-read-body c vector start end))
         start)))
@@ -288,8 +332,14 @@ then the connection must close after the answer."
   (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw
                           request) c
     (incf in-start head-left)
-    (setf head-left 0)
+    (setf head-left 0
+          (conn-slot c rate-start) 0)
     (release-request-fields request)
+    (when (conn-slot c spool)
+      ;; The engine read the whole body: what the handler left of it goes.
+      (release-spool c)
+      (when (eq body-mode :spool)
+        (setf body-mode nil)))
     (cond
       ((or raw (null body-mode))        ; TLS reads its requests itself; or no body left
        (not framing-broken))
@@ -368,4 +418,180 @@ sends 100 Continue first (RFC 9110, 10.1.1: only once the body is wanted)."
 (defmethod sb-gray:stream-listen ((s body-stream))
   (let ((c (slot-value s 'connection)))
     (and (connection-body-pending-p c)
-         (< (conn-slot c in-start) (conn-slot c in-end)))))
+         (if (eq (conn-slot c body-mode) :spool)
+             (plusp (conn-slot c body-left))
+             (< (conn-slot c in-start) (conn-slot c in-end))))))
+
+;;; Reading a body before the handler.  The engine reads a request's body as
+;;; it arrives, between epoll events, into a spool (spool.lisp), and runs the
+;;; handler once all of it is here: a client sending its body slowly holds a
+;;; parked connection, not a worker (doc/design.md, "A slow body holds no
+;;; worker").  The body is read into the input buffer after the head, whose
+;;; octets stay where they are (the request record indexes them), and moved
+;;; to the spool from there; what follows the body (a pipelined request)
+;;; stays after the head, where FINISH-MESSAGE finds it.  Its deadline is the
+;;; read timeout from the last octets, or sooner under the minimum data
+;;; rate (PARK); past it, 408.
+
+(defconstant +gather-room+ 4096
+  "The least room after the head in the input buffer to read a body into;
+with less, the buffer grows (charged to the head budget).")
+
+(defun request-path (c)
+  "The path of the request C serves (its target without the query), as a
+string of its octets."
+  (let* ((r (conn-slot c request))
+         (buffer (conn-slot c inbuf))
+         (start (request-target-start r))
+         (path (make-string (- (request-query-start r) start))))
+    (declare (type octets buffer) (type fixnum start))
+    (dotimes (i (length path) path)
+      (setf (char path i) (code-char (aref buffer (+ start i)))))))
+
+(defun streamed-body-p (c)
+  "True when the application reads the body of C's request as it arrives
+\(the engine's STREAMED-BODIES says so for its method and path).  An error
+in that function is logged, and the body read first."
+  (let* ((engine (connection-engine c))
+         (streamed (engine-streamed-bodies engine)))
+    (and streamed
+         (handler-case (funcall streamed (request-method (conn-slot c request)) (request-path c))
+           (error (e)
+             (log-engine-error engine "STREAMED-BODIES failed on ~A: ~A" c e)
+             nil)))))
+
+(defun gather-body-p (c)
+  "After BEGIN-MESSAGE: whether the engine reads the body of C's request
+before the handler runs (GATHER-BODY).  Not when there is none, or all of it
+is buffered already, or the engine does not read C's requests itself (RAW),
+or the application streams it (STREAMED-BODIES): then the minimum data rate
+bounds the handler's reads of it."
+  (with-connection-slots (body-mode body-left in-start in-end head-left raw) c
+    (cond ((or (null body-mode) raw) nil)
+          ((and (eq body-mode :length) (<= body-left (- in-end in-start head-left))) nil)
+          ((streamed-body-p c)
+           (setf (conn-slot c rate-start) (now-ms)
+                 (conn-slot c rate-octets) (- in-end in-start head-left))
+           nil)
+          (t t))))
+
+(defun begin-gathering (c)
+  "Start reading C's request body before the handler (GATHER-BODY).  A
+client that sent Expect: 100-continue is told to send the body now, and the
+layers above see no such expectation left."
+  (let ((now (now-ms)))
+    (setf (conn-slot c spool) (make-spool)
+          (conn-slot c gathering) t
+          (conn-slot c progress) now
+          (conn-slot c rate-start) now
+          (conn-slot c rate-octets) 0)
+    (when (conn-slot c expect-continue)
+      (setf (conn-slot c expect-continue) nil)
+      ;; A client gone already is found by the next read.
+      (handler-case (connection-write-continue c)
+        (connection-error () nil)))))
+
+(defun body-gathered-p (c)
+  (case (conn-slot c body-mode)
+    (:length (zerop (conn-slot c body-left)))
+    (:chunked (null (chunk-decoder-state (conn-slot c chunk-decoder))))
+    (t t)))
+
+(defun spool-input (c start end)
+  "Move the body octets of C's input buffer from START (before END) to its
+spool: the index after the last one taken (less than END only at the end of
+the body), or NIL when the spool could not hold them.  Signals
+REQUEST-BODY-ERROR for a malformed chunked body, or one over the limit."
+  (declare (type fixnum start end))
+  (with-connection-slots (inbuf body-mode body-left spool engine) c
+    (ecase body-mode
+      (:length
+       (let ((n (min body-left (- end start))))
+         (and (spool-append engine spool inbuf start (+ start n))
+              (progn (decf body-left n)
+                     (+ start n)))))
+      (:chunked
+       (let ((d (conn-slot c chunk-decoder)))
+         (loop while (< start end)
+               do (case (chunk-decoder-state d)
+                    ((nil) (return))
+                    (:data
+                     (let ((n (min (chunk-decoder-left d) (- end start))))
+                       (unless (spool-append engine spool inbuf start (+ start n))
+                         (return-from spool-input nil))
+                       (chunk-decoder-take d n)
+                       (incf start n)))
+                    (t (setf start (chunk-decoder-step d inbuf start end)))))
+         start)))))
+
+(defun room-after-head (c)
+  "Make room after IN-END in C's input buffer to read body octets into,
+without moving the head: true when there is some."
+  (with-connection-slots (inbuf in-end) c
+    (let ((buffer inbuf))
+      (declare (type octets buffer))
+      (or (>= (- (length buffer) in-end) +gather-room+)
+          (let ((size (+ in-end +buffer-size+)))
+            (if (charge-growth c size)
+                (let ((bigger (make-array size :element-type '(unsigned-byte 8))))
+                  (replace bigger buffer :end2 in-end)
+                  (release-buffer buffer)
+                  (setf inbuf bigger)
+                  t)
+                (< in-end (length buffer))))))))
+
+(defun gather-body (c)
+  "Read C's request body, as far as it has arrived, into its spool, without
+waiting.  True once all of it is here: BODY-MODE is :SPOOL, and the handler
+may run.  NIL when C was parked to wait for more (its deadline set by PARK),
+or rejected (400 or 413 for the body, 503 when it cannot be held) or closed
+\(the client went away): the caller lets go of C."
+  (let ((engine (connection-engine c)))
+    (with-connection-slots (inbuf in-start in-end head-left body-mode body-left spool) c
+      (handler-case
+          (loop
+            (let ((base (+ in-start head-left)))
+              (declare (type fixnum base))
+              (when (< base in-end)
+                (let ((used (spool-input c base in-end)))
+                  (unless used
+                    (sb-ext:atomic-incf (engine-shed engine))
+                    (reject-connection c (response-503 engine))
+                    (return nil))
+                  ;; What follows the body (a next request) stays after the head.
+                  (replace inbuf inbuf :start1 base :start2 used :end2 in-end)
+                  (setf in-end (+ base (- in-end used)))))
+              (when (body-gathered-p c)
+                (setf (conn-slot c gathering) nil
+                      (conn-slot c rate-start) 0
+                      body-mode :spool
+                      body-left (spool-fill spool))
+                (return t))
+              (unless (room-after-head c)
+                (sb-ext:atomic-incf (engine-shed engine))
+                (reject-connection c (response-503 engine))
+                (return nil))
+              (let ((buffer inbuf))
+                (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
+                  (declare (type fixnum n))
+                  (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+                  (cond ((plusp n)
+                         (incf in-end n)
+                         (incf (conn-slot c rate-octets) n)
+                         (setf (conn-slot c progress) (now-ms)))
+                        ((zerop n)
+                         ;; The client ended its side in the middle of its
+                         ;; request: there is nothing to answer.
+                         (close-connection c)
+                         (return nil))
+                        ((= errno +eagain+)
+                         (when (park c)
+                           (return nil)))
+                        (t (close-connection c)
+                           (return nil)))))))
+        (request-body-error (e)
+          (reject c (error-response (request-body-error-status e)))
+          nil)
+        (connection-error ()
+          (close-connection c)
+          nil)))))

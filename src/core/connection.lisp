@@ -192,6 +192,12 @@ plaintext side of TLS, which reads it).")
    (out-progress :initform 0 :type fixnum
                  :documentation "When (NOW-MS) the socket last took output from UNSENT,
 or UNSENT was started: the write timeout counts from there.")
+   (out-since :initform 0 :type fixnum
+              :documentation "When (NOW-MS) UNSENT was last started: the minimum data
+rate of the client's reading counts from there (OUTPUT-RATE-DEADLINE).")
+   (out-drained :initform 0 :type fixnum
+                :documentation "Octets the socket took from UNSENT since the minimum rate's
+grace after OUT-SINCE ended.")
    (out-registered :initform nil
                    :documentation "True once C's epoll registration includes EPOLLOUT.")
    (abandoned :initform nil
@@ -215,7 +221,8 @@ read requests from and write responses to."))
       (out-fill . fixnum) (deadline . fixnum) (wheel-tick . fixnum)
       (sent . fixnum) (handler-serial . fixnum)
       (budgeted . fixnum) (read-deadline . fixnum) (blank-lines . fixnum)
-      (unsent-bytes . fixnum) (out-progress . fixnum)
+      (unsent-bytes . fixnum) (out-progress . fixnum) (out-since . fixnum)
+      (out-drained . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)) (request . request))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT.")
 
@@ -227,7 +234,9 @@ read requests from and write responses to."))
       (chunk-decoder . request-chunk-decoder) (synth . request-synth)
       (synth-pos . request-synth-pos) (synth-data-left . request-synth-data-left)
       (synth-done . request-synth-done) (synth-octet . request-synth-octet)
-      (framing-broken . request-framing-broken) (message . request-message))
+      (framing-broken . request-framing-broken) (message . request-message)
+      (spool . request-spool) (gathering . request-gathering) (progress . request-progress)
+      (rate-start . request-rate-start) (rate-octets . request-rate-octets))
     "The names CONN-SLOT reads in the connection's REQUEST record (request.lisp)
 rather than in the connection itself: the request being served, not the
 transport, so that code reading a request's state names it the same way."))
@@ -328,6 +337,14 @@ epoll rather than closed."
   (setf (conn-slot c boundary) t))
 
 ;;; Buffers
+
+(defun release-spool (c)
+  "Give back the body the engine read for C's request, if any (spool.lisp)."
+  (let ((spool (conn-slot c spool)))
+    (when spool
+      (setf (conn-slot c spool) nil
+            (conn-slot c gathering) nil)
+      (free-spool (connection-engine c) spool))))
 
 (declaim (inline ensure-inbuf))
 (defun ensure-inbuf (c)
@@ -471,12 +488,49 @@ a 500 after the failure) should not fail and log again."
 
 (defun read-wait-ms (c)
   "How long a read on C may wait: the read timeout, or less when C has a
-READ-DEADLINE (0 once it passed)."
-  (let ((timeout (engine-read-timeout-ms (connection-engine c)))
-        (deadline (conn-slot c read-deadline)))
+READ-DEADLINE, or reads a body under the minimum data rate (RATE-START,
+see BODY-RATE-DEADLINE) (0 once it passed)."
+  (let* ((engine (connection-engine c))
+         (timeout (engine-read-timeout-ms engine))
+         (deadline (conn-slot c read-deadline))
+         (rate (body-rate-deadline c)))
+    (when (and rate (or (zerop deadline) (< rate deadline)))
+      (setf deadline rate))
     (if (plusp deadline)
         (max 0 (min timeout (- deadline (now-ms))))
         timeout)))
+
+(defun body-rate-deadline (c)
+  "When the body C's handler reads as it arrives falls under the minimum
+data rate (RATE-DEADLINE), or NIL when no rate applies to C now."
+  (let ((start (conn-slot c rate-start)))
+    (and (plusp start)
+         (rate-deadline (connection-engine c) start (conn-slot c rate-octets)))))
+
+(defun write-wait-ms (c)
+  "How long a write on C may wait for the client: the write timeout, or
+less when the output it has not read yet has waited under the minimum
+data rate (OUTPUT-RATE-DEADLINE)."
+  (let ((timeout (engine-write-timeout-ms (connection-engine c)))
+        (rate (output-rate-deadline c)))
+    (if rate
+        (max 0 (min timeout (- rate (now-ms))))
+        timeout)))
+
+(defun output-rate-deadline (c)
+  "When C's unsent output, waiting since OUT-SINCE, falls under the minimum
+data rate, with the OUT-DRAINED octets the client read since the grace
+ended; NIL when nothing waits or there is no minimum.  Only time spent
+waiting for the client counts: a stream the application writes slowly
+\(server-sent events) never has output waiting.  What the socket takes
+within the grace does not count: the kernel's buffers take hundreds of
+KiB at once from a client that reads nothing, which would otherwise buy
+it minutes."
+  (let* ((engine (connection-engine c))
+         (rate (engine-min-rate engine)))
+    (and (conn-slot c unsent) (plusp rate)
+         (+ (conn-slot c out-since) (engine-rate-grace-ms engine)
+            (floor (* 1000 (conn-slot c out-drained)) rate)))))
 
 ;;; Reading and sending on the socket, or through the connection's TLS
 ;;; (openssl.lisp).  Every read and send of a connection goes through these
@@ -621,7 +675,11 @@ timeout) until some arrives.  Returns NIL at end of file."
       (loop
         (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
           (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
-          (cond ((plusp n) (incf in-end n) (return t))
+          (cond ((plusp n)
+                 (incf in-end n)
+                 (when (plusp (conn-slot c rate-start))
+                   (incf (conn-slot c rate-octets) n))
+                 (return t))
                 ((zerop n) (return nil))
                 ((/= errno +eagain+)
                  (client-went-away c errno "read"))
@@ -683,8 +741,10 @@ request itself (PLAIN-LEAVE-BOUNDARY)."
 
 (defmethod sb-gray:stream-listen ((c connection))
   (with-connection-slots (in-start in-end head-left body-mode raw) c
-    (and (< in-start in-end)
-         (or raw (plusp head-left) (and body-mode t)))))
+    (if (and (eq body-mode :spool) (zerop head-left))
+        (plusp (conn-slot c body-left))
+        (and (< in-start in-end)
+             (or raw (plusp head-left) (and body-mode t))))))
 
 (defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
   (with-connection-slots (inbuf in-start in-end boundary raw) c
@@ -765,7 +825,9 @@ on FILE-FD, which the segment owns."
       (if (conn-slot c unsent)
           (setf (cdr (conn-slot c unsent-tail)) cell)
           (setf (conn-slot c unsent) cell
-                (conn-slot c out-progress) (now-ms)))
+                (conn-slot c out-progress) (now-ms)
+                (conn-slot c out-since) (conn-slot c out-progress)
+                (conn-slot c out-drained) 0))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
       ;; Counted as sent: it is committed, and goes out before anything else.
@@ -808,8 +870,12 @@ CONNECTION-ERROR when the client went away."
                   (connection-send-file-chunk c (segment-file-fd segment) start (- end start)))
             (declare (type fixnum n))
             (cond ((plusp n)
-                   (setf (segment-start segment) (+ start n)
-                         (conn-slot c out-progress) (now-ms))
+                   (let ((now (now-ms)))
+                     (setf (segment-start segment) (+ start n)
+                           (conn-slot c out-progress) now)
+                     (when (> now (+ (conn-slot c out-since)
+                                     (engine-rate-grace-ms (connection-engine c))))
+                       (incf (conn-slot c out-drained) n)))
                    (decf unsent-bytes n)
                    (when (= (+ start n) end)
                      (pop unsent)
@@ -825,6 +891,21 @@ write timeout): before a blocking write (TLS, a detached stream)."
   (let ((timeout (engine-write-timeout-ms (connection-engine c))))
     (loop until (send-unsent c)
           do (wait-for-fd c +pollout+ timeout "write"))))
+
+(defun wait-for-reader (c)
+  "Wait until C's socket takes more output, bounded by the write timeout or,
+sooner, the minimum data rate of the client's reading (WRITE-WAIT-MS).
+Past it, CONNECTION-TIMEOUT-ERROR, counted as a write timeout."
+  (let* ((engine (connection-engine c))
+         (rate (output-rate-deadline c))
+         (slow (and rate (< rate (+ (now-ms) (engine-write-timeout-ms engine))))))
+    (handler-bind ((connection-timeout-error
+                     (lambda (e)
+                       (declare (ignore e))
+                       (sb-ext:atomic-incf (engine-write-timeouts engine))
+                       (when slow
+                         (sb-ext:atomic-incf (engine-slow-clients engine))))))
+      (wait-for-fd c +pollout+ (write-wait-ms c) "write"))))
 
 (defun send-all (c buffer start end &optional (keep :copy))
   "Send BUFFER[START,END) after C's unsent output.  What the socket does not
@@ -861,11 +942,11 @@ was queued.  On a RAW connection, blocks until all is sent."
                      (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
                            ((/= errno +eagain+) (client-went-away c errno "write"))
                            ((may-queue-p) (return))
-                           (t (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+                           (t (wait-for-reader c))))
                    ;; Queued output waits: queue behind it, or wait for room.
                    (if (may-queue-p)
                        (return)
-                       (wait-for-fd c +pollout+ (engine-write-timeout-ms engine) "write"))))
+                       (wait-for-reader c))))
       (when (< start end)
         (ecase keep
           (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))

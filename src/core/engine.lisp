@@ -111,6 +111,14 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 0 :type fixnum)
   (head-budget 0 :type fixnum) ; see lifecycle.lisp (the head budget)
+  ;; request bodies the engine gathers before the handler (spool.lisp)
+  (body-buffer-bytes 0 :type fixnum) ; per request, in memory
+  (body-budget 0 :type fixnum)       ; all requests, in memory
+  (disk-budget 0 :type fixnum)       ; all requests, in temporary files
+  (temp-directory "/tmp/" :type simple-string)
+  (streamed-bodies nil :type (or null function))
+  (min-rate 0 :type fixnum)           ; octets a second; 0: no minimum
+  (rate-grace-ms 0 :type fixnum)
   (retry-after 1 :type fixnum)
   (response-503 nil) ; the 503 answer with this engine's Retry-After, encoded once
   ;; counters
@@ -125,6 +133,10 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (pending 0 :type sb-ext:word)
   (claims 0 :type sb-ext:word) ; fresh connections handed to free workers this tick (FREE-WORKERS)
   (head-bytes 0 :type sb-ext:word)
+  (body-bytes 0 :type sb-ext:word)   ; octets of gathered bodies in memory (spool.lisp)
+  (disk-bytes 0 :type sb-ext:word)   ; and in temporary files
+  (body-files 0 :type sb-ext:word)   ; bodies that went to a temporary file, in all
+  (slow-clients 0 :type sb-ext:word) ; closed for sending or reading under the minimum rate
   (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
   (lock (sb-thread:make-mutex :name "gallop engine"))
@@ -132,6 +144,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (log-error nil :type (or null function))
   (last-emfile-ms 0 :type fixnum)
   (timeout-line-ms 0 :type fixnum) ; see TIMEOUT-LINE-DUE
+  (disk-error-ms 0 :type fixnum) ; see SPOOL-FAILED
   (timeout-lines-skipped 0 :type sb-ext:word)
   (backtrace-second 0 :type fixnum) ; see BACKTRACE-DUE-P
   (backtraces 0 :type sb-ext:word))
@@ -182,6 +195,16 @@ message (doc/design.md, \"A handler's error costs a bounded backtrace\")."
             (engine-backtraces engine) 0))
     ;; ATOMIC-INCF returns the count before this error.
     (< (sb-ext:atomic-incf (engine-backtraces engine)) +backtraces-per-second+)))
+
+(defun rate-deadline (engine start octets)
+  "When a transfer that began at START (NOW-MS) and has moved OCTETS so far
+falls under ENGINE's minimum data rate, if no more octets move: after the
+grace, the time at which OCTETS is the minimum rate's worth.  NIL when the
+engine has no minimum."
+  (declare (type fixnum start octets))
+  (let ((rate (engine-min-rate engine)))
+    (and (plusp rate)
+         (+ start (max (engine-rate-grace-ms engine) (floor (* 1000 octets) rate))))))
 
 (declaim (inline engine-running-p))
 (defun engine-running-p (engine)
@@ -345,7 +368,12 @@ the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORT
 connection while a handler read or answered), :SUSPENDED (requests an app
 answers later from another thread, waiting for it: counted in :IN-FLIGHT
 too), :ABANDONED (such requests whose client went away before the answer:
-freed at once), :TIMERS (application timers pending, see timers.lisp), and
+freed at once), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
+reading or holds for their handlers, in memory and in temporary files, see
+spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
+:SLOW-CLIENTS (connections ended for sending or reading under the minimum
+data rate; counted in :TIMEOUTS too), :TIMERS (application timers pending,
+see timers.lisp), and
 the pool's :THREADS,
 :IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
 \(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
@@ -367,6 +395,10 @@ served for another group whose workers were all busy), see pool.lisp."
             :in-flight (engine-in-flight engine)
             :pending (engine-pending engine)
             :head-bytes (engine-head-bytes engine)
+            :body-bytes (engine-body-bytes engine)
+            :disk-bytes (engine-disk-bytes engine)
+            :body-files (engine-body-files engine)
+            :slow-clients (engine-slow-clients engine)
             :accepted (engine-accepted engine)
             :closed (engine-closed engine)
             :requests (engine-requests engine)

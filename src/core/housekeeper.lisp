@@ -46,12 +46,27 @@ when part of a request head had arrived), else schedule it again."
              ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
               (cond ((conn-slot c unsent)
                      ;; The client read nothing of its answer for the write
-                     ;; timeout (a slow-read attack, or a dead peer).
+                     ;; timeout, or too little under the minimum rate (a
+                     ;; slow-read attack, or a dead peer).
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (sb-ext:atomic-incf (engine-write-timeouts engine))
+                     (note-if-slow engine (+ (conn-slot c out-progress)
+                                             (engine-write-timeout-ms engine))
+                                   (output-rate-deadline c))
                      (close-connection c))
+                    ((conn-slot c gathering)
+                     ;; Its body came too slowly (GATHER-BODY).
+                     (sb-ext:atomic-incf (engine-timeouts engine))
+                     (note-if-slow engine (+ (conn-slot c progress) (engine-read-timeout-ms engine))
+                                   (body-rate-deadline c))
+                     (reject c +response-408+))
                     ((conn-slot c head-started)
                      (sb-ext:atomic-incf (engine-timeouts engine))
+                     (note-if-slow engine (+ (conn-slot c head-started)
+                                             (engine-header-timeout-ms engine))
+                                   (let ((n (- (conn-slot c in-end) (conn-slot c in-start))))
+                                     (and (plusp n)
+                                          (rate-deadline engine (conn-slot c head-started) n))))
                      (reject c +response-408+))
                     ((conn-slot c fresh)
                      ;; Connected but never sent a byte in time.
@@ -85,6 +100,12 @@ when part of a request head had arrived), else schedule it again."
              (wheel-schedule (engine-wheel engine) c
                              (max (connection-deadline c) (+ now +tick-ms+))
                              :from-advance t)))))))
+
+(defun note-if-slow (engine timeout rate)
+  "A connection expired: count it in :SLOW-CLIENTS when the minimum data
+rate (its deadline RATE, or NIL) came before its TIMEOUT."
+  (when (and rate (< rate timeout))
+    (sb-ext:atomic-incf (engine-slow-clients engine))))
 
 (defun close-idle-connections (engine &key keep-readable)
   "Close every parked and draining connection; with KEEP-READABLE, leave the

@@ -39,6 +39,12 @@ kept).")
                                :close-hook close-hook :user-data user-data)))
 
 
+(declaim (inline earliest))
+(defun earliest (deadline other)
+  "The earlier of DEADLINE and OTHER (a deadline, or NIL: none)."
+  (declare (type fixnum deadline))
+  (if (and other (< (the fixnum other) deadline)) other deadline))
+
 (defun schedule (c deadline)
   "Set C's deadline and make sure the housekeeper looks at C by then."
   (setf (connection-deadline c) deadline)
@@ -78,6 +84,7 @@ kept).")
           (epoll-ctl epfd +epoll-ctl-del+ fd 0 0)))
       (unfresh c)
       (uncharge-head c)
+      (release-spool c)
       (free-tls c)
       (setf (connection-state c) :closed)
       (wheel-forget c)
@@ -108,14 +115,27 @@ caller still owns C and must read (or send) again."
       (setf boundary nil park-requested nil close-requested nil)
       (let ((now (now-ms)))
         (cond (output
-               ;; The write timeout, from the last time the client read.
-               (schedule c (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+               ;; The write timeout, from the last time the client read, or
+               ;; sooner when it reads under the minimum rate.
+               (schedule c (earliest (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))
+                                     (output-rate-deadline c))))
+              ((conn-slot c gathering)
+               ;; Reading a body (GATHER-BODY): the read timeout from the
+               ;; last octets, or sooner under the minimum rate.
+               (schedule c (earliest (+ (conn-slot c progress) (engine-read-timeout-ms engine))
+                                     (body-rate-deadline c))))
               ((and (= in-start in-end) (not (tls-handshaking-p c)))
                (setf head-started nil)
                (schedule c (+ now (engine-idle-timeout-ms engine))))
               (t
+               ;; The header timeout for the whole head, or sooner when what
+               ;; came of it so far is under the minimum rate.  (Not for a
+               ;; TLS handshake: its octets are not counted here.)
                (unless head-started (setf head-started now))
-               (schedule c (+ head-started (engine-header-timeout-ms engine))))))
+               (schedule c (earliest (+ head-started (engine-header-timeout-ms engine))
+                                     (and (< in-start in-end)
+                                          (rate-deadline engine head-started
+                                                         (- in-end in-start))))))))
       (release-buffers c)
       (unless (charge-head c)
         ;; Partial heads already hold the engine's whole head budget: this
@@ -181,6 +201,7 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
          (fd (connection-fd c)))
     (unfresh c)
     (uncharge-head c)
+    (release-spool c)
     (discard-unsent c)
     (when registered
       (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ fd 0 0))

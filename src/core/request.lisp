@@ -26,7 +26,11 @@
 ;;;; Body state (body.lisp): HEAD-LEFT octets of the head the layer above has
 ;;;; not read through the stream; BODY-MODE NIL, :LENGTH (BODY-LEFT octets to
 ;;;; go) or :CHUNKED (DECODER's state, and SYNTH* while a chunked body is
-;;;; passed on re-chunked).
+;;;; passed on re-chunked), or :SPOOL (the engine read the whole body before
+;;;; the handler, into SPOOL: BODY-LEFT octets of it to go).  While GATHERING,
+;;;; the engine is reading the body into SPOOL; PROGRESS is when octets last
+;;;; came.  RATE-START (when the body began, or 0) and RATE-OCTETS (octets
+;;;; of it since) measure the client's rate against the engine's minimum.
 
 (in-package #:gallop.core)
 
@@ -65,7 +69,7 @@ that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
   (close-after nil :type boolean)
   ;; Reading it (body.lisp)
   (head-left 0 :type fixnum)
-  (body-mode nil :type (member nil :length :chunked))
+  (body-mode nil :type (member nil :length :chunked :spool))
   (body-left 0 :type fixnum)
   (chunk-decoder nil)
   (synth nil)
@@ -74,7 +78,14 @@ that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
   (synth-done nil)
   (synth-octet nil)
   (framing-broken nil)
-  (message nil))
+  (message nil)
+  ;; The body the engine reads before the handler (body.lisp, GATHER-BODY)
+  (spool nil)
+  (gathering nil :type boolean)
+  (progress 0 :type fixnum)
+  ;; The minimum data rate of a body being read (0: none applies)
+  (rate-start 0 :type fixnum)
+  (rate-octets 0 :type fixnum))
 
 (defmethod print-object ((request request) stream)
   (print-unreadable-object (request stream :type t :identity t)))

@@ -72,7 +72,10 @@ buffered (pipelining) waits its turn behind other ready connections
                (:line-too-long (return-from serve-connection (reject c +response-414+)))
                (:too-large (return-from serve-connection (reject c +response-431+))))))
       (loop
-        (let ((ready (if raw (< (conn-slot c in-start) in-end) (head-ready-p))))
+        (let ((ready (cond (raw (< (conn-slot c in-start) in-end))
+                           ;; Back for more of a body (GATHER-BODY).
+                           ((conn-slot c gathering) :body)
+                           (t (head-ready-p)))))
           (unless ready
             (unless (make-room c (engine-max-head-bytes engine))
               ;; Full: at the head limit (431), or short of it because the
@@ -96,11 +99,15 @@ buffered (pipelining) waits its turn behind other ready connections
                        (when (park c) (return)))
                       (t (return (close-connection c)))))))
           (when ready
-            (unless raw
+            (unless (or raw (eq ready :body))
               (let ((refusal (check-head c)))
                 (when refusal
                   (return (reject c (error-response refusal)))))
-              (begin-message c))
+              (begin-message c)
+              (when (gather-body-p c)
+                (begin-gathering c)))
+            (when (and (conn-slot c gathering) (not (gather-body c)))
+              (return))
             (ecase (run-handler engine c)
               (:park
                (unless (and (engine-running-p engine) (not (conn-slot c close-after))

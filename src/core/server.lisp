@@ -55,6 +55,15 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :max-queue max-queue-length :retry-after retry-after
                                 :head-budget (or head-budget
                                                  (floor (sb-ext:dynamic-space-size) 4))
+                                :body-buffer-bytes body-buffer-bytes
+                                :body-budget (or body-budget
+                                                 (floor (sb-ext:dynamic-space-size) 8))
+                                :disk-budget body-disk-budget
+                                :temp-directory (temp-directory-name body-temp-directory)
+                                :streamed-bodies (and streamed-bodies
+                                                      (coerce streamed-bodies 'function))
+                                :min-rate (if min-data-rate (round min-data-rate) 0)
+                                :rate-grace-ms (ms min-data-rate-grace)
                                 :log-error log-error)))
       (setf (engine-pool engine)
             (make-pool :name name

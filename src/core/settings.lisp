@@ -46,6 +46,31 @@ epoll, not in a worker.")
       (head-budget nil
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")
+      (body-buffer-bytes (* 64 1024)
+       "Octets of one request's body the engine keeps in memory while it reads
+the body, before the handler runs; a longer body goes to a temporary file
+\(nginx's client_body_buffer_size).")
+      (body-budget nil
+       "Octets of request bodies kept in memory in all (NIL: an eighth of the
+heap); past it, bodies go to temporary files.")
+      (body-temp-directory nil
+       "Where bodies past BODY-BUFFER-BYTES go, unlinked at once (NIL: $TMPDIR,
+else /tmp; nginx's client_body_temp_path).")
+      (body-disk-budget (* 2 1024 1024 1024)
+       "Octets of request bodies in temporary files in all; a body that would
+go past it gets 503 with Retry-After.")
+      (streamed-bodies nil
+       "NIL, or a function of a request's method (a keyword) and path (a
+string), true when its handler reads the body as it arrives (a proxy, an
+upload it processes on the fly) instead of once the engine has read it all.
+Such a body holds a worker while it arrives, bounded by MIN-DATA-RATE.")
+      (min-data-rate 240
+       "Octets a second a client must average, after MIN-DATA-RATE-GRACE, while
+it sends a request head or body or reads an answer the server is waiting to
+send (Kestrel's MinRequestBodyDataRate and MinResponseDataRate); slower, it
+gets 408 or is closed.  NIL: no minimum.")
+      (min-data-rate-grace 5
+       "Seconds before MIN-DATA-RATE applies.")
       (max-queue-length 1024
        "The most accepted connections waiting for a worker (their whole request
 head sent, no worker free) before new ones get an immediate 503 with

@@ -115,6 +115,12 @@
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("write" %write) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+(sb-alien:define-alien-routine ("pread" %pread-file) sb-alien:long
+  (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
+  (offset sb-alien:long))
+(sb-alien:define-alien-routine ("open" %open-file) sb-alien:int
+  (path sb-alien:c-string) (flags sb-alien:int) (mode sb-alien:int))
+(sb-alien:define-alien-routine ("unlink" %unlink) sb-alien:int (path sb-alien:c-string))
 (sb-alien:define-alien-routine ("sendfile" %sendfile) sb-alien:long
   (out-fd sb-alien:int) (in-fd sb-alien:int) (offset sb-sys:system-area-pointer)
   (count sb-alien:unsigned-long))
@@ -321,6 +327,54 @@ written or -1 and the errno.  Retries EINTR."
               (t (let ((errno (%errno)))
                    (unless (= errno +eintr+)
                      (return (values -1 errno))))))))))
+
+(defconstant +o-rdwr+ 2)
+(defconstant +o-creat+ #o100)
+(defconstant +o-excl+ #o200)
+(defconstant +eexist+ 17)
+
+(sb-ext:defglobal **temporary-files** (list 0)
+  "A count of the temporary files made, in its CAR: their names' suffix.")
+
+(defun open-temporary-file (directory)
+  "A new, empty file in DIRECTORY (a namestring ending in /), open for reading
+and writing, already unlinked: it has no name, and its blocks are freed when
+its fd closes, whatever happens to the process.  Returns the fd, or -1 and
+the errno."
+  (loop repeat 100
+        do (let* ((path (format nil "~Agallop-body-~D-~D" directory (sb-unix:unix-getpid)
+                               (sb-ext:atomic-incf (car **temporary-files**))))
+                  (fd (%open-file path (logior +o-rdwr+ +o-creat+ +o-excl+ +o-cloexec+) #o600)))
+             (cond ((>= fd 0)
+                    (%unlink path)
+                    (return-from open-temporary-file fd))
+                   ((/= (%errno) +eexist+)
+                    (return-from open-temporary-file (values -1 (%errno)))))))
+  (values -1 +eexist+))
+
+(defun write-fd-all (fd buffer start end)
+  "write(2) BUFFER[START,END) to the file FD, all of it.  Returns NIL, or the
+errno when a write failed (ENOSPC: the disk is full)."
+  (declare (type fd fd) (type octets buffer) (type fixnum start end))
+  (sb-sys:with-pinned-objects (buffer)
+    (loop while (< start end)
+          do (let ((n (%write fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start))))
+               (declare (type fixnum n))
+               (cond ((plusp n) (incf start n))
+                     ((and (minusp n) (= (%errno) +eintr+)))
+                     (t (return-from write-fd-all (if (minusp n) (%errno) 28)))))))
+  nil)
+
+(defun pread-into (fd buffer start end offset)
+  "pread(2) from the file FD at OFFSET into BUFFER[START,END).  Returns the
+count read (0 at its end), or -1 and the errno.  Retries EINTR."
+  (declare (type fd fd) (type octets buffer) (type fixnum start end offset))
+  (sb-sys:with-pinned-objects (buffer)
+    (loop
+      (let ((n (%pread-file fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start) offset)))
+        (declare (type fixnum n))
+        (cond ((>= n 0) (return (values n 0)))
+              ((/= (%errno) +eintr+) (return (values -1 (%errno)))))))))
 
 (defun send-file-chunk (out-fd in-fd offset count)
   "sendfile(2) up to COUNT bytes of IN-FD from OFFSET to OUT-FD.  Returns the

@@ -12,5 +12,6 @@
             taskmaster-standby-thread-count
             taskmaster-max-queue-length
             taskmaster-engine
+            acceptor-streams-body-p
             defer-request)
           '#:gallop))

@@ -148,6 +148,20 @@ engine is raw then, see gallop.core's tls.lisp)."
      :private-key-file (hunchentoot:acceptor-ssl-privatekey-file acceptor)
      :password (hunchentoot:acceptor-ssl-privatekey-password acceptor))))
 
+(defgeneric acceptor-streams-body-p (acceptor method path)
+  (:documentation "True when the handler of a request with METHOD (a
+keyword) and PATH (its script name, a string) reads the request's body as it
+arrives, through HUNCHENTOOT:RAW-POST-DATA's stream (a proxy, an upload
+processed on the fly).  Otherwise Gallop reads the whole body first, in
+epoll, into memory or a temporary file, and the handler starts with it at
+hand.  A streamed body holds a worker while it arrives, bounded by the
+minimum data rate.  Specialize it on your acceptor class to choose per
+route; a GALLOP:TASKMASTER's :STREAMED-BODIES function, when given, is asked
+first.  The default method says NIL.")
+  (:method (acceptor method path)
+    (declare (ignore acceptor method path))
+    nil))
+
 (defun make-taskmaster-engine (tm acceptor)
   (let ((read-timeout (or (slot-value tm 'read-timeout)
                           (hunchentoot:acceptor-read-timeout acceptor)
@@ -175,6 +189,10 @@ engine is raw then, see gallop.core's tls.lisp)."
              :read-timeout read-timeout
              :write-timeout write-timeout
              :max-queue-length (taskmaster-max-queue-length tm)
+             :streamed-bodies (let ((own (setting-of streamed-bodies)))
+                                (lambda (method path)
+                                  (or (and own (funcall own method path))
+                                      (acceptor-streams-body-p acceptor method path))))
              (gallop.core:setting-arguments setting-of)))))
 
 (defmethod hunchentoot:execute-acceptor ((tm taskmaster))

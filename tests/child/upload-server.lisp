@@ -12,8 +12,10 @@
 ;;;;            number of octets read (native: :RAW-BODY; Hunchentoot:
 ;;;;            (HUNCHENTOOT:RAW-POST-DATA :WANT-STREAM T));
 ;;;;   /ignore  answers "ignored" without reading the body;
-;;;;   /stream  (easy-acceptor only) answers "streamed" through
-;;;;            HUNCHENTOOT:SEND-HEADERS, without reading the body;
+;;;;   /stream  answers "streamed" without reading the body (the
+;;;;            easy-acceptor through HUNCHENTOOT:SEND-HEADERS); the one
+;;;;            route whose body the server streams to its handler
+;;;;            (:STREAMED-BODIES) instead of reading it first;
 ;;;;   anything else: "ok".
 ;;;; Talks to the test on standard input/output: prints
 ;;;; "READY <port> <dynamic space size in octets>" once it listens; "quit" or
@@ -49,12 +51,17 @@
           do (incf total n))
     total))
 
+(defun streamed-p (method path)
+  (declare (ignore method))
+  (string= path "/stream"))
+
 (defun native-app (env)
   (let ((path (getf env :path-info)))
     (cond ((string= path "/upload")
            (list 200 '(:content-type "text/plain")
                  (list (princ-to-string (count-body (getf env :raw-body))))))
           ((string= path "/ignore") '(200 (:content-type "text/plain") ("ignored")))
+          ((string= path "/stream") '(200 (:content-type "text/plain") ("streamed")))
           (t '(200 (:content-type "text/plain") ("ok"))))))
 
 (defun hunchentoot-handler (request)
@@ -77,12 +84,15 @@
 (defvar *server*
   (ecase *kind*
     (:native
-     (gallop:start #'native-app :address "127.0.0.1" :port 0 :log *log*))
+     (gallop:start #'native-app :address "127.0.0.1" :port 0 :log *log*
+                                :streamed-bodies #'streamed-p))
     (:easy-acceptor
      ;; GALLOP::, not GALLOP:, because this file is also read with only
      ;; gallop/native loaded, which does not export the drop-in names.
      (let ((acceptor (make-instance 'gallop::easy-acceptor
                                     :address "127.0.0.1" :port 0
+                                    :taskmaster (make-instance 'gallop::taskmaster
+                                                               :streamed-bodies #'streamed-p)
                                     :access-log-destination nil
                                     :message-log-destination *log*)))
        (setf hunchentoot:*dispatch-table* (list #'hunchentoot-handler))
