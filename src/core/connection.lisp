@@ -193,11 +193,11 @@ plaintext side of TLS, which reads it).")
                  :documentation "When (NOW-MS) the socket last took output from UNSENT,
 or UNSENT was started: the write timeout counts from there.")
    (out-since :initform 0 :type fixnum
-              :documentation "When (NOW-MS) UNSENT was last started: the minimum data
-rate of the client's reading counts from there (OUTPUT-RATE-DEADLINE).")
+              :documentation "When (NOW-MS) the current period of the minimum data rate
+of the client's reading began: when UNSENT was started, or the client last
+read a period's quota (OUTPUT-RATE-DEADLINE).")
    (out-drained :initform 0 :type fixnum
-                :documentation "Octets the socket took from UNSENT since the minimum rate's
-grace after OUT-SINCE ended.")
+                :documentation "Octets the socket took from UNSENT since OUT-SINCE.")
    (out-registered :initform nil
                    :documentation "True once C's epoll registration includes EPOLLOUT.")
    (abandoned :initform nil
@@ -517,20 +517,27 @@ data rate (OUTPUT-RATE-DEADLINE)."
         (max 0 (min timeout (- rate (now-ms))))
         timeout)))
 
+(defun output-rate-quota (engine)
+  "Octets a client must read of output waiting for it in each period of the
+minimum rate's grace: the rate times the grace (1,200 by default)."
+  (let ((rate (engine-min-rate engine)))
+    (if (plusp rate)
+        (max 1 (floor (* rate (engine-rate-grace-ms engine)) 1000))
+        most-positive-fixnum)))
+
 (defun output-rate-deadline (c)
-  "When C's unsent output, waiting since OUT-SINCE, falls under the minimum
-data rate, with the OUT-DRAINED octets the client read since the grace
-ended; NIL when nothing waits or there is no minimum.  Only time spent
-waiting for the client counts: a stream the application writes slowly
-\(server-sent events) never has output waiting.  What the socket takes
-within the grace does not count: the kernel's buffers take hundreds of
-KiB at once from a client that reads nothing, which would otherwise buy
-it minutes."
-  (let* ((engine (connection-engine c))
-         (rate (engine-min-rate engine)))
-    (and (conn-slot c unsent) (plusp rate)
-         (+ (conn-slot c out-since) (engine-rate-grace-ms engine)
-            (floor (* 1000 (conn-slot c out-drained)) rate)))))
+  "When C's unsent output falls under the minimum data rate: the end of the
+period that began at OUT-SINCE, unless the client reads the quota of the
+period (OUTPUT-RATE-QUOTA) before, which begins a new one (SEND-UNSENT).
+NIL when nothing waits or there is no minimum.  Only time spent waiting
+for the client counts: a stream the application writes slowly
+\(server-sent events) never has output waiting.  Per period, not on
+average since the output began to wait: the kernel's buffers take hundreds
+of KiB at once from a client that reads nothing, and later a few KiB more
+as it compacts them, which on average would buy it minutes."
+  (let ((engine (connection-engine c)))
+    (and (conn-slot c unsent) (plusp (engine-min-rate engine))
+         (+ (conn-slot c out-since) (engine-rate-grace-ms engine)))))
 
 ;;; Reading and sending on the socket, or through the connection's TLS
 ;;; (openssl.lisp).  Every read and send of a connection goes through these
@@ -873,9 +880,11 @@ CONNECTION-ERROR when the client went away."
                    (let ((now (now-ms)))
                      (setf (segment-start segment) (+ start n)
                            (conn-slot c out-progress) now)
-                     (when (> now (+ (conn-slot c out-since)
-                                     (engine-rate-grace-ms (connection-engine c))))
-                       (incf (conn-slot c out-drained) n)))
+                     (when (>= (incf (conn-slot c out-drained) n)
+                               (output-rate-quota (connection-engine c)))
+                       ;; The client read its share of this period: a new one.
+                       (setf (conn-slot c out-since) now
+                             (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
                    (when (= (+ start n) end)
                      (pop unsent)
@@ -902,6 +911,9 @@ Past it, CONNECTION-TIMEOUT-ERROR, counted as a write timeout."
     (handler-bind ((connection-timeout-error
                      (lambda (e)
                        (declare (ignore e))
+                       ;; The connection closes for it: at once (see
+                       ;; SET-RESET-ON-CLOSE), not once the client read.
+                       (set-reset-on-close (connection-fd c))
                        (sb-ext:atomic-incf (engine-write-timeouts engine))
                        (when slow
                          (sb-ext:atomic-incf (engine-slow-clients engine))))))

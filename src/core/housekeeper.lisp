@@ -48,11 +48,13 @@ when part of a request head had arrived), else schedule it again."
                      ;; The client read nothing of its answer for the write
                      ;; timeout, or too little under the minimum rate (a
                      ;; slow-read attack, or a dead peer).
-                     (sb-ext:atomic-incf (engine-timeouts engine))
-                     (sb-ext:atomic-incf (engine-write-timeouts engine))
-                     (note-if-slow engine (+ (conn-slot c out-progress)
-                                             (engine-write-timeout-ms engine))
-                                   (output-rate-deadline c))
+                     (unless (conn-slot c timed-out) ; counted when a write timed out
+                       (sb-ext:atomic-incf (engine-timeouts engine))
+                       (sb-ext:atomic-incf (engine-write-timeouts engine))
+                       (note-if-slow engine (+ (conn-slot c out-progress)
+                                               (engine-write-timeout-ms engine))
+                                     (output-rate-deadline c)))
+                     (set-reset-on-close (connection-fd c))
                      (close-connection c))
                     ((conn-slot c gathering)
                      ;; Its body came too slowly (GATHER-BODY).

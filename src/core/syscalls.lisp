@@ -209,6 +209,19 @@ number whatever close returns, and another thread may already have it."
 
 (defconstant +tcp-nodelay+ 1)
 
+(defconstant +sol-socket+ 1)
+(defconstant +so-linger+ 13)
+
+(defun set-reset-on-close (fd)
+  "Make close(2) of FD reset the connection (SO_LINGER on, 0 s) instead of
+leaving the kernel to send what is unsent first: for a client that reads
+nothing, that would keep its buffers until the kernel gives up, minutes
+later (nginx's reset_timedout_connection)."
+  (sb-alien:with-alien ((linger (array sb-alien:int 2)))
+    (setf (sb-alien:deref linger 0) 1
+          (sb-alien:deref linger 1) 0)
+    (zerop (%setsockopt fd +sol-socket+ +so-linger+ (sb-alien:alien-sap linger) 8))))
+
 (defun set-nodelay (fd)
   "Send small writes on FD at once (TCP_NODELAY): no Nagle wait for the
 peer's acknowledgement, which a delayed ACK holds back 40 ms."
