@@ -193,16 +193,17 @@ bench-slow-readers:
 
 # Cheap attacks (bench/attacks.lisp; results in BENCHMARKS.md, "Attacks"):
 # connections that send nothing or part of a head, a handler that fails on
-# every request, clients that hang up in the middle of a body; each against
+# every request, clients that hang up in the middle of a body, slow bodies
+# (slowhttptest -B); each against
 # gallop:start, gallop:easy-acceptor, stock Hunchentoot and (where it has the
 # same thing to do) nginx, each in its own process, beside a fresh client
 # asking once a second.  Non-zero when a Gallop row misses its bar.
-#   make bench-attacks   about 8 min
+#   make bench-attacks   about 16 min
 
 .PHONY: bench-attacks
 
 bench-attacks: deps
-	@scripts/deps.sh wrk nginx-light
+	@scripts/deps.sh wrk nginx-light slowhttptest
 	@set -o pipefail; \
 	 $(LISP) --load bench/attacks.lisp --eval '(gallop-bench-attacks:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'

@@ -27,13 +27,38 @@
 ;;;;            stream).  RSS after a full GC, before and after.  Bar: within
 ;;;;            32 MiB of before, the server alive and answering.  (nginx: no
 ;;;;            handler.)
+;;;;   slowbody slowhttptest -B (R-U-Dead-Yet) against POST /upload, once per
+;;;;            count in ATTACK_SLOWBODY ("1000,4000"): -c that many
+;;;;            connections opened at 500 a second, each declaring a
+;;;;            100,000-octet body and sending a few octets every 5 s.
+;;;;            slowhttptest opens its connections once and ends when none
+;;;;            is left; it is started again at once, for
+;;;;            ATTACK_SLOWBODY_SECONDS (60) in all, so that the attack goes
+;;;;            on; the probes start after its first 2 s.
+;;;;            Default timeouts (nginx: client_body_timeout 20 s, and /upload
+;;;;            discards the body).  Bar: every probe answered, median under
+;;;;            50 ms, workers at most the CPUs plus 2, RSS within the body
+;;;;            budget (an eighth of the heap) of its value at rest.
+;;;;   readers  ATTACK_READERS (300) clients ask for /stream, 1 MiB streamed in
+;;;;            16 KiB writes, and never read, for ATTACK_READER_SECONDS
+;;;;            (60), beside the probes (one a second).  Default timeouts;
+;;;;            Gallop's kinds also without the minimum data rate, as the
+;;;;            control ("readers, no rate": the write timeout alone).  Bar:
+;;;;            every client ended by the server, the last in at most half
+;;;;            the control's time (or the control still held some at the
+;;;;            end), the log's lines about them at most one a
+;;;;            minute.  (Past 100 such clients every worker waits for one,
+;;;;            and a probe queued behind their requests waits too: the
+;;;;            probes are shown, not part of the bar.)  (nginx: no handler.)
 ;;;; A monitor samples the server's RSS and threads (nginx: master and
-;;;; workers summed) every 250 ms.  Prints one Markdown table; exits 1 when a
+;;;; workers summed) every 250 ms, and Gallop's pool (GALLOP:STATS :THREADS,
+;;;; the workers) every second.  Prints one Markdown table; exits 1 when a
 ;;;; Gallop row misses its bar, 2 when the harness broke.  Traffic goes to
 ;;;; 127.0.0.1 only; each attack is bounded in time.
 ;;;;
 ;;;; Environment: ATTACK_KINDS ("native,gallop,stock,nginx"), ATTACK_CASES
-;;;; ("silent,errors,hangups"), the counts above, ATTACK_PORT (18520).
+;;;; ("silent,errors,hangups,slowbody,readers"), the counts above,
+;;;; ATTACK_PORT (18520).
 
 (load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
 (load (merge-pathnames "sockets.lisp" (or *load-truename* *default-pathname-defaults*)))
@@ -48,7 +73,11 @@
     (if v (remove "" (uiop:split-string v :separator ",") :test #'string=) default)))
 
 (defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
-(defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups")))
+(defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "readers")))
+(defparameter *readers* (env-int "ATTACK_READERS" 300))
+(defparameter *reader-seconds* (env-int "ATTACK_READER_SECONDS" 60))
+(defparameter *slowbody* (mapcar #'parse-integer (env-list "ATTACK_SLOWBODY" '("1000" "4000"))))
+(defparameter *slowbody-seconds* (env-int "ATTACK_SLOWBODY_SECONDS" 60))
 (defparameter *silent* (env-int "ATTACK_SILENT" 12000))
 (defparameter *slowloris* (env-int "ATTACK_SLOWLORIS" 3000))
 (defparameter *probes* (env-int "ATTACK_PROBES" 50))
@@ -87,6 +116,7 @@ http {
     listen 127.0.0.1:~D;
     default_type text/plain;
     location = /yo { return 200 \"Hey!\"; }
+    location = /upload { client_body_timeout 20s; return 200 \"ok\"; }
   }
 }
 " dir dir dir dir dir dir dir port))
@@ -128,7 +158,8 @@ http {
 
 (defun server-gc-rss (target)
   "A full GC in the server, then its RSS in MiB."
-  (ask-process (target-process target) "gc" "GC " 60)
+  (sb-thread:with-mutex (*ask-lock*)
+    (ask-process (target-process target) "gc" "GC " 60))
   (round (or (proc-status (target-pid target)) 0) 1024))
 
 (defun log-size (target)
@@ -136,7 +167,19 @@ http {
 
 ;;; Watching: peaks of the server, and a fresh client once a second
 
-(defstruct watch (peak-rss 0) (peak-threads 0) (latencies '()) (failures 0) (done nil))
+(defstruct watch (peak-rss 0) (peak-threads 0) (peak-workers 0) (latencies '()) (failures 0)
+  (done nil))
+
+(defvar *ask-lock* (sb-thread:make-mutex :name "ask")
+  "One question to the server at a time: the monitor's and the harness's.")
+
+(defun server-workers (target)
+  "Gallop's pool threads now (GALLOP:STATS :THREADS), or NIL for other kinds."
+  (when (gallop-kind-p (target-kind target))
+    (let ((line (sb-thread:with-mutex (*ask-lock*)
+                  (ask-process (target-process target) "stats" "STATS " 5))))
+      (and line (getf (let ((*read-eval* nil)) (ignore-errors (read-from-string line)))
+                      :threads)))))
 
 (defun start-watch (target &key (probes 0))
   "Sample TARGET every 250 ms; with PROBES, ask /yo once a second that many
@@ -146,10 +189,16 @@ sampling and returns the watch."
          (lock (sb-thread:make-mutex))
          (monitor (sb-thread:make-thread
                    (lambda ()
-                     (loop until (watch-done w)
+                     (loop for tick from 0
+                           until (watch-done w)
                            do (multiple-value-bind (rss threads) (tree-status (target-pid target))
                                 (setf (watch-peak-rss w) (max (watch-peak-rss w) rss)
                                       (watch-peak-threads w) (max (watch-peak-threads w) threads)))
+                              (when (zerop (mod tick 4))
+                                (let ((workers (server-workers target)))
+                                  (when workers
+                                    (setf (watch-peak-workers w)
+                                          (max (watch-peak-workers w) workers)))))
                               (sleep 0.25)))))
          (prober (and (plusp probes)
                       (sb-thread:make-thread
@@ -313,24 +362,132 @@ the medians, so that the host's drift within the run counts for little.")
              :notes (format nil "RSS after GC ~D -> ~D MiB; log +~D B"
                             before after (- (log-size target) log-before)))))))
 
+;;; slowbody: slowhttptest -B
+
+(defun cpu-count ()
+  (parse-integer (string-trim '(#\Newline #\Space)
+                              (uiop:run-program '("nproc") :output :string))))
+
+(defun slowhttptest-loop (port connections out deadline)
+  "Run slowhttptest -B against PORT's /upload, again each time it ends, until
+DEADLINE (internal real time); how many times it ran.  Its output goes to
+OUT."
+  (let ((runs 0))
+    (loop for left = (floor (- deadline (get-internal-real-time)) internal-time-units-per-second)
+          while (> left 2)
+          do (incf runs)
+             (sb-ext:run-program
+              "slowhttptest"
+              (list "-B" "-c" (princ-to-string connections) "-i" "5" "-s" "100000"
+                    "-r" "500" "-l" (princ-to-string left) "-t" "POST"
+                    "-u" (format nil "http://127.0.0.1:~D/upload" port))
+              :search t :wait t :output (namestring out) :if-output-exists :append
+              :error :output))
+    runs))
+
+(defun attack-slowbody (target connections)
+  (let* ((port (target-port target))
+         (rest-rss (round (tree-status (target-pid target)) 1024))
+         (out (merge-pathnames (format nil "slowbody-~A-~D.txt" (target-kind target) connections)
+                               *logs*))
+         (deadline (+ (get-internal-real-time) (* *slowbody-seconds* internal-time-units-per-second)))
+         (runs (list 0))
+         (attacker (progn
+                     (ignore-errors (delete-file out))
+                     (sb-thread:make-thread
+                      (lambda () (setf (car runs) (slowhttptest-loop port connections out deadline)))
+                      :name "slowhttptest"))))
+    (sleep 2)
+    (multiple-value-bind (w finish) (start-watch target :probes *probes*)
+      (funcall finish)
+      (sb-thread:join-thread attacker :default nil)
+      (row target "slowbody" w
+           :load (format nil "slowhttptest -B -c~D" connections)
+           :rest-rss-mb rest-rss
+           :peak-workers (watch-peak-workers w)
+           :notes (format nil "slowhttptest run ~D times; RSS at rest ~D MiB~
+                               ~:[~;, workers at most ~:*~D~]"
+                          (car runs) rest-rss
+                          (and (gallop-kind-p (target-kind target)) (watch-peak-workers w)))))))
+
+;;; readers: streamed answers nobody reads
+
+(defparameter *stream-request* (ascii (format nil "GET /stream HTTP/1.1~C~CHost: b~C~C~C~C"
+                                              #\Return #\Linefeed #\Return #\Linefeed
+                                              #\Return #\Linefeed)))
+
+(defun attack-readers (target &optional (attack "readers"))
+  (let* ((port (target-port target))
+         (log-before (log-size target))
+         (fds (open-many port *readers*))
+         (closed-at (make-hash-table))
+         (start (get-internal-real-time)))
+    (unwind-protect
+         (progn
+           (loop repeat 30 until (every #'connected-p fds) do (sleep 0.1))
+           (dolist (fd fds)
+             (send-some fd *stream-request* 0 (length *stream-request*)))
+           (multiple-value-bind (w finish)
+               (start-watch target :probes (min *probes* (- *reader-seconds* 2)))
+             ;; When the server ends each connection (a reset, or its end
+             ;; of file after the part of the answer the socket took).
+             (loop while (< (- (get-internal-real-time) start)
+                            (* *reader-seconds* internal-time-units-per-second))
+                   do (dolist (fd fds)
+                        (unless (gethash fd closed-at)
+                          (let ((r (aref (poll-fds (vector fd) (vector +pollin+) 0) 0)))
+                            (when (logtest r (logior +pollerr+ +pollhup+))
+                              (setf (gethash fd closed-at)
+                                    (/ (- (get-internal-real-time) start)
+                                       internal-time-units-per-second))))))
+                      (sleep 0.5))
+             (funcall finish)
+             (let* ((times (loop for v being the hash-values of closed-at collect v))
+                    (held (- (length fds) (length times)))
+                    (lines (count-log-lines target log-before)))
+               (row target attack w
+                    :load (format nil "~D clients reading nothing of /stream" (length fds))
+                    :held held
+                    :last-close (if times (reduce #'max times) 0)
+                    :log-lines lines
+                    :notes (format nil "ended by the server: ~D, the last after ~,1F s~
+                                        ~:[~;; ~:*~D held at the end~]; log: ~D line~:P"
+                                   (length times) (if times (reduce #'max times) 0)
+                                   (and (plusp held) held) lines)))))
+      (mapc #'%close fds))))
+
+(defun count-log-lines (target from)
+  "Lines the server logged past octet FROM of its log."
+  (or (ignore-errors
+       (with-open-file (in (target-log target) :element-type '(unsigned-byte 8))
+         (file-position in from)
+         (loop for b = (read-byte in nil) while b count (= b 10))))
+      0))
+
 ;;; The table
 
-(defun run-case (kind case port)
+(defun run-case (kind case port &optional count)
   (let ((environment (append (list "BENCH_MESSAGE_LOG=1")
                              (when (string= case "silent") (list "BENCH_TIMEOUT=120"))
+                             (when (string= case "readers, no rate")
+                               (list "BENCH_GALLOP_OPTIONS=(:min-data-rate cl:nil)"))
                              (sb-ext:posix-environ)))
         (target nil))
     (unwind-protect
          (progn
            (setf target (start-target kind port environment))
            (cond ((string= case "silent") (attack-silent target))
+                 ((string= case "slowbody") (attack-slowbody target count))
                  ((string= kind "nginx") nil) ; no handler to attack
                  ((string= case "errors") (attack-errors target))
-                 ((string= case "hangups") (attack-hangups target))))
+                 ((string= case "hangups") (attack-hangups target))
+                 ((string= case "readers") (attack-readers target))
+                 ((string= case "readers, no rate") (attack-readers target case))))
       (when target (stop-target target)))))
 
-(defun bar-missed (row)
-  "Why a Gallop ROW misses the attack's bar, or NIL."
+(defun bar-missed (row &optional control)
+  "Why a Gallop ROW misses the attack's bar, or NIL.  CONTROL: the row of the
+same server's control run, for attacks that have one."
   (let ((attack (getf row :attack)))
     (cond ((not (getf row :alive)) "the server died or stopped answering")
           ((and (string= attack "silent")
@@ -341,7 +498,26 @@ the medians, so that the host's drift within the run counts for little.")
                 (or (< (getf row :rate-ratio) 1/2) (> (getf row :log-per-error) 8192)))
            "errors were too slow or logged too much")
           ((and (string= attack "hangups") (> (getf row :rss-rise-mb) 32))
-           "RSS rose more than 32 MiB"))))
+           "RSS rose more than 32 MiB")
+          ((and (string= attack "slowbody")
+                (or (/= (getf row :answered) (getf row :probes))
+                    (>= (getf row :median-ms) *goal-ms*)))
+           "a probe failed or the median was too slow")
+          ((and (string= attack "slowbody") (> (getf row :peak-workers) (+ 2 (cpu-count))))
+           "more workers than the CPUs plus 2")
+          ((and (string= attack "slowbody")
+                (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 128))
+           "RSS rose past the body budget")
+          ((and (string= attack "readers")
+                (or (plusp (getf row :held))
+                    (null control)
+                    ;; The control still held some at the end: it took
+                    ;; longer than the whole run.
+                    (and (zerop (getf control :held))
+                         (> (getf row :last-close) (/ (getf control :last-close) 2)))))
+           "clients that read nothing were not ended in half the control's time")
+          ((and (string= attack "readers") (> (getf row :log-lines) 2))
+           "more than a log line a minute about them"))))
 
 (defun print-row (row)
   (format t "| ~A | ~A | ~A | ~D/~D | ~D | ~D | ~D | ~D | ~:[no~;yes~] | ~A |~%"
@@ -360,13 +536,18 @@ the medians, so that the host's drift within the run counts for little.")
         (format t "|---|---|---|--:|--:|--:|--:|--:|---|---|~%")
         (let ((missed '()))
           (dolist (case *cases*)
-            (loop for kind in *kinds*
-                  for port from *port*
-                  do (let ((row (run-case kind case port)))
-                       (when row
-                         (print-row row)
-                         (let ((why (and (gallop-kind-p kind) (bar-missed row))))
-                           (when why (push (format nil "~A ~A: ~A" case kind why) missed)))))))
+            (dolist (count (if (string= case "slowbody") *slowbody* '(nil)))
+              (loop for kind in *kinds*
+                    for port from *port*
+                    do (let* ((control (and (string= case "readers") (gallop-kind-p kind)
+                                            (run-case kind "readers, no rate" port)))
+                              (row (run-case kind case port count)))
+                         (when control
+                           (print-row control))
+                         (when row
+                           (print-row row)
+                           (let ((why (and (gallop-kind-p kind) (bar-missed row control))))
+                             (when why (push (format nil "~A ~A: ~A" case kind why) missed))))))))
           (format t "~%~:[Every Gallop row held its bar.~;~:*~{~A~%~}~]~%" (reverse missed))
           (uiop:quit (if missed 1 0))))
     (error (e)

@@ -4,7 +4,7 @@
 # does to throughput on a machine whose speed moves from run to run.
 #
 #   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
-#     [SETUP=shared] [HOG=1] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#     [SETUP=shared] [HOG=1] [POST_BYTES=N] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
 #
 # Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
 # easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
@@ -20,7 +20,9 @@
 # drift apart here is the least difference one such run can show
 # (doc/design.md, "A/A runs set the noise floor").  HOG=1: a busy loop on
 # the last CPU for the whole run, as in `make bench`'s -hog scenarios (in
-# the shared setup only).  Ports 19001-19003.  Needs wrk and nginx
+# the shared setup only).  POST_BYTES=N: every request POSTs an N-octet
+# form body (a=b&a=b...), keep-alive, to the servers' /upload (which reads
+# it) and to nginx's /yo (which discards it).  Ports 19001-19003.  Needs wrk and nginx
 # (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -68,6 +70,14 @@ echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
 echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
 echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared} HOG=${HOG:-0}: ${WRK[*]} -cN -d${DUR}s"
 hz=$(getconf CLK_TCK)
+PATHS=(/yo /yo /yo); WRK_S=()
+if [ "${POST_BYTES:-0}" -gt 0 ]; then
+  PATHS=(/upload /upload /yo)
+  printf 'wrk.method = "POST"\nwrk.body = string.rep("a=b&", %d)\nwrk.headers["Content-Type"] = "application/x-www-form-urlencoded"\n' \
+    $(( POST_BYTES / 4 )) > "$TMP/post.lua"
+  WRK_S=(-s "$TMP/post.lua")
+  echo "POST_BYTES=$POST_BYTES: POST a form to /upload (nginx: /yo)"
+fi
 for i in 0 1 2; do "${WRK[@]}" -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
 for c in $CONNS_LIST; do
   : > "$TMP/ratios-$c"
@@ -76,7 +86,7 @@ for c in $CONNS_LIST; do
     for k in 0 1 2; do
       if [ $((r % 2)) = 0 ]; then i=$(( (2 - k + r) % 3 )); else i=$(( (k + r) % 3 )); fi
       t0=$(cpu_ticks "${PIDS[$i]}")
-      "${WRK[@]}" -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}/yo" > "$TMP/wrk.txt"
+      "${WRK[@]}" "${WRK_S[@]}" -c"$c" -d"${DUR}s" "http://127.0.0.1:${PORTS[$i]}${PATHS[$i]}" > "$TMP/wrk.txt"
       t1=$(cpu_ticks "${PIDS[$i]}")
       RPS[$i]=$(awk -v d="$DUR" '/requests in/ { print $1 / d }' "$TMP/wrk.txt")
       US[$i]=$(awk -v t=$((t1 - t0)) -v hz="$hz" '/requests in/ { printf "%.2f", t * 1e6 / hz / $1 }' "$TMP/wrk.txt")

@@ -27,7 +27,9 @@
 ;;;; (HUNCHENTOOT:RAW-POST-DATA :WANT-STREAM T)); /ignore answers "ignored"
 ;;;; without reading the body.  bench/uploads.lisp (`make bench-uploads`)
 ;;;; measures the server's memory while clients upload to them.  /error
-;;;; signals an error in the handler (bench/attacks.lisp).
+;;;; signals an error in the handler, and /stream streams /big's 1 MiB in
+;;;; 16 KiB writes (Hunchentoot: to SEND-HEADERS's stream; native: a
+;;;; writer) (bench/attacks.lisp).
 ;;;;
 ;;;; BENCH_TLS_CERT and BENCH_TLS_KEY (PEM files; `make bench-tls`) make
 ;;;; every kind answer HTTPS only: stock HUNCHENTOOT:EASY-SSL-ACCEPTOR,
@@ -138,6 +140,20 @@
   (setf (hunchentoot:content-type*) "application/octet-stream")
   *big-body*)
 
+(defconstant +stream-piece-bytes+ 16384
+  "The size of /stream's writes.")
+
+(hunchentoot:define-easy-handler (stream-big :uri "/stream") ()
+  (setf (hunchentoot:content-type*) "application/octet-stream"
+        (hunchentoot:content-length*) (length *big-body*))
+  (let ((out (hunchentoot:send-headers)))
+    (loop for start from 0 below (length *big-body*) by +stream-piece-bytes+
+          do (write-sequence *big-body* out :start start
+                                            :end (min (length *big-body*)
+                                                      (+ start +stream-piece-bytes+))))
+    (finish-output out)
+    nil))
+
 ;;; Uploads (bench/uploads.lisp)
 
 (defconstant +upload-piece-bytes+ 65536
@@ -180,7 +196,7 @@ names are plain)."
               return (subseq part (length prefix))))))
 
 (defun native-app (env)
-  "The native counterpart of /yo, /big, /upload and /ignore; and /later,
+  "The native counterpart of /yo, /big, /stream, /upload and /ignore; and /later,
 answered \"Hey!\" *LATER-SECONDS* after the request by a timer
 \(GALLOP:AFTER), with no thread waiting: cl-async's seed test."
   (let ((path (getf env :path-info)))
@@ -200,6 +216,16 @@ answered \"Hey!\" *LATER-SECONDS* after the request by a timer
                    (list (if name (concatenate 'string "Hey " name "!") "Hey!")))))
           ((string= path "/big")
            (list 200 '(:content-type "application/octet-stream") *big-body*))
+          ((string= path "/stream")
+           (lambda (responder)
+             (let ((writer (funcall responder
+                                    (list 200 (list :content-type "application/octet-stream"
+                                                    :content-length (length *big-body*))))))
+               (loop for start from 0 below (length *big-body*) by +stream-piece-bytes+
+                     do (funcall writer (subseq *big-body* start
+                                                (min (length *big-body*)
+                                                     (+ start +stream-piece-bytes+)))))
+               (funcall writer nil :close t))))
           ((string= path "/upload")
            (list 200 '(:content-type "text/plain")
                  (list (princ-to-string (count-body (getf env :raw-body))))))

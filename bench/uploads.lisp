@@ -3,8 +3,9 @@
 ;;;;
 ;;;;   scripts/lisp.sh --load bench/uploads.lisp --eval '(gallop-bench-uploads:main)'
 ;;;;
-;;;; Why: Gallop streams request bodies to the handler (src/core/body.lisp),
-;;;; holding at most a window of each in memory, whatever the client's framing.
+;;;; Why: Gallop reads a request body before its handler runs, in epoll,
+;;;; keeping at most :BODY-BUFFER-BYTES of it in memory and the rest in a
+;;;; temporary file (src/core/spool.lisp), whatever the client's framing.
 ;;;; This measures that claim from outside: the resident memory of a server
 ;;;; process while many clients upload large bodies at once.
 ;;;;
@@ -33,9 +34,9 @@
 ;;;;    sent (/upload) or "ignored" (/ignore), and nothing follows it.
 ;;;; The clients are Lisp threads with their own sockets in this process (not
 ;;;; the server's).  Between two 64 KiB writes a client looks for an answer;
-;;;; once one arrived (/ignore: at once) it stops sending and reads it.  A
-;;;; write that fails because the server closed is noted, and the answer
-;;;; still read.
+;;;; once one arrived (/ignore: once the server read the body) it stops
+;;;; sending and reads it.  A write that fails because the server closed is
+;;;; noted, and the answer still read.
 ;;;;
 ;;;; Each server first serves a warm-up (every row once with 2 MiB bodies, not
 ;;;; measured), so that its worker threads exist before the first sample.
