@@ -11,8 +11,10 @@
 ;;;;    a full handshake and one GET /yo read back ("Hey!"), then left open
 ;;;;    and idle.  Reported: connections held, the server's pool and process
 ;;;;    threads, and its RSS and Lisp heap after a full GC, before and with
-;;;;    them: KiB per idle TLS connection.  Stock Hunchentoot keeps a thread
-;;;;    per connection; it gets BENCH_TLS_IDLE_STOCK (default 150).
+;;;;    them: KiB per idle TLS connection; then the clients close, and once
+;;;;    the server has closed them too, its RSS after a full GC again (goal:
+;;;;    within 20 MiB of before).  Stock Hunchentoot keeps a thread per
+;;;;    connection; it gets BENCH_TLS_IDLE_STOCK (default 150).
 ;;;;  - Slowloris: 500 clients send the first 11 octets of a ClientHello and
 ;;;;    then nothing; 500 more complete the handshake and send a request head
 ;;;;    an octet a second.  Meanwhile a fresh client every 200 ms makes a full
@@ -21,8 +23,8 @@
 ;;;;    clients answered, median and slowest time, how many took 50 ms or
 ;;;;    more, the server's threads at the most.
 ;;;; Exits non-zero when a Gallop server held fewer idle connections than
-;;;; asked, had more than its standby + 4 pool threads, or failed a fresh
-;;;; client.  Traffic goes to 127.0.0.1 only, bounded in count and time.
+;;;; asked, had more than its standby + 4 pool threads, kept more than 20 MiB
+;;;; of RSS once they closed, or failed a fresh client.  Traffic goes to 127.0.0.1 only, bounded in count and time.
 
 (load (merge-pathnames "process.lisp" (directory-namestring *load-truename*)))
 
@@ -162,6 +164,20 @@ NIL when it is not a well-formed answer with a Content-Length."
                                                          (/ (- rss-after rss-before) held 1.0))
                                 :heap-kib-per-connection (and heap-before heap-after (plusp held)
                                                               (/ (- heap-after heap-before) held 1024.0)))))
+                 ;; Gone: the clients close, the server closes too.
+                 (loop for c across clients do (tls-shut c))
+                 (setf (fill-pointer clients) 0)
+                 (loop repeat 100
+                       until (<= (or (getf (stats process) :open) 0) 0)
+                       do (sleep 0.1))
+                 ;; The server gives freed TLS memory back at most once a
+                 ;; second, once its housekeeper ticks (once a second when
+                 ;; no connection is open).
+                 (sleep 3)
+                 (gc-heap process)
+                 (sleep 1)
+                 (let ((rss-closed (proc-status pid)))
+                   (setf (getf row :rss-closed-mib) (and rss-closed (/ rss-closed 1024.0))))
                  (format t "~&idle ~A: ~S~%" kind row)
                  (finish-output)
                  row))))
@@ -258,16 +274,22 @@ NIL when it is not a well-formed answer with a Content-Length."
                               (when (< (getf idle :held) (getf idle :asked))
                                 (push (format nil "~A held ~D of ~D idle TLS connections" kind
                                               (getf idle :held) (getf idle :asked)) bad))
+                              (when (and (getf idle :rss-closed-mib) (getf idle :rss-before-mib)
+                                         (> (- (getf idle :rss-closed-mib) (getf idle :rss-before-mib)) 20))
+                                (push (format nil "~A kept ~,1F MiB more RSS once they closed" kind
+                                              (- (getf idle :rss-closed-mib) (getf idle :rss-before-mib)))
+                                      bad))
                               (when (> (or (getf idle :pool-threads) 0) (+ *standby* 4))
                                 (push (format nil "~A had ~D pool threads" kind (getf idle :pool-threads)) bad))
                               (when (plusp (getf loris :failed))
                                 (push (format nil "~A failed ~D fresh clients" kind (getf loris :failed)) bad))))))
                    (kill-and-reap process)))))
-    (format t "~&~%| server | idle TLS connections held | pool threads | process threads | RSS before / with them (MiB) | KiB RSS per connection | KiB Lisp heap per connection | opened in |~%|---|--:|--:|--:|--:|--:|--:|--:|~%")
+    (format t "~&~%| server | idle TLS connections held | pool threads | process threads | RSS before / with them / once closed (MiB) | KiB RSS per connection | KiB Lisp heap per connection | opened in |~%|---|--:|--:|--:|--:|--:|--:|--:|~%")
     (dolist (r (reverse idle-rows))
-      (format t "| ~A | ~:D of ~:D | ~A | ~A | ~,1F / ~,1F | ~,1F | ~,1F | ~,1F s |~%"
+      (format t "| ~A | ~:D of ~:D | ~A | ~A | ~,1F / ~,1F / ~,1F | ~,1F | ~,1F | ~,1F s |~%"
               (getf r :kind) (getf r :held) (getf r :asked) (getf r :pool-threads) (getf r :threads)
-              (getf r :rss-before-mib) (getf r :rss-after-mib) (getf r :kib-per-connection)
+              (getf r :rss-before-mib) (getf r :rss-after-mib) (or (getf r :rss-closed-mib) 0)
+              (getf r :kib-per-connection)
               (getf r :heap-kib-per-connection) (getf r :opened-s)))
     (format t "~%| server | half ClientHellos | dribbled heads | fresh clients answered | median | slowest | ≥ ~D ms | threads at most (pool) |~%|---|--:|--:|--:|--:|--:|--:|--:|~%" *goal-ms*)
     (dolist (r (reverse loris-rows))

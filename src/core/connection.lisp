@@ -667,7 +667,8 @@ non-blocking send).  The SSL object stays until CLOSE-CONNECTION frees it."
   (unless (zerop (the fixnum (conn-slot c tls)))
     (end-tls c)
     (when (plusp (conn-slot c tls))
-      (ssl-free (conn-slot c tls)))
+      (ssl-free (conn-slot c tls))
+      (sb-ext:atomic-incf (engine-tls-freed (connection-engine c))))
     (setf (conn-slot c tls) -1)))
 
 (defun fill-input (c)

@@ -137,6 +137,9 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (disk-bytes 0 :type sb-ext:word)   ; and in temporary files
   (body-files 0 :type sb-ext:word)   ; bodies that went to a temporary file, in all
   (slow-clients 0 :type sb-ext:word) ; closed for sending or reading under the minimum rate
+  (tls-freed 0 :type sb-ext:word)    ; SSL objects freed, in all (see TRIM-MALLOC)
+  (tls-trimmed 0 :type sb-ext:word)  ; TLS-FREED at the last trim
+  (trim-ms 0 :type fixnum)           ; when that was
   (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
   (lock (sb-thread:make-mutex :name "gallop engine"))

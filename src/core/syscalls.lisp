@@ -115,6 +115,7 @@
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("write" %write) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long))
+(sb-alien:define-alien-routine ("malloc_trim" %malloc-trim) sb-alien:int (pad sb-alien:unsigned-long))
 (sb-alien:define-alien-routine ("pread" %pread-file) sb-alien:long
   (fd sb-alien:int) (buf sb-sys:system-area-pointer) (count sb-alien:unsigned-long)
   (offset sb-alien:long))

@@ -347,3 +347,25 @@ fd is left, nothing is logged, and the server serves on."
                           "~A" response)))
                (tls-close client)))
         (hunchentoot:stop server)))))
+
+;;; Closed TLS connections give their memory back: once enough SSL objects
+;;; were freed, the housekeeper trims malloc's heap (housekeeper.lisp,
+;;; TRIM-MALLOC).  The RSS it gives back is measured by make bench-tls-hold;
+;;; here, that the trim comes.
+
+(test closed-tls-connections-make-the-housekeeper-trim-malloc
+  (with-tls-app (server #'tls-app)
+    (let* ((engine (gallop::server-engine server))
+           (n (+ 8 gallop.core::+trim-after-tls-frees+))
+           (clients (loop repeat n collect (tls-connect (native-port server)))))
+      (is (every #'identity clients))
+      (is (zerop (gallop.core::engine-tls-trimmed engine)))
+      (mapc #'tls-close clients)
+      (is (wait-until (lambda () (zerop (stat server :open))) :timeout 20)
+          "still open: ~S" (gallop:stats server))
+      (is (>= (gallop.core::engine-tls-freed engine) n))
+      ;; The housekeeper trims at its next tick (once a second at rest).
+      (is (wait-until (lambda () (>= (gallop.core::engine-tls-trimmed engine)
+                                     gallop.core::+trim-after-tls-frees+))
+                      :timeout 10)
+          "no trim after ~D SSL objects freed" (gallop.core::engine-tls-freed engine)))))
