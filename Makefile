@@ -194,11 +194,11 @@ bench-slow-readers:
 # Cheap attacks (bench/attacks.lisp; results in BENCHMARKS.md, "Attacks"):
 # connections that send nothing or part of a head, a handler that fails on
 # every request, clients that hang up in the middle of a body, slow bodies
-# (slowhttptest -B); each against
+# (slowhttptest -B), large uploads, streamed answers nobody reads; each against
 # gallop:start, gallop:easy-acceptor, stock Hunchentoot and (where it has the
 # same thing to do) nginx, each in its own process, beside a fresh client
 # asking once a second.  Non-zero when a Gallop row misses its bar.
-#   make bench-attacks   about 16 min
+#   make bench-attacks   about 25 min
 
 .PHONY: bench-attacks
 

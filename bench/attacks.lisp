@@ -39,6 +39,10 @@
 ;;;;            discards the body).  Bar: every probe answered, median under
 ;;;;            50 ms, workers at most the CPUs plus 2, RSS within the body
 ;;;;            budget (an eighth of the heap) of its value at rest.
+;;;;   uploads  8 curl clients at once POST 50 MiB each to /upload (4 with
+;;;;            Content-Length, 4 chunked), at most 10 MB/s each, beside 5
+;;;;            probes.  Bar: every upload answered with its length, every
+;;;;            probe answered, RSS at most 32 MiB above its value at rest.
 ;;;;   readers  ATTACK_READERS (300) clients ask for /stream, 1 MiB streamed in
 ;;;;            16 KiB writes, and never read, for ATTACK_READER_SECONDS
 ;;;;            (60), beside the probes (one a second).  Default timeouts;
@@ -57,7 +61,7 @@
 ;;;; 127.0.0.1 only; each attack is bounded in time.
 ;;;;
 ;;;; Environment: ATTACK_KINDS ("native,gallop,stock,nginx"), ATTACK_CASES
-;;;; ("silent,errors,hangups,slowbody,readers"), the counts above,
+;;;; ("silent,errors,hangups,slowbody,uploads,readers"), the counts above,
 ;;;; ATTACK_PORT (18520).
 
 (load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
@@ -73,7 +77,8 @@
     (if v (remove "" (uiop:split-string v :separator ",") :test #'string=) default)))
 
 (defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
-(defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "readers")))
+(defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "uploads"
+                                                 "readers")))
 (defparameter *readers* (env-int "ATTACK_READERS" 300))
 (defparameter *reader-seconds* (env-int "ATTACK_READER_SECONDS" 60))
 (defparameter *slowbody* (mapcar #'parse-integer (env-list "ATTACK_SLOWBODY" '("1000" "4000"))))
@@ -410,6 +415,54 @@ OUT."
                           (car runs) rest-rss
                           (and (gallop-kind-p (target-kind target)) (watch-peak-workers w)))))))
 
+;;; uploads: large bodies at once
+
+(defparameter *upload-bytes* (* 50 1024 1024))
+
+(defun upload-file ()
+  "A file of *UPLOAD-BYTES* octets of every value, made once."
+  (let ((path (merge-pathnames "upload.bin" *logs*)))
+    (unless (and (probe-file path)
+                 (= *upload-bytes* (with-open-file (in path :element-type '(unsigned-byte 8))
+                                     (file-length in))))
+      (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)
+                                :if-exists :supersede)
+        (let ((block (make-array 65536 :element-type '(unsigned-byte 8))))
+          (dotimes (i (length block)) (setf (aref block i) (mod (* i 7) 251)))
+          (loop repeat (floor *upload-bytes* (length block)) do (write-sequence block out)))))
+    path))
+
+(defun attack-uploads (target)
+  (let* ((port (target-port target))
+         (file (namestring (upload-file)))
+         (rest-rss (progn (when (gallop-kind-p (target-kind target)) (server-gc-rss target))
+                          (round (tree-status (target-pid target)) 1024)))
+         (answers (make-array 8 :initial-element nil))
+         (threads (loop for i below 8
+                        collect (let ((i i))
+                                  (sb-thread:make-thread
+                                   (lambda ()
+                                     (setf (aref answers i)
+                                           (uiop:run-program
+                                            (append (list "curl" "-s" "--max-time" "60"
+                                                          "--limit-rate" "10M"
+                                                          "-H" "Content-Type: application/octet-stream"
+                                                          "--data-binary" (concatenate 'string "@" file))
+                                                    (when (oddp i)
+                                                      (list "-H" "Transfer-Encoding: chunked"))
+                                                    (list (format nil "http://127.0.0.1:~D/upload" port)))
+                                            :output :string :ignore-error-status t)))
+                                   :name "upload")))))
+    (multiple-value-bind (w finish) (start-watch target :probes 5)
+      (mapc #'sb-thread:join-thread threads)
+      (funcall finish)
+      (let ((right (count (princ-to-string *upload-bytes*) answers :test #'equal)))
+        (row target "uploads" w
+             :load "8 x 50 MiB, 4 chunked"
+             :rest-rss-mb rest-rss
+             :uploads-answered right
+             :notes (format nil "~D of 8 answered exactly; RSS at rest ~D MiB" right rest-rss))))))
+
 ;;; readers: streamed answers nobody reads
 
 (defparameter *stream-request* (ascii (format nil "GET /stream HTTP/1.1~C~CHost: b~C~C~C~C"
@@ -481,6 +534,7 @@ OUT."
                  ((string= kind "nginx") nil) ; no handler to attack
                  ((string= case "errors") (attack-errors target))
                  ((string= case "hangups") (attack-hangups target))
+                 ((string= case "uploads") (attack-uploads target))
                  ((string= case "readers") (attack-readers target))
                  ((string= case "readers, no rate") (attack-readers target case))))
       (when target (stop-target target)))))
@@ -508,6 +562,13 @@ same server's control run, for attacks that have one."
           ((and (string= attack "slowbody")
                 (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 128))
            "RSS rose past the body budget")
+          ((and (string= attack "uploads")
+                (or (/= 8 (getf row :uploads-answered))
+                    (/= (getf row :answered) (getf row :probes))))
+           "an upload or a probe was not answered")
+          ((and (string= attack "uploads")
+                (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 32))
+           "RSS rose more than 32 MiB")
           ((and (string= attack "readers")
                 (or (plusp (getf row :held))
                     (null control)

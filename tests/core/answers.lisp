@@ -55,15 +55,15 @@
   ":NATIVE is GALLOP:START with WIRE-NATIVE-APP; :EASY is GALLOP:EASY-ACCEPTOR
 with a GALLOP:TASKMASTER.")
 
-(defun call-with-front-end (kind options function)
+(defun call-with-front-end (kind options function &key (app #'wire-native-app))
   "Start front end KIND with OPTIONS (the initargs GALLOP:START and
 GALLOP:TASKMASTER share: :MAX-REQUEST-LINE-BYTES, :MAX-HEAD-BYTES,
 :MAX-BODY-BYTES, :HEADER-TIMEOUT, :MAX-THREAD-COUNT, :STANDBY-THREAD-COUNT,
 :MAX-QUEUE-LENGTH), call FUNCTION with its port and the server, and always
-stop it."
+stop it.  :NATIVE serves APP; :EASY the easy handlers defined."
   (ecase kind
     (:native
-     (let ((server (apply #'gallop:start #'wire-native-app
+     (let ((server (apply #'gallop:start app
                           :address "127.0.0.1" :port 0
                           :log (message-log-destination) options)))
        (unwind-protect (funcall function (gallop:server-port server) server)

@@ -125,25 +125,11 @@ reads of READ-SIZE; (values octets-read spool), or NIL when an append failed."
   (setf (hunchentoot:content-type*) "text/plain")
   "pong")
 
-(defun call-with-gather-front-end (kind options function)
-  (ecase kind
-    (:native
-     (let ((server (apply #'gallop:start #'gather-native-app
-                          :address "127.0.0.1" :port 0
-                          :log (message-log-destination) options)))
-       (unwind-protect (funcall function (gallop:server-port server) server)
-         (gallop:stop server))))
-    (:easy
-     (let ((server (make-server 'gallop:easy-acceptor
-                                :taskmaster (apply #'make-instance 'gallop:taskmaster options))))
-       (hunchentoot:start server)
-       (unwind-protect (funcall function (port-of server) server)
-         (when (hunchentoot:started-p server)
-           (hunchentoot:stop server)))))))
-
 (defmacro with-gather-front-end ((port server kind options) &body body)
-  `(call-with-gather-front-end ,kind ,options
-                               (lambda (,port ,server) (declare (ignorable ,server)) ,@body)))
+  "WITH-FRONT-END, the native server serving GATHER-NATIVE-APP."
+  `(call-with-front-end ,kind ,options
+                        (lambda (,port ,server) (declare (ignorable ,server)) ,@body)
+                        :app #'gather-native-app))
 
 (defun send-octets (socket octets &key (start 0) (end (length octets)))
   (let ((stream (usocket:socket-stream socket)))
@@ -251,6 +237,47 @@ lower case, one with an extension), then the last chunk and a trailer."
 
 (test bodies-past-memory-arrive-exactly-easy-acceptor
   (check-bodies-past-memory-arrive-exactly :easy))
+
+(hunchentoot:define-easy-handler (handle-gather-multipart :uri "/gather-multipart") ()
+  ;; Hunchentoot's multipart parsing (rfc2388, the file in a temporary
+  ;; file), from a body Gallop read first: the note, the file's length and
+  ;; the sum of its octets.
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((file (hunchentoot:post-parameter "file")))
+    (with-open-file (in (first file) :element-type '(unsigned-byte 8))
+      (let ((octets (make-array (file-length in) :element-type '(unsigned-byte 8))))
+        (read-sequence octets in)
+        (format nil "~A ~D ~D" (hunchentoot:post-parameter "note") (length octets)
+                (reduce #'+ octets))))))
+
+(test a-multipart-upload-read-first-reaches-hunchentoot-exactly
+  (with-gather-front-end (port server :easy '(:body-buffer-bytes 8192))
+    (let* ((file (gather-octets 100000 5))
+           (body (concatenate '(vector (unsigned-byte 8))
+                              (octets (format nil "--gallop-7f3a~C~CContent-Disposition: form-data; name=\"note\"~C~C~C~Chello~C~C--gallop-7f3a~C~CContent-Disposition: form-data; name=\"file\"; filename=\"f.bin\"~C~CContent-Type: application/octet-stream~C~C~C~C"
+                                              #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed
+                                              #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed
+                                              #\Return #\Linefeed #\Return #\Linefeed))
+                              file
+                              (octets (format nil "~C~C--gallop-7f3a--~C~C"
+                                              #\Return #\Linefeed #\Return #\Linefeed))))
+           (all (concatenate '(vector (unsigned-byte 8))
+                             (octets (crlf "POST /gather-multipart HTTP/1.1" "Host: x"
+                                           "Content-Type: multipart/form-data; boundary=gallop-7f3a"
+                                           (format nil "Content-Length: ~D" (length body))))
+                             body))
+           (socket (connect port)))
+      (unwind-protect
+           (progn
+             (loop for start from 0 below (length all) by 7001
+                   do (send-octets socket all :start start :end (min (length all) (+ start 7001))))
+             (let ((answer (read-wire-or-error socket :persistent t))
+                   (expected (format nil "hello 100000 ~D" (reduce #'+ file))))
+               (is (and (wire-response-p answer) (= 200 (wire-status answer))
+                        (string= expected (wire-body-string answer)))
+                   "~A, expected ~S" answer expected)))
+        (usocket:socket-close socket))
+      (is (<= 1 (stat server :body-files))))))
 
 (defun check-one-100-continue (kind)
   ;; The client waits for 100 Continue before its body: the engine sends
