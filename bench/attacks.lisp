@@ -43,6 +43,11 @@
 ;;;;            Content-Length, 4 chunked), at most 10 MB/s each, beside 5
 ;;;;            probes.  Bar: every upload answered with its length, every
 ;;;;            probe answered, RSS at most 32 MiB above its value at rest.
+;;;;   tls-idle 10,000 TLS connections (stock: 150), each with a handshake and
+;;;;            one GET /yo, left idle, then closed: bench/tls-hold.lisp's
+;;;;            idle part, against servers answering HTTPS only (no probes).
+;;;;            Bar: every connection held, RSS after a full GC once they
+;;;;            closed within 20 MiB of before.  (nginx: not run.)
 ;;;;   readers  ATTACK_READERS (300) clients ask for /stream, 1 MiB streamed in
 ;;;;            16 KiB writes, and never read, for ATTACK_READER_SECONDS
 ;;;;            (60), beside the probes (one a second).  Default timeouts;
@@ -61,7 +66,7 @@
 ;;;; 127.0.0.1 only; each attack is bounded in time.
 ;;;;
 ;;;; Environment: ATTACK_KINDS ("native,gallop,stock,nginx"), ATTACK_CASES
-;;;; ("silent,errors,hangups,slowbody,uploads,readers"), the counts above,
+;;;; ("silent,errors,hangups,slowbody,uploads,tls-idle,readers"), the counts above,
 ;;;; ATTACK_PORT (18520).
 
 (load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
@@ -78,7 +83,7 @@
 
 (defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
 (defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "uploads"
-                                                 "readers")))
+                                                 "tls-idle" "readers")))
 (defparameter *readers* (env-int "ATTACK_READERS" 300))
 (defparameter *reader-seconds* (env-int "ATTACK_READER_SECONDS" 60))
 (defparameter *slowbody* (mapcar #'parse-integer (env-list "ATTACK_SLOWBODY" '("1000" "4000"))))
@@ -126,7 +131,7 @@ http {
 }
 " dir dir dir dir dir dir dir port))
 
-(defun start-target (kind port environment)
+(defun start-target (kind port environment &key tls)
   (let ((log (merge-pathnames (format nil "~A.log" kind) *logs*)))
     (if (string= kind "nginx")
         (let* ((dir (namestring (merge-pathnames "nginx/" *logs*)))
@@ -143,7 +148,7 @@ http {
         (multiple-value-bind (process pid)
             (start-bench-server kind port :environment environment :log log
                                           :if-log-exists :supersede)
-          (probe-yo port)                 ; the first request compiles dispatch
+          (unless tls (probe-yo port))    ; the first request compiles dispatch
           (make-target :kind kind :process process :pid pid :port port :log log)))))
 
 (defun stop-target (target)
@@ -463,6 +468,32 @@ OUT."
              :uploads-answered right
              :notes (format nil "~D of 8 answered exactly; RSS at rest ~D MiB" right rest-rss))))))
 
+;;; tls-idle: idle TLS connections, then closed (bench/tls-hold.lisp)
+
+(defun tls-environment ()
+  "The environment of a server answering HTTPS only, with a certificate made
+for the run (loads bench/tls-hold.lisp, and cl+ssl, once)."
+  (unless (find-package "GALLOP-BENCH-TLS-HOLD")
+    (load (merge-pathnames "bench/tls-hold.lisp" *repo*)))
+  (destructuring-bind (cert key) (make-tls-certificate (merge-pathnames "tls/" *logs*))
+    (funcall (find-symbol "SERVER-ENVIRONMENT" "GALLOP-BENCH-TLS-HOLD") cert key)))
+
+(defun attack-tls-idle (target)
+  (multiple-value-bind (w finish) (start-watch target)
+    (let ((idle (let ((*standard-output* (make-broadcast-stream)))
+                  (funcall (find-symbol "RUN-IDLE" "GALLOP-BENCH-TLS-HOLD")
+                           (target-kind target) (target-process target) (target-pid target)
+                           (target-port target)))))
+      (funcall finish)
+      (flet ((mib (key) (round (or (getf idle key) 0))))
+        (row target "tls-idle" w
+             :load (format nil "~:D idle TLS connections" (getf idle :asked))
+             :tls-held (getf idle :held) :tls-asked (getf idle :asked)
+             :rss-kept-mb (- (mib :rss-closed-mib) (mib :rss-before-mib))
+             :notes (format nil "~:D held; RSS ~D MiB before, ~D with them, ~D once closed"
+                            (getf idle :held) (mib :rss-before-mib) (mib :rss-after-mib)
+                            (mib :rss-closed-mib)))))))
+
 ;;; readers: streamed answers nobody reads
 
 (defparameter *stream-request* (ascii (format nil "GET /stream HTTP/1.1~C~CHost: b~C~C~C~C"
@@ -528,13 +559,19 @@ OUT."
         (target nil))
     (unwind-protect
          (progn
-           (setf target (start-target kind port environment))
+           (setf target (if (string= case "tls-idle")
+                            (unless (string= kind "nginx")
+                              (start-target kind port (append (list "BENCH_MESSAGE_LOG=1")
+                                                              (tls-environment))
+                                            :tls t))
+                            (start-target kind port environment)))
            (cond ((string= case "silent") (attack-silent target))
                  ((string= case "slowbody") (attack-slowbody target count))
                  ((string= kind "nginx") nil) ; no handler to attack
                  ((string= case "errors") (attack-errors target))
                  ((string= case "hangups") (attack-hangups target))
                  ((string= case "uploads") (attack-uploads target))
+                 ((string= case "tls-idle") (attack-tls-idle target))
                  ((string= case "readers") (attack-readers target))
                  ((string= case "readers, no rate") (attack-readers target case))))
       (when target (stop-target target)))))
@@ -569,6 +606,10 @@ same server's control run, for attacks that have one."
           ((and (string= attack "uploads")
                 (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 32))
            "RSS rose more than 32 MiB")
+          ((and (string= attack "tls-idle")
+                (or (/= (getf row :tls-held) (getf row :tls-asked))
+                    (> (getf row :rss-kept-mb) 20)))
+           "an idle TLS connection was refused, or RSS stayed 20 MiB up once they closed")
           ((and (string= attack "readers")
                 (or (plusp (getf row :held))
                     (null control)

@@ -110,6 +110,7 @@ buffer no longer counts against the head budget."
           body-mode nil
           boundary nil
           raw t
+          (conn-slot c rate-start) 0
           (conn-slot c detaching) t)
     (release-request-fields (conn-slot c request))
     (release-spool c)
@@ -525,11 +526,22 @@ REQUEST-BODY-ERROR for a malformed chunked body, or one over the limit."
          start)))))
 
 (defun room-after-head (c)
-  "Make room after IN-END in C's input buffer to read body octets into,
-without moving the head: true when there is some."
-  (with-connection-slots (inbuf in-end) c
+  "Make room after IN-END in C's input buffer to read body octets into: move
+the head (and what follows it) to the front when octets of earlier requests
+are before it, the request record's indexes with it (SHIFT-REQUEST), else
+grow the buffer.  True when there is some room."
+  (with-connection-slots (inbuf in-start in-end scan) c
     (let ((buffer inbuf))
       (declare (type octets buffer))
+      (when (and (< (- (length buffer) in-end) +gather-room+) (plusp in-start))
+        ;; A pipelining client's heads follow each other along the buffer:
+        ;; growing it instead would grow it with every request.
+        (let ((delta (- in-start)))
+          (replace buffer buffer :start2 in-start :end2 in-end)
+          (shift-request (conn-slot c request) delta)
+          (incf in-end delta)
+          (incf scan delta)
+          (setf in-start 0)))
       (or (>= (- (length buffer) in-end) +gather-room+)
           (let ((size (+ in-end +buffer-size+)))
             (if (charge-growth c size)

@@ -198,6 +198,9 @@ of the client's reading began: when UNSENT was started, or the client last
 read a period's quota (OUTPUT-RATE-DEADLINE).")
    (out-drained :initform 0 :type fixnum
                 :documentation "Octets the socket took from UNSENT since OUT-SINCE.")
+   (out-acked :initform 0 :type fixnum
+              :documentation "The client's TCP acknowledgements (TCP-BYTES-ACKED) when
+last looked at, for CLIENT-READ-A-PERIOD-P.")
    (out-registered :initform nil
                    :documentation "True once C's epoll registration includes EPOLLOUT.")
    (abandoned :initform nil
@@ -222,7 +225,7 @@ read requests from and write responses to."))
       (sent . fixnum) (handler-serial . fixnum)
       (budgeted . fixnum) (read-deadline . fixnum) (blank-lines . fixnum)
       (unsent-bytes . fixnum) (out-progress . fixnum) (out-since . fixnum)
-      (out-drained . fixnum)
+      (out-drained . fixnum) (out-acked . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)) (request . request))
     "Declared types of CONNECTION's typed slots, for CONN-SLOT.")
 
@@ -499,6 +502,12 @@ see BODY-RATE-DEADLINE) (0 once it passed)."
     (if (plusp deadline)
         (max 0 (min timeout (- deadline (now-ms))))
         timeout)))
+
+(declaim (inline earliest))
+(defun earliest (deadline other)
+  "The earlier of DEADLINE and OTHER (a deadline, or NIL: none)."
+  (declare (type fixnum deadline))
+  (if (and other (< (the fixnum other) deadline)) other deadline))
 
 (defun body-rate-deadline (c)
   "When the body C's handler reads as it arrives falls under the minimum
@@ -835,7 +844,8 @@ on FILE-FD, which the segment owns."
           (setf (conn-slot c unsent) cell
                 (conn-slot c out-progress) (now-ms)
                 (conn-slot c out-since) (conn-slot c out-progress)
-                (conn-slot c out-drained) 0))
+                (conn-slot c out-drained) 0
+                (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
       ;; Counted as sent: it is committed, and goes out before anything else.
@@ -902,23 +912,52 @@ write timeout): before a blocking write (TLS, a detached stream)."
     (loop until (send-unsent c)
           do (wait-for-fd c +pollout+ timeout "write"))))
 
+(defun client-read-a-period-p (c)
+  "At the end of a period of C's waiting output: true when the client's TCP
+acknowledged the period's quota (or, with no minimum rate, anything) since
+it was last looked at, which begins a new period and counts as progress
+for the write timeout.  The socket's writable events come only once the
+kernel's unsent output fell well under TCP_NOTSENT_LOWAT (16 KiB), so a
+client reading slowly but above the rate could otherwise be cut off."
+  (let ((acked (tcp-bytes-acked (connection-fd c))))
+    (when acked
+      (let ((new (- acked (conn-slot c out-acked))))
+        (when (>= new (if (plusp (engine-min-rate (connection-engine c)))
+                          (output-rate-quota (connection-engine c))
+                          1))
+          (let ((now (now-ms)))
+            (setf (conn-slot c out-acked) acked
+                  (conn-slot c out-since) now
+                  (conn-slot c out-drained) 0
+                  (conn-slot c out-progress) now)
+            t))))))
+
+(defun output-deadline (c)
+  "When C's waiting output ends the connection: the write timeout from the
+last progress, or sooner the minimum rate's period."
+  (earliest (+ (conn-slot c out-progress) (engine-write-timeout-ms (connection-engine c)))
+            (output-rate-deadline c)))
+
 (defun wait-for-reader (c)
   "Wait until C's socket takes more output, bounded by the write timeout or,
-sooner, the minimum data rate of the client's reading (WRITE-WAIT-MS).
-Past it, CONNECTION-TIMEOUT-ERROR, counted as a write timeout."
-  (let* ((engine (connection-engine c))
-         (rate (output-rate-deadline c))
-         (slow (and rate (< rate (+ (now-ms) (engine-write-timeout-ms engine))))))
-    (handler-bind ((connection-timeout-error
-                     (lambda (e)
-                       (declare (ignore e))
-                       ;; The connection closes for it: at once (see
-                       ;; SET-RESET-ON-CLOSE), not once the client read.
-                       (set-reset-on-close (connection-fd c))
-                       (sb-ext:atomic-incf (engine-write-timeouts engine))
-                       (when slow
-                         (sb-ext:atomic-incf (engine-slow-clients engine))))))
-      (wait-for-fd c +pollout+ (write-wait-ms c) "write"))))
+sooner, the minimum data rate of the client's reading (WRITE-WAIT-MS; a
+period in which the client's TCP acknowledged its quota begins another,
+CLIENT-READ-A-PERIOD-P).  Past it, CONNECTION-TIMEOUT-ERROR, counted as a
+write timeout, and the connection is reset when it closes."
+  (let ((engine (connection-engine c)))
+    (loop
+      (unless (eq :timeout (poll-fds (connection-fd c) +pollout+ -1 (write-wait-ms c)))
+        (return :ready))
+      (unless (client-read-a-period-p c)
+        (let ((rate (output-rate-deadline c)))
+          (sb-ext:atomic-incf (engine-timeouts engine))
+          (sb-ext:atomic-incf (engine-write-timeouts engine))
+          (when (and rate (< rate (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+            (sb-ext:atomic-incf (engine-slow-clients engine))))
+        (setf (conn-slot c timed-out) t)
+        ;; At once (see SET-RESET-ON-CLOSE), not once the client read.
+        (set-reset-on-close (connection-fd c))
+        (error 'connection-timeout-error :stream c :operation "write")))))
 
 (defun send-all (c buffer start end &optional (keep :copy))
   "Send BUFFER[START,END) after C's unsent output.  What the socket does not

@@ -40,6 +40,13 @@ when part of a request head had arrived), else schedule it again."
       (:parked
        (cond ((not (due-p))
               (wheel-schedule (engine-wheel engine) c (connection-deadline c) :from-advance t))
+             ((and (conn-slot c unsent) (client-read-a-period-p c))
+              ;; The client reads, if more slowly than its socket says
+              ;; writable: another period (its owner, should an event take
+              ;; it meanwhile, only makes its deadline later).
+              (let ((deadline (output-deadline c)))
+                (setf (connection-deadline c) deadline)
+                (wheel-schedule (engine-wheel engine) c deadline :from-advance t)))
              ((and (conn-slot c suspended) (null (conn-slot c unsent)))
               ;; Waiting for its answer from another thread: no deadline.
               (wheel-schedule (engine-wheel engine) c (+ now +suspended-check-ms+) :from-advance t))
@@ -146,6 +153,7 @@ housekeeper has exited."
                            (or (conn-slot c unsent) ; an answer the client is still reading
                                (conn-slot c suspended) ; a request still to be answered
                                (conn-slot c waiting-turn) ; a request it sent, not served yet
+                               (conn-slot c gathering) ; a request whose body is arriving
                                (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)
                       (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
@@ -202,7 +210,8 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
                        (engine-claims engine) 0)
                  (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
                    (error (e) (log-engine-error engine "Timer error: ~A" e)))
-                 (trim-malloc engine now)
+                 (handler-case (trim-malloc engine now)
+                   (error (e) (log-engine-error engine "malloc_trim: ~A" e)))
                  (when accept-paused
                    (setf accept-paused nil)
                    (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)

@@ -39,12 +39,6 @@ kept).")
                                :close-hook close-hook :user-data user-data)))
 
 
-(declaim (inline earliest))
-(defun earliest (deadline other)
-  "The earlier of DEADLINE and OTHER (a deadline, or NIL: none)."
-  (declare (type fixnum deadline))
-  (if (and other (< (the fixnum other) deadline)) other deadline))
-
 (defun schedule (c deadline)
   "Set C's deadline and make sure the housekeeper looks at C by then."
   (setf (connection-deadline c) deadline)
@@ -117,8 +111,7 @@ caller still owns C and must read (or send) again."
         (cond (output
                ;; The write timeout, from the last time the client read, or
                ;; sooner when it reads under the minimum rate.
-               (schedule c (earliest (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))
-                                     (output-rate-deadline c))))
+               (schedule c (output-deadline c)))
               ((conn-slot c gathering)
                ;; Reading a body (GATHER-BODY): the read timeout from the
                ;; last octets, or sooner under the minimum rate.

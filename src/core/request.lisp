@@ -105,6 +105,24 @@ entry (the index grows as needed)."
         (setf (request-fields request) bigger)))
     i))
 
+(defun shift-request (request delta)
+  "The head REQUEST records moved DELTA octets in its buffer (negative: to
+the front): move every index with it."
+  (declare (type fixnum delta))
+  (incf (request-start request) delta)
+  (incf (request-end request) delta)
+  (incf (request-target-start request) delta)
+  (incf (request-target-end request) delta)
+  (incf (request-query-start request) delta)
+  (when (>= (request-host-start request) 0)
+    (incf (request-host-start request) delta)
+    (incf (request-host-end request) delta))
+  (let ((fields (request-fields request)))
+    (when fields
+      (dotimes (k (* 4 (request-field-count request)))
+        (setf (aref fields k) (+ (aref fields k) delta)))))
+  request)
+
 (defun release-request-fields (request)
   "After a request with many header fields: give their index back, so that
 an idle connection holds at most room for +KEPT-FIELDS+."

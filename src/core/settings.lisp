@@ -61,7 +61,8 @@ else /tmp; nginx's client_body_temp_path).")
 go past it gets 503 with Retry-After.")
       (streamed-bodies nil
        "NIL, or a function of a request's method (a keyword) and path (a
-string), true when its handler reads the body as it arrives (a proxy, an
+string: the target as sent, without its query, not percent-decoded), true
+when its handler reads the body as it arrives (a proxy, an
 upload it processes on the fly) instead of once the engine has read it all.
 Such a body holds a worker while it arrives, bounded by MIN-DATA-RATE.")
       (min-data-rate 240

@@ -210,6 +210,28 @@ number whatever close returns, and another thread may already have it."
 
 (defconstant +tcp-nodelay+ 1)
 
+(sb-alien:define-alien-routine ("getsockopt" %getsockopt) sb-alien:int
+  (fd sb-alien:int) (level sb-alien:int) (name sb-alien:int)
+  (value sb-sys:system-area-pointer) (length sb-sys:system-area-pointer))
+
+(defconstant +tcp-info+ 11)
+(defconstant +tcpi-bytes-acked-offset+ 120
+  "Where struct tcp_info's tcpi_bytes_acked (Linux 4.1 on) is.")
+
+(defun tcp-bytes-acked (fd)
+  "Octets of output the peer's TCP has acknowledged on the socket FD, in all
+\(TCP_INFO), or NIL.  A client whose receive buffer is full acknowledges
+nothing more until it reads: this sees its reading, where a writable
+socket is reported only once the kernel's unsent output fell well under
+TCP_NOTSENT_LOWAT."
+  (sb-alien:with-alien ((info (array (sb-alien:unsigned 8) 256))
+                        (length (sb-alien:unsigned 32) 256))
+    (let ((sap (sb-alien:alien-sap info)))
+      (and (zerop (%getsockopt fd +ipproto-tcp+ +tcp-info+ sap
+                               (sb-alien:alien-sap (sb-alien:addr length))))
+           (>= length (+ 8 +tcpi-bytes-acked-offset+))
+           (sb-sys:sap-ref-64 sap +tcpi-bytes-acked-offset+)))))
+
 (defconstant +sol-socket+ 1)
 (defconstant +so-linger+ 13)
 

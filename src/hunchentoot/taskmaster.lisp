@@ -150,9 +150,10 @@ engine is raw then, see gallop.core's tls.lisp)."
 
 (defgeneric acceptor-streams-body-p (acceptor method path)
   (:documentation "True when the handler of a request with METHOD (a
-keyword) and PATH (its script name, a string) reads the request's body as it
-arrives, through HUNCHENTOOT:RAW-POST-DATA's stream (a proxy, an upload
-processed on the fly).  Otherwise Gallop reads the whole body first, in
+keyword) and PATH (the request target as sent, without its query and not
+percent-decoded: the script name before decoding) reads the request's body
+as it arrives, through HUNCHENTOOT:RAW-POST-DATA's stream (a proxy, an
+upload processed on the fly).  Otherwise Gallop reads the whole body first, in
 epoll, into memory or a temporary file, and the handler starts with it at
 hand.  A streamed body holds a worker while it arrives, bounded by the
 minimum data rate.  Specialize it on your acceptor class to choose per

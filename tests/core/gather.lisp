@@ -388,3 +388,32 @@ lower case, one with an extension), then the last chunk and a trailer."
                   (is (= 1 (stat server :write-timeouts)) "~S" (gallop:stats server))
                   (is (= 1 (stat server :slow-clients))))
         (usocket:socket-close socket)))))
+
+(test pipelined-chunked-bodies-do-not-grow-the-input-buffer
+  ;; 300 small chunked POSTs pipelined in a few writes, each gathered: the
+  ;; heads move to the front of the 8 KiB input buffer as they come, so
+  ;; that it does not grow with the octets the connection ever sent.  A
+  ;; partial head at the end keeps the buffer, counted in :HEAD-BYTES.
+  (with-gather-front-end (port server :native nil)
+    (let* ((one (concatenate '(vector (unsigned-byte 8))
+                             (octets (crlf "POST /gather-echo HTTP/1.1" "Host: x"
+                                           "Transfer-Encoding: chunked"))
+                             (chunked-octets (gather-octets 20) 7)))
+           (all (apply #'concatenate '(vector (unsigned-byte 8))
+                       (append (loop repeat 300 collect one)
+                               (list (octets (format nil "GET /gather-ping HTTP/1.1~C~C"
+                                                     #\Return #\Linefeed))))))
+           (socket (connect port)))
+      (unwind-protect
+           (progn
+             (loop for start from 0 below (length all) by 9000
+                   do (send-octets socket all :start start :end (min (length all) (+ start 9000))))
+             (let ((bad (loop repeat 300
+                              count (let ((answer (read-wire-or-error socket :persistent t)))
+                                      (not (and (wire-response-p answer)
+                                                (equalp (gather-octets 20) (wire-body answer))))))))
+               (is (zerop bad) "~D of 300 answers wrong" bad))
+             (is (wait-until (lambda () (plusp (stat server :head-bytes)))))
+             (is (= 8192 (stat server :head-bytes)) "the input buffer grew to ~D octets"
+                 (stat server :head-bytes)))
+        (usocket:socket-close socket)))))
