@@ -913,18 +913,19 @@ write timeout): before a blocking write (TLS, a detached stream)."
           do (wait-for-fd c +pollout+ timeout "write"))))
 
 (defun client-read-a-period-p (c)
-  "At the end of a period of C's waiting output: true when the client's TCP
-acknowledged the period's quota (or, with no minimum rate, anything) since
-it was last looked at, which begins a new period and counts as progress
-for the write timeout.  The socket's writable events come only once the
+  "At the end of a period of C's waiting output, with a minimum rate: true
+when the client's TCP acknowledged the period's quota since it was last
+looked at, which begins a new period and counts as progress for the write
+timeout.  (Without a minimum rate, NIL: progress is what the socket takes,
+and the kernel compacting a non-reader's queue now and then acknowledges
+a few octets, which would keep it for good.)  The socket's writable events come only once the
 kernel's unsent output fell well under TCP_NOTSENT_LOWAT (16 KiB), so a
 client reading slowly but above the rate could otherwise be cut off."
-  (let ((acked (tcp-bytes-acked (connection-fd c))))
+  (let ((acked (and (plusp (engine-min-rate (connection-engine c)))
+                    (tcp-bytes-acked (connection-fd c)))))
     (when acked
       (let ((new (- acked (conn-slot c out-acked))))
-        (when (>= new (if (plusp (engine-min-rate (connection-engine c)))
-                          (output-rate-quota (connection-engine c))
-                          1))
+        (when (>= new (output-rate-quota (connection-engine c)))
           (let ((now (now-ms)))
             (setf (conn-slot c out-acked) acked
                   (conn-slot c out-since) now
