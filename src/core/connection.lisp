@@ -933,11 +933,33 @@ client reading slowly but above the rate could otherwise be cut off."
                   (conn-slot c out-progress) now)
             t))))))
 
+(defun output-deadlines (c)
+  "C's waiting output: the end of its write timeout from the last progress,
+and of the minimum rate's period (or NIL)."
+  (values (+ (conn-slot c out-progress) (engine-write-timeout-ms (connection-engine c)))
+          (output-rate-deadline c)))
+
+(defun body-deadlines (c)
+  "The body the engine reads for C (GATHER-BODY): the end of its read
+timeout from the last octets, and when it falls under the minimum rate (or
+NIL)."
+  (values (+ (conn-slot c progress) (engine-read-timeout-ms (connection-engine c)))
+          (body-rate-deadline c)))
+
+(defun head-deadlines (c)
+  "The partial request head of C: the end of its header timeout, and when
+what came of it falls under the minimum rate (NIL before its first octet,
+or during a TLS handshake, whose octets are not counted here)."
+  (let ((engine (connection-engine c))
+        (started (conn-slot c head-started))
+        (octets (- (conn-slot c in-end) (conn-slot c in-start))))
+    (values (+ started (engine-header-timeout-ms engine))
+            (and (plusp octets) (rate-deadline engine started octets)))))
+
 (defun output-deadline (c)
-  "When C's waiting output ends the connection: the write timeout from the
-last progress, or sooner the minimum rate's period."
-  (earliest (+ (conn-slot c out-progress) (engine-write-timeout-ms (connection-engine c)))
-            (output-rate-deadline c)))
+  "When C's waiting output ends the connection: the earlier of its
+OUTPUT-DEADLINES."
+  (multiple-value-call #'earliest (output-deadlines c)))
 
 (defun wait-for-reader (c)
   "Wait until C's socket takes more output, bounded by the write timeout or,

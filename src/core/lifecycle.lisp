@@ -115,20 +115,15 @@ caller still owns C and must read (or send) again."
               ((conn-slot c gathering)
                ;; Reading a body (GATHER-BODY): the read timeout from the
                ;; last octets, or sooner under the minimum rate.
-               (schedule c (earliest (+ (conn-slot c progress) (engine-read-timeout-ms engine))
-                                     (body-rate-deadline c))))
+               (schedule c (multiple-value-call #'earliest (body-deadlines c))))
               ((and (= in-start in-end) (not (tls-handshaking-p c)))
                (setf head-started nil)
                (schedule c (+ now (engine-idle-timeout-ms engine))))
               (t
                ;; The header timeout for the whole head, or sooner when what
-               ;; came of it so far is under the minimum rate.  (Not for a
-               ;; TLS handshake: its octets are not counted here.)
+               ;; came of it so far is under the minimum rate.
                (unless head-started (setf head-started now))
-               (schedule c (earliest (+ head-started (engine-header-timeout-ms engine))
-                                     (and (< in-start in-end)
-                                          (rate-deadline engine head-started
-                                                         (- in-end in-start))))))))
+               (schedule c (multiple-value-call #'earliest (head-deadlines c))))))
       (release-buffers c)
       (unless (charge-head c)
         ;; Partial heads already hold the engine's whole head budget: this

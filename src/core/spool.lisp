@@ -67,19 +67,16 @@ namestring ending in /."
       (progn (funcall place-incf engine (- delta)) nil)
       t))
 
-(defun body-bytes-incf (engine delta)
-  "Add DELTA (maybe negative) to ENGINE's BODY-BYTES; the value before."
-  (declare (type fixnum delta))
-  (if (minusp delta)
-      (sb-ext:atomic-decf (engine-body-bytes engine) (- delta))
-      (sb-ext:atomic-incf (engine-body-bytes engine) delta)))
-
-(defun disk-bytes-incf (engine delta)
-  "Add DELTA (maybe negative) to ENGINE's DISK-BYTES; the value before."
-  (declare (type fixnum delta))
-  (if (minusp delta)
-      (sb-ext:atomic-decf (engine-disk-bytes engine) (- delta))
-      (sb-ext:atomic-incf (engine-disk-bytes engine) delta)))
+(macrolet ((define-budget-incf (name counter)
+             `(defun ,name (engine delta)
+                ,(format nil "Add DELTA (maybe negative) to ENGINE's ~A; the value before."
+                         counter)
+                (declare (type fixnum delta))
+                (if (minusp delta)
+                    (sb-ext:atomic-decf (,counter engine) (- delta))
+                    (sb-ext:atomic-incf (,counter engine) delta)))))
+  (define-budget-incf body-bytes-incf engine-body-bytes)
+  (define-budget-incf disk-bytes-incf engine-disk-bytes))
 
 (defun spool-failed (engine format-control &rest args)
   "A temporary file could not be made or written: log it, at most once a
