@@ -21,6 +21,7 @@
   ;; Each file names what it is built on.  Calls against these edges (a
   ;; file calling a function of one it is not built on) are few and listed:
   ;; connection -> lifecycle (CLOSE-CONNECTION, PARK, UNCHARGE-HEAD),
+  ;; lifecycle and serve -> upgrade (NOTE-UPGRADE-ENDED, SERVE-UPGRADED),
   ;; body -> lifecycle (UNCHARGE-HEAD), tls -> handler (ARM- and
   ;; DISARM-HANDLER-DEADLINE).
   :components ((:file "package")
@@ -43,8 +44,9 @@
                (:file "accept" :depends-on ("lifecycle"))
                (:file "handler" :depends-on ("lifecycle"))
                (:file "serve" :depends-on ("handler" "head" "body"))
+               (:file "upgrade" :depends-on ("serve"))
                (:file "tls" :depends-on ("body"))
-               (:file "housekeeper" :depends-on ("accept" "serve" "timers"))
+               (:file "housekeeper" :depends-on ("accept" "serve" "upgrade" "timers"))
                (:file "server" :depends-on ("housekeeper" "tls" "settings" "timers"))))
 
 (defsystem "gallop/native"
@@ -61,7 +63,8 @@
                              (:file "octet-stream")
                              (:file "response")
                              (:file "request")
-                             (:file "server")))))
+                             (:file "server")
+                             (:file "socket")))))
 
 (defsystem "gallop"
   :description "A drop-in, event-driven upgrade for Hunchentoot."
@@ -125,6 +128,7 @@
                (:file "native/sse")
                (:file "native/parser")
                (:file "native/bodies")
+               (:file "native/socket")
                (:file "hunchentoot/bodies")
                (:file "hunchentoot/wire")
                (:file "hunchentoot/errors")

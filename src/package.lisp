@@ -28,4 +28,8 @@
    ;; both front ends: a thunk run on a worker later, with no thread waiting
    #:after
    #:cancel-timer
-   #:server-pool))
+   #:server-pool
+   ;; native app API: the connection as a socket, once the app switched
+   ;; protocols (the environment's :CLACK.IO)
+   #:env-socket #:socket-read-callback #:socket-close-callback #:socket-write
+   #:socket-pending #:socket-close))

@@ -64,3 +64,34 @@ and are ignored."
     (unwind-protect
          (loop (sb-thread:wait-on-semaphore forever))
       (gallop:stop server))))
+
+;;; Clack's socket protocol (CLACK.SOCKET), on the environment's :CLACK.IO:
+;;; the request's connection, which the app takes as a socket when it
+;;; switches protocols (websocket-driver does).  Asynchronous: the read
+;;; callback is called on a pool worker as octets arrive, writes never wait.
+
+(defmethod clack.socket:read-callback ((socket gallop::exchange))
+  (gallop:socket-read-callback socket))
+
+(defmethod (setf clack.socket:read-callback) (callback (socket gallop::exchange))
+  (setf (gallop:socket-read-callback socket) callback))
+
+(defmethod clack.socket:write-sequence-to-socket ((socket gallop::exchange) data &key callback)
+  ;; CALLBACK once the octets are queued, in order: the client gets them
+  ;; before anything written after.
+  (when (and (gallop:socket-write socket data) callback)
+    (funcall callback)))
+
+(defmethod clack.socket:write-sequence-to-socket-buffer ((socket gallop::exchange) data)
+  ;; Writes go out when the worker owning the connection next sends: one
+  ;; buffer already, for what is written in a row.
+  (gallop:socket-write socket data))
+
+(defmethod clack.socket:flush-socket-buffer ((socket gallop::exchange) &key callback)
+  (when callback (funcall callback)))
+
+(defmethod clack.socket:close-socket ((socket gallop::exchange))
+  (gallop:socket-close socket))
+
+(defmethod clack.socket:socket-async-p ((socket gallop::exchange))
+  t)

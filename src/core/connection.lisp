@@ -206,6 +206,9 @@ last looked at, for CLIENT-READ-A-PERIOD-P.")
    (abandoned :initform nil
               :documentation "True once the client of a SUSPENDED request went away
 before the answer, and C was closed (ABANDON).")
+   (upgrade :initform nil
+            :documentation "Once a handler switched protocols on C (CONNECTION-UPGRADE):
+what C does with what it receives, and what other threads send on it.")
    (out-parked :initform nil
                :documentation "While SUSPENDED: true while the engine, not the answering
 thread, owns C (its worker has not let go yet, or C waits in epoll for its

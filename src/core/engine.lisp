@@ -108,6 +108,8 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-body-bytes 0 :type fixnum)
   (max-request-line-bytes 0 :type fixnum)
   (max-unsent-bytes 0 :type fixnum)
+  (upgraded-idle-ms 0 :type fixnum)  ; 0: an upgraded connection may stay silent
+  (upgraded-send-limit 0 :type fixnum)
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 0 :type fixnum)
   (head-budget 0 :type fixnum) ; see lifecycle.lisp (the head budget)
@@ -142,6 +144,8 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (trim-ms 0 :type fixnum)           ; when that was
   (suspended 0 :type sb-ext:word) ; requests answered later from another thread, not yet done
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
+  (upgraded 0 :type sb-ext:word)  ; connections that switched protocols, open now
+  (upgrades 0 :type sb-ext:word)  ; and in all
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
@@ -371,7 +375,8 @@ the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORT
 connection while a handler read or answered), :SUSPENDED (requests an app
 answers later from another thread, waiting for it: counted in :IN-FLIGHT
 too), :ABANDONED (such requests whose client went away before the answer:
-freed at once), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
+freed at once), :UPGRADED and :UPGRADES (connections that switched
+protocols, a WebSocket, see upgrade.lisp: open now, and in all), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
 reading or holds for their handlers, in memory and in temporary files, see
 spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
 :SLOW-CLIENTS (connections ended for sending or reading under the minimum
@@ -414,6 +419,8 @@ served for another group whose workers were all busy), see pool.lisp."
             :aborted (engine-aborted engine)
             :suspended (engine-suspended engine)
             :abandoned (engine-abandoned engine)
+            :upgraded (engine-upgraded engine)
+            :upgrades (engine-upgrades engine)
             :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle-count pool) 0)

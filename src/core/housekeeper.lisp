@@ -47,8 +47,12 @@ when part of a request head had arrived), else schedule it again."
               (let ((deadline (output-deadline c)))
                 (setf (connection-deadline c) deadline)
                 (wheel-schedule (engine-wheel engine) c deadline :from-advance t)))
-             ((and (conn-slot c suspended) (null (conn-slot c unsent)))
-              ;; Waiting for its answer from another thread: no deadline.
+             ((and (null (conn-slot c unsent))
+                   (or (conn-slot c suspended)
+                       (let ((u (conn-slot c upgrade)))
+                         (and u (zerop (upgrade-idle-ms u))))))
+              ;; Waiting for its answer from another thread, or switched
+              ;; protocols with no idle timeout: no deadline.
               (wheel-schedule (engine-wheel engine) c (+ now +suspended-check-ms+) :from-advance t))
              ((eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active) :parked)
               (cond ((conn-slot c unsent)

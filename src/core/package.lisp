@@ -42,6 +42,9 @@
    #:+default-max-head-bytes+ #:+default-max-request-line-bytes+ #:+default-max-body-bytes+
    #:+default-max-unsent-bytes+ #:connection-acquire #:connection-release
    #:connection-unsent-bytes #:connection-give-body
+   ;; connections that switched protocols (upgrade.lisp)
+   #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
+   #:connection-close-upgraded #:connection-upgraded-pending
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    ;; TLS on the event loop (openssl.lisp)

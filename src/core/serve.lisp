@@ -47,6 +47,8 @@ buffered (pipelining) waits its turn behind other ready connections
 (YIELD-TURN), and none is read while an answer is unsent.  The caller owns C."
   (unfresh c)
   (setf (conn-slot c waiting-turn) nil)
+  (when (conn-slot c upgrade)
+    (return-from serve-connection (serve-upgraded c)))
   (when (or (conn-slot c unsent) (conn-slot c suspended))
     ;; Back from waiting for the client to read the last answer.
     (when (output-parked-p c)
@@ -110,6 +112,9 @@ buffered (pipelining) waits its turn behind other ready connections
               (return))
             (ecase (run-handler engine c)
               (:park
+               (when (conn-slot c upgrade)
+                 ;; It switched protocols (upgrade.lisp).
+                 (return (serve-upgraded c)))
                (unless (and (engine-running-p engine) (not (conn-slot c close-after))
                             (finish-message c))
                  (return (close-after-answer c)))

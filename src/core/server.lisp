@@ -51,6 +51,10 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-unsent-bytes max-unsent-bytes
+                                :upgraded-idle-ms (if upgraded-idle-timeout
+                                                      (ms upgraded-idle-timeout)
+                                                      0)
+                                :upgraded-send-limit upgraded-send-limit
                                 :methods methods
                                 :max-queue max-queue-length :retry-after retry-after
                                 :head-budget (or head-budget

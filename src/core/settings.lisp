@@ -43,6 +43,14 @@ Content-Length before the body is read; a chunked body when it grows past it).")
 client does not read yet, before its write waits for the client.  What the
 client has not read when the handler returns waits with the connection in
 epoll, not in a worker.")
+      (upgraded-idle-timeout nil
+       "Seconds a connection that switched protocols (a WebSocket) may receive
+nothing before it is closed; NIL: no limit (its protocol's pings find dead
+peers).  A front end may set its own per connection.")
+      (upgraded-send-limit (* 1024 1024)
+       "Octets that may wait, sent on a connection that switched protocols, for a
+client that does not read them: a send past it closes the connection.  One
+message alone may be larger.")
       (head-budget nil
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")

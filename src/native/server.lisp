@@ -273,6 +273,7 @@ write its response, and tell the engine what to do with C next."
       (setf env (list* :raw-body (if (gallop.core:connection-body-pending-p c)
                                      (gallop.core:make-body-stream c :continue expect-continue)
                                      +empty-body+)
+                       :clack.io ex     ; the connection as a socket (socket.lisp)
                        env))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
@@ -283,6 +284,7 @@ write its response, and tell the engine what to do with C next."
               ((functionp response)
                (handler-case (funcall response (make-responder ex))
                  (serious-condition (e) (internal-error server ex e) (complete ex))))
+              ((gallop.core:connection-upgraded-p c)) ; the app took it as a socket
               ((consp response)
                ;; (status headers &optional body), taken apart by hand:
                ;; DESTRUCTURING-BIND's checks cost more than the rest here.
@@ -309,6 +311,11 @@ write its response, and tell the engine what to do with C next."
            ;; Another thread writes in place (CLAIM): not in mid-write.
            (sb-thread:thread-yield))
           (t
+           (when (gallop.core:connection-upgraded-p c)
+             ;; The app took the connection as a socket (socket.lisp): it is
+             ;; the engine's from here on (upgrade.lisp), not HTTP.
+             (setf (exchange-state ex) :done)
+             (return (gallop.core:connection-finish c t)))
            ;; Still open: the app answers later from another thread.
            (gallop.core:connection-suspend c)
            (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))

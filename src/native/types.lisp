@@ -68,7 +68,11 @@ with the count of those not logged since the last."
   (head-p nil)
   (state :open :type (member :open :responding :done :suspended)) ; see CLAIM, server.lisp
   (responded nil)
-  (streaming nil))
+  (streaming nil)
+  ;; Once the app took the connection as a socket (socket.lisp):
+  (read-callback nil)
+  (close-callback nil)
+  (websocket nil))                      ; it asked for a WebSocket
 
 (defmethod print-object ((exchange exchange) stream)
   (print-unreadable-object (exchange stream :type t :identity t)))

@@ -1,0 +1,297 @@
+;;;; upgrade.lisp -- a connection that switched protocols (a WebSocket after
+;;;; its 101): it waits in epoll between the client's messages as an idle
+;;;; keep-alive connection does, holding no thread and no buffer.  What the
+;;;; client sends goes to the layer above's read callback, on a pool worker;
+;;;; what the layer above sends, from any thread, goes out without waiting for
+;;;; the client.
+;;;;
+;;;; Who touches the socket.  One thread at a time owns the connection, as
+;;;; for HTTP (connection.lisp, states): a worker that took its event, or a
+;;;; sending thread that found it :PARKED and took it with the same CAS.
+;;;; Another thread's send never waits for the owner: it pushes its octets on
+;;;; the connection's MAILBOX and marks the connection :DIRTY, so that the
+;;;; owner, whose PARK then fails, sends them before it lets go.  Only
+;;;; workers run the read callback: a sender that owns the connection when
+;;;; input is waiting hands it to the pool instead.  The octets waiting (the
+;;;; mailbox and the output queue) are what a sender sees of backpressure,
+;;;; and SEND-LIMIT bounds them: a client that does not read is closed.
+
+(in-package #:gallop.core)
+
+(defstruct (upgrade (:constructor make-upgrade (on-read on-close idle-ms send-limit))
+                    (:copier nil) (:predicate nil))
+  "What a connection that switched protocols does with what it receives."
+  (on-read nil :type (or null function))  ; (OCTETS START END), on a worker
+  (on-close nil :type (or null function)) ; (), once, when the connection ends
+  (idle-ms 0 :type fixnum)                ; 0: no idle timeout
+  (send-limit 0 :type fixnum)
+  (mailbox nil :type list)                ; segments from other threads, newest first
+  (mailbox-bytes 0 :type sb-ext:word)
+  (reader nil)                            ; the thread running ON-READ
+  (closing nil :type (member nil :close :abort))
+  (ended nil)                             ; ON-CLOSE is called (or due)
+  (entered nil))                          ; the handler returned: read from epoll
+
+(defmethod print-object ((u upgrade) stream)
+  (print-unreadable-object (u stream :type t :identity t)))
+
+(defconstant +upgraded-turn-octets+ (* 64 1024)
+  "Octets a worker reads from one upgraded connection before it lets others
+have a turn (the connection goes behind them in the pool's queue).")
+
+(defun connection-upgrade (c &key on-read on-close (idle-timeout nil idle-p)
+                               (send-limit nil))
+  "Called by a handler, in its worker, that answers 101 (Switching
+Protocols), before it returns: once it returns, C is no longer HTTP.  ON-READ
+is called on a pool worker as (ON-READ OCTETS START END) with what the
+client sent, in order, one call at a time; the octets are the engine's
+until it returns.  ON-CLOSE is called once, with no argument, when C ends
+for any reason.  Octets the client sent after the request head go to ON-READ
+first.  IDLE-TIMEOUT (seconds, NIL: none) closes C when the client sends
+nothing for that long; the default is the engine's UPGRADED-IDLE-TIMEOUT.
+SEND-LIMIT (octets) overrides the engine's UPGRADED-SEND-LIMIT.  Send with
+CONNECTION-SEND-UPGRADED, close with CONNECTION-CLOSE-UPGRADED, from any
+thread; both work already while the handler runs."
+  (let ((engine (connection-engine c)))
+    (when (or (conn-slot c raw) (conn-slot c source))
+      (error "~A cannot switch protocols: TLS through a library above the engine." c))
+    (when (or (conn-slot c chunked) (plusp (conn-slot c body-length)))
+      ;; Its octets after the head would be read as the new protocol's.
+      (error "~A cannot switch protocols after a request with a body." c))
+    (let ((u (make-upgrade on-read on-close
+                           (if idle-p
+                               (if idle-timeout (max 1 (round (* 1000 idle-timeout))) 0)
+                               (engine-upgraded-idle-ms engine))
+                           (or send-limit (engine-upgraded-send-limit engine)))))
+      ;; Its sends push on the mailbox until the handler returned.
+      (setf (upgrade-reader u) sb-thread:*current-thread*
+            (conn-slot c upgrade) u)
+      u)))
+
+(declaim (inline connection-upgraded-p))
+(defun connection-upgraded-p (c)
+  "True once a handler called CONNECTION-UPGRADE on C."
+  (and (conn-slot c upgrade) t))
+
+(defun connection-upgraded-pending (c)
+  "Octets sent on the upgraded connection C that the client has not taken
+yet: the sender's measure of backpressure (any thread; approximate while
+another thread sends)."
+  (let ((u (conn-slot c upgrade)))
+    (if u
+        (+ (upgrade-mailbox-bytes u) (max 0 (conn-slot c unsent-bytes)))
+        0)))
+
+;;; Sending and closing, from any thread
+
+(defun kick-upgraded (c u)
+  "Make sure what U's mailbox holds, or its closing, is acted on: by C's
+owner when there is one (marked :DIRTY, it looks again before it lets go),
+else by this thread, which takes C.  NIL when C is closed."
+  (loop
+    (case (connection-state c)
+      (:parked
+       (when (eq :parked (sb-ext:compare-and-swap (%conn-slot c state) :parked :active))
+         (flush-upgraded-as-sender c u)
+         (return t)))
+      (:active
+       (when (or (eq (upgrade-reader u) sb-thread:*current-thread*)
+                 ;; The read callback sends: its worker drains the mailbox
+                 ;; after the callback.
+                 (eq :active (sb-ext:compare-and-swap (%conn-slot c state) :active :dirty)))
+         (return t)))
+      (:dirty (return t))
+      (t (return nil)))))
+
+(defun connection-send-upgraded (c octets &key (start 0) (end (length octets)))
+  "Send OCTETS[START,END) on the upgraded connection C, after what was sent
+before, from any thread, without waiting for the client: what the socket
+does not take waits with C.  The octets are copied.  Returns the octets now
+waiting to be taken by the client (CONNECTION-UPGRADED-PENDING), or NIL when
+C is closed or closing: past the send limit, a send closes C (the client
+does not read) and answers NIL."
+  (declare (type octets octets) (type fixnum start end))
+  (let ((u (conn-slot c upgrade)))
+    (when (or (null u) (upgrade-closing u) (upgrade-ended u))
+      (return-from connection-send-upgraded nil))
+    (when (> (connection-upgraded-pending c) (upgrade-send-limit u))
+      ;; One message alone may be larger than the limit; a backlog may not.
+      (sb-ext:atomic-incf (engine-slow-clients (connection-engine c)))
+      (connection-close-upgraded c :abort t)
+      (return-from connection-send-upgraded nil))
+    (when (< start end)
+      (let ((segment (make-segment (subseq octets start end) 0 (- end start))))
+        (sb-ext:atomic-incf (upgrade-mailbox-bytes u) (- end start))
+        (sb-ext:atomic-push segment (upgrade-mailbox u))))
+    (and (kick-upgraded c u) (connection-upgraded-pending c))))
+
+(defun connection-close-upgraded (c &key abort)
+  "Close the upgraded connection C, from any thread: once what was sent is
+taken by the client (the write side shut first, what the client still
+sends read and dropped for a while, so that a close(2) with unread input
+does not reset the connection before the client read the last octets); with
+ABORT, at once, dropping what waits.  ON-CLOSE is called."
+  (let ((u (conn-slot c upgrade)))
+    (when u
+      (if abort
+          (setf (upgrade-closing u) :abort)
+          (sb-ext:compare-and-swap (upgrade-closing u) nil :close))
+      (kick-upgraded c u)))
+  nil)
+
+;;; The owner's side
+
+(defun drain-mailbox (c u)
+  "Move what other threads sent into C's output, in the order sent, and send
+what the socket takes (the caller owns C).  NIL when all of it went out."
+  (let ((segments (loop for old = (upgrade-mailbox u)
+                        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
+                          return old)))
+    (dolist (segment (nreverse segments))
+      (let ((n (- (segment-end segment) (segment-start segment))))
+        (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
+        ;; Small ones together in the output buffer, so that what was
+        ;; written in a row goes out in one send; large ones by reference:
+        ;; the segment's octets are a copy nobody else holds.
+        (connection-write-octets c (segment-octets segment) (segment-start segment)
+                                 (segment-end segment) :reference)))
+    (flush-output c)
+    (or (null (conn-slot c unsent)) (send-unsent c))))
+
+(defun upgraded-deadline (c u)
+  (cond ((conn-slot c unsent) (output-deadline c))
+        ((plusp (upgrade-idle-ms u)) (+ (now-ms) (upgrade-idle-ms u)))
+        (t (+ (now-ms) +suspended-check-ms+))))
+
+(defun park-upgraded (c u)
+  "Give C back to epoll until the client sends, or the socket takes more of
+its output; with no buffer held.  The caller owns C.  NIL when an event or
+a sender marked it :DIRTY meanwhile: the caller still owns C."
+  (schedule c (upgraded-deadline c u))
+  (release-buffers c)
+  (when (and (conn-slot c unsent) (not (conn-slot c out-registered)))
+    (setf (conn-slot c out-registered) t)
+    (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-mod+ (connection-fd c)
+               (logior +connection-events+ +epollout+) (connection-token c)))
+  (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
+    (:active t)
+    (:dirty (setf (connection-state c) :active) nil)
+    (t (error "PARK-UPGRADED: ~A is not owned by this thread" c))))
+
+(defun end-upgraded (c u)
+  "The owner of C closes it as U's closing says, or (NIL) as the client
+left it: gracefully, after its output, or at once."
+  (if (or (eq (upgrade-closing u) :abort) (conn-slot c gone) (conn-slot c peer-closed))
+      (close-connection c)
+      ;; Shut the write side, read and drop for a while, then close.
+      (reject-connection c nil)))
+
+(defun note-upgrade-ended (c)
+  "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
+worker (a timer due now), or in this thread when the engine is stopping."
+  (let ((u (conn-slot c upgrade)))
+    (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
+      (let ((engine (connection-engine c))
+            (on-close (upgrade-on-close u)))
+        (when (upgrade-entered u)
+          (sb-ext:atomic-decf (engine-upgraded engine)))
+        (when on-close
+          (flet ((call ()
+                   (handler-case (funcall on-close)
+                     (serious-condition (e)
+                       (log-engine-error engine "Error closing ~A: ~A" c e)))))
+            (if (engine-running-p engine)
+                (pool-submit (engine-pool engine) #'call)
+                (call))))))))
+
+(defun read-upgraded (c u)
+  "Read what the client sent and give it to U's ON-READ.  :EOF when the
+client closed its side, :ERROR when the connection failed, :TURN when this
+worker read its turn's worth, NIL when the socket is empty."
+  (let ((buffer (ensure-inbuf c))
+        (read 0))
+    (declare (type fixnum read))
+    (loop
+      (multiple-value-bind (n errno) (connection-recv c buffer 0 (length buffer))
+        (declare (type fixnum n))
+        (cond ((plusp n)
+               (deliver-upgraded c u buffer 0 n)
+               (when (conn-slot c gone) (return :error))
+               (incf read n)
+               (cond ((>= read +upgraded-turn-octets+) (return :turn))
+                     ((and (< n (length buffer)) (not (conn-slot c peer-closed)))
+                      ;; Drained: more input raises a new event.  (After the
+                      ;; client's FIN, none would: read on to the end.)
+                      (return nil))))
+              ((zerop n) (return :eof))
+              ((= errno +eagain+) (return nil))
+              (t (return :error)))))))
+
+(defun deliver-upgraded (c u octets start end)
+  "Call U's ON-READ on OCTETS[START,END), in this worker.  An error in it
+is logged and aborts C."
+  (let ((on-read (upgrade-on-read u)))
+    (when (and on-read (< start end) (not (eq (upgrade-closing u) :abort)))
+      (setf (upgrade-reader u) sb-thread:*current-thread*)
+      (unwind-protect
+           (handler-case (funcall on-read octets start end)
+             (serious-condition (e)
+               (log-engine-error (connection-engine c) "Error reading ~A: ~A" c e)
+               (setf (upgrade-closing u) :abort)))
+        (setf (upgrade-reader u) nil)))))
+
+(defun serve-upgraded (c)
+  "A worker owns the upgraded connection C (an event, or the handler that
+upgraded it just returned): give what the client sent to ON-READ, send what
+waits, and park C again, or close it."
+  (let ((u (conn-slot c upgrade)))
+    (unless (upgrade-entered u)
+      ;; Right after the handler: the octets after the request head first.
+      (setf (upgrade-entered u) t
+            (upgrade-reader u) nil)
+      (sb-ext:atomic-incf (engine-upgraded (connection-engine c)))
+      (sb-ext:atomic-incf (engine-upgrades (connection-engine c)))
+      (with-connection-slots (inbuf in-start in-end) c
+        (let ((start in-start) (end in-end))
+          (setf in-start 0 in-end 0)
+          (when (< start end)
+            (deliver-upgraded c u inbuf start end)))))
+    (handler-case
+        (loop
+          (let ((input (unless (upgrade-closing u) (read-upgraded c u))))
+            (when (eq input :error)
+              (return (close-connection c)))
+            (let ((sent (drain-mailbox c u)))
+              (when (eq input :eof)
+                (setf (conn-slot c peer-closed) t))
+              (when (or (eq (upgrade-closing u) :abort)
+                        (and sent (or (upgrade-closing u) (eq input :eof))))
+                (return (end-upgraded c u)))
+              (when (eq input :eof)
+                ;; What is left goes out; nothing more will be read.
+                (sb-ext:compare-and-swap (upgrade-closing u) nil :close))
+              (cond ((eq input :turn)
+                     (when (park-upgraded c u)
+                       (return (group-requeue (connection-group c) (connection-token c)))))
+                    ((park-upgraded c u) (return))))))
+      (connection-error ()
+        (note-client-abort (connection-engine c))
+        (close-connection c)))
+    nil))
+
+(defun flush-upgraded-as-sender (c u)
+  "A sending thread took the parked C (KICK-UPGRADED): send what waits, close
+C if it is closing, and let go of it; input that came meanwhile is left to a
+worker (the read callback runs only on workers)."
+  (handler-case
+      (let ((sent (drain-mailbox c u)))
+        (cond ((or (eq (upgrade-closing u) :abort) (and sent (upgrade-closing u)))
+               (end-upgraded c u))
+              ((park-upgraded c u))
+              (t
+               ;; An event came (or another sender): a worker looks.
+               (loop until (park-upgraded c u))
+               (group-requeue (connection-group c) (connection-token c)))))
+    (connection-error ()
+      (note-client-abort (connection-engine c))
+      (close-connection c))))

@@ -1,0 +1,250 @@
+;;;; socket.lisp -- the connection taken as a socket (src/native/socket.lisp,
+;;;; src/core/upgrade.lisp): an app that switches protocols writes its own
+;;;; 101 and then octets as it likes, from any thread, and is given what the
+;;;; client sends on a worker.  Checked over a real socket, byte by byte,
+;;;; with a toy protocol (echo), and the WebSocket frame assembly on octet
+;;;; vectors.
+
+(in-package #:gallop-tests)
+
+(in-suite native)
+
+(defparameter +switching+
+  (crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: echo" "Connection: Upgrade"))
+
+(defvar *socket-events* nil
+  "What the echo app saw: :CLOSED for each close callback, in order.")
+(defvar *socket-events-lock* (sb-thread:make-mutex :name "socket events"))
+(defvar *last-socket* nil "The socket the echo app took last.")
+
+(defun note-socket-event (event)
+  (sb-thread:with-mutex (*socket-events-lock*) (push event *socket-events*)))
+
+(defun socket-event-count (event)
+  (sb-thread:with-mutex (*socket-events-lock*) (count event *socket-events*)))
+
+(defun echo-protocol-app (env)
+  "Switch to a toy protocol at /echo: echo what comes; on \"bye\", answer
+\"ciao\" and close.  Anything else: 200 \"plain\"."
+  (if (string= (getf env :path-info) "/echo")
+      (let ((socket (gallop:env-socket env)))
+        (setf *last-socket* socket
+              (gallop:socket-close-callback socket) (lambda () (note-socket-event :closed))
+              (gallop:socket-read-callback socket)
+              (lambda (octets &key start end)
+                (let ((text (map 'string #'code-char (subseq octets start end))))
+                  (if (search "bye" text)
+                      (progn (gallop:socket-write socket "ciao")
+                             (gallop:socket-close socket))
+                      (gallop:socket-write socket (subseq octets start end))))))
+        (gallop:socket-write socket +switching+)
+        (lambda (responder) (declare (ignore responder))))
+      '(200 (:content-type "text/plain") ("plain"))))
+
+(defun upgrade-request (path &optional (extra ""))
+  (concatenate 'string
+               (crlf (format nil "GET ~A HTTP/1.1" path) "Host: 127.0.0.1"
+                     "Upgrade: echo" "Connection: Upgrade")
+               extra))
+
+(defun read-exact-octets (socket n &key (timeout 5))
+  "N octets from SOCKET as a latin-1 string, or what came before TIMEOUT."
+  (let ((stream (usocket:socket-stream socket))
+        (out (make-string-output-stream)))
+    (setf (sb-impl::fd-stream-timeout stream) (float timeout 1.0))
+    (handler-case (loop repeat n
+                        for b = (read-byte stream nil nil)
+                        while b do (write-char (code-char b) out))
+      (sb-sys:io-timeout () nil))
+    (get-output-stream-string out)))
+
+(defun socket-write-octets (socket octets)
+  (let ((stream (usocket:socket-stream socket)))
+    (write-sequence octets stream)
+    (force-output stream)))
+
+(test socket-switches-protocols-exactly
+  "The app's own 101, then the octets the client sent with its head (first),
+then each message echoed, in order; \"bye\" gets \"ciao\" and the end of the
+connection; the close callback runs once; the server keeps serving HTTP."
+  (setf *socket-events* nil)
+  (with-app (server #'echo-protocol-app)
+    (let* ((port (native-port server))
+           (socket (connect port)))
+      (unwind-protect
+           (progn
+             (send socket (upgrade-request "/echo" "early"))
+             (is (string= (concatenate 'string +switching+ "early")
+                          (read-exact-octets socket (+ (length +switching+) 5))))
+             (send socket "hello")
+             (is (string= "hello" (read-exact-octets socket 5)))
+             (is (= 1 (stat server :upgraded)))
+             (is (string= "plain" (body-string (get-request port "/plain"))))
+             (send socket "bye")
+             (is (string= "ciao" (read-exact-octets socket 4)))
+             (is (closed-by-peer-p socket))
+             (is (wait-until (lambda () (= 1 (socket-event-count :closed)))))
+             (is (wait-until (lambda () (zerop (stat server :upgraded)))))
+             (is (= 1 (stat server :upgrades)))
+             (sleep 0.2)
+             (is (= 1 (socket-event-count :closed)) "the close callback ran more than once"))
+        (usocket:socket-close socket)))))
+
+(test socket-writes-from-other-threads
+  "Writes from a timer on another worker and from a thread of the app's own
+arrive whole and in the order they were made; a client that goes away ends
+the socket: its close callback runs, its fd is closed."
+  (setf *socket-events* nil)
+  (with-app (server #'echo-protocol-app)
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (upgrade-request "/echo"))
+             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (let ((taken *last-socket*)
+                   (done (sb-thread:make-semaphore)))
+               (gallop:after 0.01 (lambda ()
+                                    (gallop:socket-write taken "from a timer;")
+                                    (sb-thread:signal-semaphore done))
+                             :server server)
+               (sb-thread:wait-on-semaphore done :timeout 5)
+               (sb-thread:join-thread
+                (sb-thread:make-thread (lambda ()
+                                         (dotimes (i 100)
+                                           (gallop:socket-write taken (format nil "~D," i))))))
+               (is (string= (format nil "from a timer;~{~D,~}" (loop for i below 100 collect i))
+                            (read-exact-octets socket (+ 13 10 (* 2 90) (* 100 1)))))))
+        (usocket:socket-close socket))
+      (is (wait-until (lambda () (= 1 (socket-event-count :closed)))))
+      (is (wait-until (lambda () (zerop (stat server :open)))))
+      (is (null (gallop:socket-write *last-socket* "late")) "a write after the end"))))
+
+(test socket-backpressure-and-send-limit
+  "A client that reads nothing: each write says how much waits for it, and
+once a backlog passes the send limit the write answers NIL and the
+connection is closed (counted as a slow client)."
+  (setf *socket-events* nil)
+  (with-app (server #'echo-protocol-app :upgraded-send-limit (* 256 1024))
+    (let ((socket (connect (native-port server)))
+          (chunk (make-array (* 64 1024) :element-type '(unsigned-byte 8) :initial-element 65)))
+      (unwind-protect
+           (progn
+             (send socket (upgrade-request "/echo"))
+             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (let* ((taken *last-socket*)
+                    (answers (loop repeat 2000
+                                   for pending = (gallop:socket-write taken chunk)
+                                   collect pending
+                                   while pending)))
+               (is (null (car (last answers))) "never refused in 128 MiB")
+               (is (some (lambda (n) (and n (> n (* 256 1024)))) answers)
+                   "the backlog was never seen past the limit")
+               (is (> (length answers) 2))
+               (is (wait-until (lambda () (= 1 (socket-event-count :closed)))))
+               (is (= 1 (stat server :slow-clients)))))
+        (usocket:socket-close socket)))))
+
+(test socket-idle-timeout
+  "With UPGRADED-IDLE-TIMEOUT, a client that sends nothing is closed; without
+it, it is not (checked past the same time)."
+  (setf *socket-events* nil)
+  (with-app (server #'echo-protocol-app :upgraded-idle-timeout 1)
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (upgrade-request "/echo"))
+             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (closed-by-peer-p socket :timeout 5))
+             (is (wait-until (lambda () (= 1 (socket-event-count :closed))))))
+        (usocket:socket-close socket))))
+  (with-app (server #'echo-protocol-app :idle-timeout 1)
+    (let ((socket (connect (native-port server))))
+      (unwind-protect
+           (progn
+             (send socket (upgrade-request "/echo"))
+             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (not (closed-by-peer-p socket :timeout 2.5)))
+             (send socket "still")
+             (is (string= "still" (read-exact-octets socket 5))))
+        (usocket:socket-close socket)))))
+
+(test socket-not-after-a-body
+  "A request with a body cannot switch protocols: its octets after the head
+would be read as the new protocol's.  The app's attempt is an error (500)."
+  (with-app (server #'echo-protocol-app)
+    (let ((response (request (native-port server)
+                             (concatenate 'string
+                                          (crlf "POST /echo HTTP/1.1" "Host: 127.0.0.1"
+                                                "Upgrade: echo" "Connection: Upgrade"
+                                                "Content-Length: 5")
+                                          "hello"))))
+      (is (= 500 (response-status response))))))
+
+;;; Whole WebSocket frames for websocket-driver (FRAME-READER), on octet vectors
+
+(defun ws-frame (opcode payload &key (fin t) (mask #(1 2 3 4)))
+  "A client's WebSocket frame (RFC 6455, 5.2): masked unless MASK is NIL."
+  (let* ((payload (coerce payload '(vector (unsigned-byte 8))))
+         (n (length payload))
+         (out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (vector-push-extend (logior (if fin #x80 0) opcode) out)
+    (let ((bit (if mask #x80 0)))
+      (cond ((< n 126) (vector-push-extend (logior bit n) out))
+            ((< n 65536) (vector-push-extend (logior bit 126) out)
+             (vector-push-extend (ldb (byte 8 8) n) out) (vector-push-extend (ldb (byte 8 0) n) out))
+            (t (vector-push-extend (logior bit 127) out)
+               (loop for shift from 56 downto 0 by 8
+                     do (vector-push-extend (ldb (byte 8 shift) n) out)))))
+    (when mask (loop for m across mask do (vector-push-extend m out)))
+    (loop for b across payload for i from 0
+          do (vector-push-extend (if mask (logxor b (aref mask (mod i 4))) b) out))
+    (coerce out '(simple-array (unsigned-byte 8) (*)))))
+
+(defun concat-octets (&rest vectors)
+  (coerce (apply #'concatenate 'vector vectors) '(simple-array (unsigned-byte 8) (*))))
+
+(test frame-sizes
+  "FRAME-SIZE reads the three length forms, with and without a mask, and
+says NIL while the length is incomplete."
+  (dolist (n '(0 1 125 126 127 65535 65536 70000))
+    (dolist (mask '(nil #(9 8 7 6)))
+      (let ((frame (ws-frame 2 (make-array n :initial-element 7) :mask mask)))
+        (is (= (length frame) (gallop::frame-size frame 0 (length frame))) "~D ~A" n mask)
+        (let ((head (cond ((< n 126) 2) ((< n 65536) 4) (t 10))))
+          (loop for cut from 0 below head
+                do (is (null (gallop::frame-size frame 0 cut)) "~D cut at ~D" n cut)))))))
+
+(test frame-reader-gives-whole-frames
+  "Whatever the reads, the callback is given the same frames whole, in order,
+each exactly once; a close frame is seen before it is given."
+  (let* ((frames (list (ws-frame 1 (octets "hello"))
+                       (ws-frame 2 (make-array 70000 :initial-element 5))
+                       (ws-frame 9 (octets "ping"))
+                       (ws-frame 1 (octets "frag") :fin nil)
+                       (ws-frame 0 (octets "ment"))
+                       (ws-frame 8 (concat-octets #(3 232) (octets "done")))))
+         (stream (apply #'concat-octets frames)))
+    (dolist (cuts (list '() '(1) '(3 9) '(20 21 22 70000 70010)
+                        (loop for i from 1 below (length stream) by 997 collect i)
+                        (loop for i from 1 below 200 collect i)))
+      (let* ((given (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0))
+             (calls '())
+             (close-seen nil)
+             (reader (gallop::frame-reader
+                      (lambda (octets &key start end)
+                        (push (- end start) calls)
+                        ;; Each call ends on a frame boundary of the stream.
+                        (loop for i from start below end do (vector-push-extend (aref octets i) given)))
+                      (lambda () (setf close-seen (length given)))))
+             (bounds (append '(0) cuts (list (length stream)))))
+        (loop for (a b) on bounds while b
+              ;; Given in a scratch buffer the reader must not keep.
+              do (let ((scratch (subseq stream a b)))
+                   (funcall reader scratch :start 0 :end (length scratch))
+                   (fill scratch 0)))
+        (is (equalp stream (coerce given 'simple-vector)) "cuts ~A" cuts)
+        (let ((ends (loop with sum = 0 for n in (reverse calls) collect (incf sum n)))
+              (boundaries (loop with sum = 0 for f in frames collect (incf sum (length f)))))
+          (is (subsetp ends boundaries) "a call ended inside a frame: ~A" cuts))
+        (is (and close-seen (<= close-seen (- (length stream) (length (car (last frames))))))
+            "close frame not seen before it was given: ~A" cuts)))))
