@@ -35,7 +35,15 @@ serve: deps
 	   --load examples/serve.lisp
 
 # Compiler chatter (lines starting with ';') is dropped; the report is kept.
+# The WebSocket libraries' tests (tests/clack/websockets.lisp) load
+# ../shared/vendor/clack-ws in a child process: these are what it needs from
+# Debian, and the client they are checked with.
+WS_DEPS = cl-ironclad cl-babel cl-swank cl-trivial-utf-8 cl-global-vars cl-trivial-features \
+          cl-trivial-garbage cl-utilities cl-base64 cl-fad cl-ppcre cl-split-sequence \
+          cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets
+
 test: deps
+	@scripts/deps.sh $(WS_DEPS)
 	@set -o pipefail; \
 	 $(LISP) --eval '(asdf:load-system "gallop/tests")' --eval '(gallop-tests:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
@@ -55,6 +63,7 @@ HUNCHENTOOT_13 ?= ../shared/vendor/hunchentoot-1.3.1
 # files compiled against the other Hunchentoot.  The run stops before any
 # test unless the Hunchentoot loaded is 1.3.1 from HUNCHENTOOT_13.
 test-ht13: deps
+	@scripts/deps.sh $(WS_DEPS)
 	@test -f $(HUNCHENTOOT_13)/hunchentoot.asd \
 	   || { echo "test-ht13: no Hunchentoot at $(HUNCHENTOOT_13)" >&2; exit 1; }
 	@set -o pipefail; \

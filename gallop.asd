@@ -135,12 +135,15 @@
                (:file "hunchentoot/memo")
                (:file "core/uploads")
                (:file "clack/handler")
+               (:file "clack/websockets")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")
                ;; run in child processes by stress/shutdown and core/uploads
                (:static-file "child/stop-server.lisp")
-               (:static-file "child/upload-server.lisp"))
+               (:static-file "child/upload-server.lisp")
+               (:static-file "child/ws-server.lisp")
+               (:static-file "clients/ws-client.py"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
 
 (defsystem "gallop/stress"

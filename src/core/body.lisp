@@ -117,6 +117,26 @@ buffer no longer counts against the head budget."
     (uncharge-head c)
     c))
 
+(defun connection-switch (c &key timeout-stream)
+  "C switched protocols under a handler that keeps its thread and reads the
+new protocol from C's stream (Hunchentoot's WebSocket libraries do): reads
+and writes pass through from now on (CONNECTION-DETACH), and C still closes
+when the handler is done with it.  The worker steps out of the pool
+\(POOL-STEP-OUT): holding C for as long as its client likes costs the pool
+none of its workers, as a thread per connection would.  TIMEOUT-STREAM, a
+bufferless SB-SYS:FD-STREAM that the layer above lets the handler set a
+timeout on (Hunchentoot's SET-TIMEOUTS), gives C's reads their timeout
+once set (else the engine's READ-TIMEOUT)."
+  (connection-detach c)
+  (setf (conn-slot c switched) t
+        (conn-slot c timeout-stream) timeout-stream)
+  (pool-step-out)
+  c)
+
+(defun connection-switched-p (c)
+  "True once C switched protocols under its handler (CONNECTION-SWITCH)."
+  (conn-slot c switched))
+
 (defun connection-detached-p (c)
   "True once the layer above kept C's stream (CONNECTION-DETACH)."
   (conn-slot c detaching))

@@ -206,6 +206,12 @@ last looked at, for CLIENT-READ-A-PERIOD-P.")
    (abandoned :initform nil
               :documentation "True once the client of a SUSPENDED request went away
 before the answer, and C was closed (ABANDON).")
+   (switched :initform nil
+             :documentation "True once C switched protocols under a handler that keeps
+its thread (CONNECTION-SWITCH).")
+   (timeout-stream :initform nil
+                   :documentation "For a switched C: an fd-stream whose timeout, once set,
+is its reads' (see CONNECTION-SWITCH).")
    (upgrade :initform nil
             :documentation "Once a handler switched protocols on C (CONNECTION-UPGRADE):
 what C does with what it receives, and what other threads send on it.")
@@ -493,11 +499,15 @@ a 500 after the failure) should not fail and log again."
   (error 'connection-error :stream c :errno errno :operation operation))
 
 (defun read-wait-ms (c)
-  "How long a read on C may wait: the read timeout, or less when C has a
+  "How long a read on C may wait: the read timeout (a switched C's own, see
+CONNECTION-SWITCH), or less when C has a
 READ-DEADLINE, or reads a body under the minimum data rate (RATE-START,
 see BODY-RATE-DEADLINE) (0 once it passed)."
   (let* ((engine (connection-engine c))
-         (timeout (engine-read-timeout-ms engine))
+         (timeout (let ((stream (conn-slot c timeout-stream)))
+                    (or (and stream (sb-impl::fd-stream-timeout stream)
+                             (max 1 (round (* 1000 (sb-impl::fd-stream-timeout stream)))))
+                        (engine-read-timeout-ms engine))))
          (deadline (conn-slot c read-deadline))
          (rate (body-rate-deadline c)))
     (when (and rate (or (zerop deadline) (< rate deadline)))

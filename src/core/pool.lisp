@@ -46,8 +46,10 @@
 ;;;;
 ;;;; Invariants:
 ;;;;  - THREAD-COUNT = (length THREADS) = the sum of the groups' THREAD-COUNTs
-;;;;    <= MAX-THREADS, under LOCK.  A leaving worker moves itself to RETIRED,
-;;;;    which the maker or POOL-STOP joins: every thread started is joined.
+;;;;    <= MAX-THREADS, under LOCK; a worker that stepped out (POOL-STEP-OUT:
+;;;;    held by one long-lived connection) is in OUTSIDE instead, uncounted.
+;;;;    A leaving worker moves itself to RETIRED, which the maker or
+;;;;    POOL-STOP joins: every thread started is joined.
 ;;;;  - A group's IDLE (in epoll_wait) and HOLDERS (holding a permit) change
 ;;;;    only atomically; HOLDERS + free PERMITS = ALLOWED once surplus holders
 ;;;;    gave theirs up (SURPLUS-HOLDER-P).
@@ -176,6 +178,9 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   ;; (under LOCK).
   (workers '() :type list)
   (thread-count 0 :type fixnum)
+  ;; Workers that stepped out (POOL-STEP-OUT): held by one connection for
+  ;; good, out of THREADS and THREAD-COUNT, joined once they exit.
+  (outside '() :type list)
   (retired '() :type list)
   (maker nil)
   (maker-semaphore (sb-thread:make-semaphore :name "gallop thread maker"))
@@ -198,6 +203,19 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
 (defvar *worker-pool* nil
   "In a pool's worker thread, that pool: GALLOP:AFTER without :SERVER
 schedules on it.")
+
+(defvar *step-out* nil
+  "In a pool's worker thread, a function that makes it step out of the pool
+\(POOL-STEP-OUT).")
+
+(defun pool-step-out ()
+  "Called in a worker whose current event will hold it for as long as a
+client likes (a handler that reads a WebSocket in its own loop): the worker
+leaves the pool's count and gives up its run permit now, so that the pool
+serves on as if it were gone, and exits once that event is served.  A
+replacement starts at once when none of its group's workers is idle.  NIL
+outside a worker."
+  (and *step-out* (funcall *step-out*)))
 
 (defun make-pool (&key (name "gallop") (min-threads 4) (max-threads 100)
                     (idle-timeout 10) dispatch thread-starter log-error)
@@ -822,12 +840,16 @@ be read counts, as its state said.  BUFFER is for THREAD-WAIT-KIND."
   (let ((self sb-thread:*current-thread*))
     (sb-thread:with-mutex ((pool-lock pool))
       (setf (pool-workers pool) (delete worker (pool-workers pool)))
-      (when (member self (pool-threads pool))
-        (setf (pool-threads pool) (delete self (pool-threads pool)))
-        (unless already-counted-out
-          (decf (pool-thread-count pool))
-          (decf (group-thread-count group)))
-        (push self (pool-retired pool))))))
+      (cond ((member self (pool-threads pool))
+             (setf (pool-threads pool) (delete self (pool-threads pool)))
+             (unless already-counted-out
+               (decf (pool-thread-count pool))
+               (decf (group-thread-count group)))
+             (push self (pool-retired pool)))
+            ((member self (pool-outside pool))
+             ;; Stepped out (POOL-STEP-OUT): counted out then.
+             (setf (pool-outside pool) (delete self (pool-outside pool)))
+             (push self (pool-retired pool)))))))
 
 (defun try-retire (pool group)
   "Leave the pool if GROUP has more than its share of MIN-THREADS workers.
@@ -879,12 +901,34 @@ permits than its ALLOWED."
         (timeout (pool-idle-timeout-ms pool))
         (counted-out nil)
         (holding nil)
+        (stepped-out nil)
+        (*step-out* nil)
         (stealing (> (length (pool-groups pool)) 1))
         (worker (make-worker sb-thread:*current-thread*
                              (sb-thread:thread-os-tid sb-thread:*current-thread*)
                              group)))
     (declare (type function dispatch) (type fixnum epfd nudge-fd timeout))
     (join-workers pool worker)
+    (setf *step-out*
+          (lambda ()
+            (unless stepped-out
+              (setf stepped-out t)
+              (sb-thread:with-mutex ((pool-lock pool))
+                (setf (pool-workers pool) (delete worker (pool-workers pool)))
+                (when (member sb-thread:*current-thread* (pool-threads pool))
+                  (setf (pool-threads pool) (delete sb-thread:*current-thread* (pool-threads pool)))
+                  (push sb-thread:*current-thread* (pool-outside pool))
+                  (decf (pool-thread-count pool))
+                  (decf (group-thread-count group))))
+              (when holding
+                (setf holding nil)
+                (release-permit group))
+              ;; Not left to the maker: it adds threads only for a group it
+              ;; finds blocked two samples in a row, one a sample, and many
+              ;; WebSockets open at once.
+              (when (zerop (group-idle group))
+                (spawn-worker pool group)))
+            t))
     (flet ((serve (data flags)
              ;; DATA is an event's, or a timer's thunk (POOL-SUBMIT): both
              ;; counted as serving, so that one that blocks is seen blocked.
@@ -1029,6 +1073,10 @@ permits than its ALLOWED."
                                 ((nil))
                                 (:wake (return))
                                 (t (serve first first-flags))))))))))
+             (when stepped-out
+               ;; Out of the pool's count since POOL-STEP-OUT: leave.
+               (setf counted-out t)
+               (return))
              (when (surplus-holder-p group)
                (setf holding nil))))
         (when holding
@@ -1125,7 +1173,8 @@ then closes."
     (sb-thread:join-thread (pool-maker pool) :default nil)
     (setf (pool-maker pool) nil))
   (loop for threads = (sb-thread:with-mutex ((pool-lock pool))
-                        (append (pool-threads pool) (shiftf (pool-retired pool) '())))
+                        (append (pool-threads pool) (pool-outside pool)
+                                (shiftf (pool-retired pool) '())))
         while threads
         do (dolist (thread threads)
              (sb-thread:join-thread thread :default nil))

@@ -164,6 +164,13 @@ belongs to the caller, who closes it afterwards."
     (when (engine-housekeeper engine)
       (sb-thread:join-thread (engine-housekeeper engine) :default nil)
       (setf (engine-housekeeper engine) nil))
+    ;; Connections that switched protocols under their handler (a
+    ;; WebSocket read in its handler's own loop) never end by themselves:
+    ;; their clients see them closed, their handlers end.
+    (loop for c across (engine-table engine)
+          when (and c (member (connection-state c) '(:active :dirty))
+                    (connection-switched-p c))
+            do (shutdown-fd (connection-fd c) +shut-rdwr+))
     (cond (soft
            ;; A request that arrived on an idle connection just before the
            ;; stop is served (with Connection: close) rather than cut off:

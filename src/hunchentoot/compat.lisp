@@ -263,3 +263,22 @@ when the handler signals CONDITION, with BACKTRACE (a string, or NIL)."
     (setf (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot)) t))
   (throw (load-time-value (find-symbol "HANDLER-DONE" '#:hunchentoot) t)
     (values nil condition backtrace)))
+
+;;; Hunchentoot's SET-TIMEOUTS (internal, same in 1.2.38 and 1.3.x), which
+;;; hunchensocket calls on PROCESS-CONNECTION's usocket after its 101: on
+;;; SBCL it sets SB-IMPL::FD-STREAM-TIMEOUT of (USOCKET:SOCKET-STREAM
+;;; USOCKET), a structure accessor that only an SB-SYS:FD-STREAM takes.  A
+;;; Gallop connection is a Gray stream; after a 101 its usocket's stream
+;;; becomes a bufferless fd-stream made for that (SB-IMPL::%MAKE-FD-STREAM,
+;;; on no fd), never read or written, whose timeout the connection's reads
+;;; then use (see SWITCH-PROTOCOLS in taskmaster.lisp).
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (and (fboundp 'sb-impl::%make-fd-stream)
+               (fboundp '(setf sb-impl::fd-stream-timeout)))
+    (error "This SBCL has no SB-IMPL::%MAKE-FD-STREAM or settable FD-STREAM-TIMEOUT.")))
+
+(defun make-timeout-stream ()
+  "An SB-SYS:FD-STREAM on no fd, with no buffers: somewhere for
+Hunchentoot's SET-TIMEOUTS to put a timeout."
+  (sb-impl::%make-fd-stream :fd -1 :name "gallop: timeouts of a switched connection"))
+

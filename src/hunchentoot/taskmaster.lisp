@@ -124,14 +124,16 @@ no getpeername(2) can fail for a client that already reset (Hunchentoot
 1.3.x asks for it before the UNWIND-PROTECT that closes its stream).
 Whatever way PROCESS-CONNECTION returns, the connection is closed unless a
 handler kept it (HUNCHENTOOT:DETACH-SOCKET): otherwise the engine would take
-it for detached and keep it open for good."
+it for detached and keep it open for good.  One that switched protocols (a
+WebSocket read in the handler's loop, see SWITCH-PROTOCOLS) is closed too."
   (let ((*connection* connection)
         (socket (or (connection-user-data connection)
                     (setf (connection-user-data connection)
                           (make-connection-usocket connection)))))
     (unwind-protect (hunchentoot:process-connection acceptor socket)
       (unless (or (usocket-deferred socket)
-                  (gallop.core:connection-detached-p (request-connection)))
+                  (and (gallop.core:connection-detached-p connection)
+                       (not (gallop.core:connection-switched-p connection))))
         (close connection :abort t)))
     ;; A request answered later (defer.lisp): the engine lets go of it.
     (and (usocket-deferred socket) :suspended)))
@@ -388,6 +390,19 @@ does)."
   (and (not (let ((c (request-connection)))
               (and c (gallop.core:connection-head-pending-p c))))
        (call-next-method)))
+
+(defun switch-protocols (c)
+  "A 101 answer goes out on the Gallop connection C: the handler (hunchensocket's
+PROCESS-REQUEST :AFTER) reads the new protocol from C's stream in its own
+loop, in this worker, until the client leaves.  C passes its octets through
+from now on and the worker leaves the pool's count (GALLOP.CORE:CONNECTION-
+SWITCH); the usocket PROCESS-CONNECTION was given gets a stream that takes
+Hunchentoot's SET-TIMEOUTS (compat.lisp), whose timeout C's reads use."
+  (let ((socket (connection-user-data c))
+        (timeouts (make-timeout-stream)))
+    (when (typep socket 'connection-usocket)
+      (setf (usocket:socket-stream socket) timeouts))
+    (gallop.core:connection-switch c :timeout-stream timeouts)))
 
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
 ;;; connection (*CONNECTION* is bound); for any other server they do nothing.

@@ -90,9 +90,14 @@ values joined by a comma."
 when STREAM is a Gallop connection with a checked head not read yet, else
 through ORIGINAL, Hunchentoot's own."
   (if (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*))
-      (let ((request (if (connection-deferred stream)
-                         :eof           ; no next request before its answer (defer.lisp)
-                         (gallop.core:connection-take-head stream))))
+      (let ((request (cond ((connection-deferred stream)
+                            :eof  ; no next request before its answer (defer.lisp)
+                            )
+                           ((gallop.core:connection-switched-p stream)
+                            ;; After a 101 (SWITCH-PROTOCOLS) the connection
+                            ;; speaks another protocol: no more requests.
+                            :eof)
+                           (t (gallop.core:connection-take-head stream)))))
         (case request
           ((nil) (funcall original stream))
           (:eof nil)
@@ -225,6 +230,9 @@ else ORIGINAL, Hunchentoot's own."
         (when content
           (write-sequence content c)
           (finish-output c))
+        (when (= status-code 101)
+          ;; Switching Protocols: the handler speaks the next one on C.
+          (switch-protocols c))
         c)))
 
 ;;; Wrapping Hunchentoot's two functions (compat.lisp checks them).

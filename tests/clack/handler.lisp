@@ -9,6 +9,11 @@
 (defun clack-run ()
   "CLACK.HANDLER.GALLOP:RUN, loading the handler first (under the name older
 Clack asks ASDF for)."
+  ;; Its one dependency beyond Gallop, Clack's socket protocol (a package
+  ;; of generic functions), from Clack's own sources where they are.
+  (let ((clack (merge-pathnames "../shared/vendor/clack-ws/clack/"
+                                (asdf:system-source-directory "gallop"))))
+    (pushnew (truename clack) asdf:*central-registry* :test #'equal))
   (asdf:load-system "clack-handler-gallop")
   (find-symbol "RUN" "CLACK.HANDLER.GALLOP"))
 
@@ -103,11 +108,13 @@ then the connection closes with nothing after the body."
 (test clack-handler-loads-under-both-system-names
   ;; Older Clack loads clack-handler-gallop; Clack (Lack) since 2025 asks
   ;; ASDF for clack.handler.gallop.  Each name alone, in a fresh SBCL with
-  ;; only this checkout on ASDF's central registry, gives the handler.
+  ;; only this checkout and Clack's sources (for its socket protocol) on
+  ;; ASDF's central registry, gives the handler.
   (dolist (name '("clack-handler-gallop" "clack.handler.gallop"))
     (multiple-value-bind (output error-output status)
         (uiop:run-program
          (list "scripts/lisp.sh"
+               "--eval" "(push (truename \"../shared/vendor/clack-ws/clack/\") asdf:*central-registry*)"
                "--eval" (format nil "(asdf:load-system ~S)" name)
                "--eval" "(format t \"~&RUN=~A~%\" (and (fboundp (find-symbol \"RUN\" \"CLACK.HANDLER.GALLOP\")) t))")
          :directory (asdf:system-source-directory "gallop")

@@ -465,8 +465,10 @@ drop-in names are exported too, each with its definition."
                          (read-from-string output t nil :start (+ at (length "EXPORTS=")))))))))
     (let ((native (exports "gallop/native"))
           (full (exports "gallop")))
-      (is (equal '("AFTER" "CANCEL-TIMER" "HANDLER-TIMEOUT" "SERVER" "SERVER-ADDRESS" "SERVER-POOL"
-                   "SERVER-PORT" "START" "STATS" "STOP")
+      (is (equal '("AFTER" "CANCEL-TIMER" "ENV-SOCKET" "HANDLER-TIMEOUT" "SERVER"
+                   "SERVER-ADDRESS" "SERVER-POOL" "SERVER-PORT" "SOCKET-CLOSE"
+                   "SOCKET-CLOSE-CALLBACK" "SOCKET-PENDING" "SOCKET-READ-CALLBACK"
+                   "SOCKET-WRITE" "START" "STATS" "STOP")
                  (mapcar #'first native)))
       (is (every #'second native) "exported without a definition: ~S"
           (remove-if #'second native))

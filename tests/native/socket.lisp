@@ -58,11 +58,6 @@
       (sb-sys:io-timeout () nil))
     (get-output-stream-string out)))
 
-(defun socket-write-octets (socket octets)
-  (let ((stream (usocket:socket-stream socket)))
-    (write-sequence octets stream)
-    (force-output stream)))
-
 (test socket-switches-protocols-exactly
   "The app's own 101, then the octets the client sent with its head (first),
 then each message echoed, in order; \"bye\" gets \"ciao\" and the end of the

@@ -1,0 +1,145 @@
+;;;; ws-server.lisp -- the WebSocket libraries users run on Hunchentoot and
+;;;; Clack, unchanged, on Gallop, in a child process: they load from
+;;;; ../shared/vendor/clack-ws (with the bordeaux-threads 0.9 they need, which
+;;;; every system of the image must then share), so not in the test image.
+;;;;
+;;;;   XDG_CACHE_HOME=.cache/clack-ws sbcl ... --load tests/child/ws-server.lisp
+;;;;
+;;;; Serves on 127.0.0.1, each on a free port:
+;;;;   clack       websocket-driver's README echo app at /echo and a broadcast
+;;;;               chat at /chat, under (clack:clackup ... :server :gallop);
+;;;;               anything else: 200 "plain";
+;;;;   easy        hunchensocket's README chat (rooms /bongo and /fury) on an
+;;;;               acceptor of hunchensocket's and GALLOP:EASY-ACCEPTOR's
+;;;;               classes; /plain: 200 "plain" (an easy handler);
+;;;;   taskmaster  the same chat on a stock HUNCHENSOCKET:WEBSOCKET-ACCEPTOR
+;;;;               with a GALLOP:TASKMASTER.
+;;;; Prints "READY <clack> <easy> <taskmaster>" once all listen; then reads
+;;;; commands: "fds" prints the count of open fds; "quit" or end of file
+;;;; exits.
+
+(defpackage #:gallop-ws-server (:use #:common-lisp))
+(in-package #:gallop-ws-server)
+
+(defvar *protocol* sb-sys:*stdout*)
+(setf *standard-output* *error-output*)
+
+(asdf:initialize-source-registry
+ `(:source-registry (:tree ,(truename "../shared/vendor/clack-ws/"))
+                    (:directory ,(truename "./")) :inherit-configuration))
+(handler-bind ((warning #'muffle-warning))
+  (asdf:load-system "clack")
+  (asdf:load-system "websocket-driver")
+  (asdf:load-system "clack-handler-gallop")
+  (asdf:load-system "hunchensocket")
+  (asdf:load-system "gallop"))
+
+(defun reply (control &rest args)
+  (let ((*print-pretty* nil))
+    (format *protocol* "~?~%" control args)
+    (finish-output *protocol*)))
+
+(defun free-port ()
+  (let ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t)))
+    (prog1 (usocket:get-local-port socket) (usocket:socket-close socket))))
+
+;;; websocket-driver, its README's echo app, and a chat
+
+(defvar *chat* '())
+(defvar *chat-lock* (sb-thread:make-mutex :name "chat"))
+
+(defun clack-app (env)
+  (cond ((string= (getf env :path-info) "/echo")
+         (let ((ws (wsd:make-server env)))
+           (wsd:on :message ws (lambda (message) (wsd:send ws message)))
+           (lambda (responder) (declare (ignore responder)) (wsd:start-connection ws))))
+        ((string= (getf env :path-info) "/chat")
+         (let ((ws (wsd:make-server env)))
+           (wsd:on :open ws (lambda ()
+                              (sb-thread:with-mutex (*chat-lock*) (push ws *chat*))))
+           (wsd:on :message ws (lambda (message)
+                                 (dolist (peer (sb-thread:with-mutex (*chat-lock*)
+                                                 (copy-list *chat*)))
+                                   (wsd:send peer message))))
+           (wsd:on :close ws (lambda (&key code reason)
+                               (declare (ignore code reason))
+                               (sb-thread:with-mutex (*chat-lock*)
+                                 (setf *chat* (remove ws *chat*)))))
+           (lambda (responder) (declare (ignore responder)) (wsd:start-connection ws))))
+        (t '(200 (:content-type "text/plain") ("plain")))))
+
+;;; hunchensocket's README chat, word for word
+
+(defclass chat-room (hunchensocket:websocket-resource)
+  ((name :initarg :name :initform (error "Name this room!") :reader name))
+  (:default-initargs :client-class 'user))
+
+(defclass user (hunchensocket:websocket-client)
+  ((name :initarg :user-agent :reader name :initform (error "Name this user!"))))
+
+(defvar *chat-rooms* (list (make-instance 'chat-room :name "/bongo")
+                           (make-instance 'chat-room :name "/fury")))
+
+(defun find-room (request)
+  (find (hunchentoot:script-name request) *chat-rooms* :test #'string= :key #'name))
+
+(pushnew 'find-room hunchensocket:*websocket-dispatch-table*)
+
+(defun broadcast (room message &rest args)
+  (loop for peer in (hunchensocket:clients room)
+        do (hunchensocket:send-text-message peer (apply #'format nil message args))))
+
+(defmethod hunchensocket:client-connected ((room chat-room) user)
+  (broadcast room "~a has joined ~a" (name user) (name room)))
+
+(defmethod hunchensocket:client-disconnected ((room chat-room) user)
+  (broadcast room "~a has left ~a" (name user) (name room)))
+
+(defmethod hunchensocket:text-message-received ((room chat-room) user message)
+  (broadcast room "~a says ~a" (name user) message))
+
+;;; The one line a user changes: the acceptor's class, or its taskmaster.
+
+(defclass easy-websocket-acceptor (hunchensocket:websocket-acceptor gallop:easy-acceptor) ())
+
+(hunchentoot:define-easy-handler (plain :uri "/plain") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  "plain")
+
+(defvar *clack-port* (free-port))
+(defvar *clack-thread*
+  (clack:clackup #'clack-app :server :gallop :address "127.0.0.1" :port *clack-port*
+                             :use-thread t :silent t :debug nil))
+
+(defvar *easy*
+  (hunchentoot:start (make-instance 'easy-websocket-acceptor
+                                    :address "127.0.0.1" :port (free-port)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
+
+(defvar *taskmaster*
+  (hunchentoot:start (make-instance 'hunchensocket:websocket-acceptor
+                                    :address "127.0.0.1" :port (free-port)
+                                    :taskmaster (make-instance 'gallop:taskmaster)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
+
+(defun port-open-p (port)
+  (handler-case (progn (usocket:socket-close (usocket:socket-connect "127.0.0.1" port)) t)
+    (error () nil)))
+
+(loop repeat 200 until (port-open-p *clack-port*) do (sleep 0.05))
+
+(reply "READY ~D ~D ~D" *clack-port* (hunchentoot:acceptor-port *easy*)
+       (hunchentoot:acceptor-port *taskmaster*))
+
+(loop for line = (read-line *standard-input* nil)
+      for command = (and line (string-trim " " line))
+      while (and command (string/= command "quit"))
+      do (cond ((string= command "fds")
+                (reply "~D" (length (directory "/proc/self/fd/*" :resolve-symlinks nil))))))
+
+(hunchentoot:stop *easy*)
+(hunchentoot:stop *taskmaster*)
+(clack:stop *clack-thread*)
+(sb-ext:exit :abort t)
