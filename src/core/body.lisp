@@ -130,6 +130,13 @@ once set (else the engine's READ-TIMEOUT)."
   (connection-detach c)
   (setf (conn-slot c switched) t
         (conn-slot c timeout-stream) timeout-stream)
+  ;; The handler deadline bounds a request, not the protocol after it; and
+  ;; no deadline of the housekeeper's is due while the handler reads.
+  (disarm-handler-deadline c)
+  (schedule c (+ (now-ms) (* 60 60 1000)))   ; an hour: nothing is due
+  (unless (engine-running-p (connection-engine c))
+    ;; A stop began before the switch: it shut the switched ones already.
+    (shutdown-fd (connection-fd c) +shut-rdwr+))
   (pool-step-out)
   c)
 

@@ -915,11 +915,13 @@ permits than its ALLOWED."
               (setf stepped-out t)
               (sb-thread:with-mutex ((pool-lock pool))
                 (setf (pool-workers pool) (delete worker (pool-workers pool)))
+                ;; Counted out now; a thread so new that SPAWN-WORKER has
+                ;; not listed it in THREADS yet stays there until it exits.
+                (decf (pool-thread-count pool))
+                (decf (group-thread-count group))
                 (when (member sb-thread:*current-thread* (pool-threads pool))
                   (setf (pool-threads pool) (delete sb-thread:*current-thread* (pool-threads pool)))
-                  (push sb-thread:*current-thread* (pool-outside pool))
-                  (decf (pool-thread-count pool))
-                  (decf (group-thread-count group))))
+                  (push sb-thread:*current-thread* (pool-outside pool))))
               (when holding
                 (setf holding nil)
                 (release-permit group))

@@ -29,6 +29,7 @@
   (mailbox-bytes 0 :type sb-ext:word)
   (reader nil)                            ; the thread running ON-READ
   (closing nil :type (member nil :close :abort))
+  (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -160,7 +161,8 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
 
 (defun upgraded-deadline (c u)
   (cond ((conn-slot c unsent) (output-deadline c))
-        ((plusp (upgrade-idle-ms u)) (+ (now-ms) (upgrade-idle-ms u)))
+        ;; Idle: nothing received for that long (what is sent does not count).
+        ((plusp (upgrade-idle-ms u)) (+ (upgrade-last-input u) (upgrade-idle-ms u)))
         (t (+ (now-ms) +suspended-check-ms+))))
 
 (defun park-upgraded (c u)
@@ -215,8 +217,12 @@ worker read its turn's worth, NIL when the socket is empty."
       (multiple-value-bind (n errno) (connection-recv c buffer 0 (length buffer))
         (declare (type fixnum n))
         (cond ((plusp n)
+               (setf (upgrade-last-input u) (now-ms))
                (deliver-upgraded c u buffer 0 n)
                (when (conn-slot c gone) (return :error))
+               (when (upgrade-closing u)
+                 ;; Closed meanwhile: nothing more is given to ON-READ.
+                 (return nil))
                (incf read n)
                (cond ((>= read +upgraded-turn-octets+) (return :turn))
                      ((and (< n (length buffer)) (not (conn-slot c peer-closed)))
@@ -231,7 +237,7 @@ worker read its turn's worth, NIL when the socket is empty."
   "Call U's ON-READ on OCTETS[START,END), in this worker.  An error in it
 is logged and aborts C."
   (let ((on-read (upgrade-on-read u)))
-    (when (and on-read (< start end) (not (eq (upgrade-closing u) :abort)))
+    (when (and on-read (< start end) (not (upgrade-closing u)))
       (setf (upgrade-reader u) sb-thread:*current-thread*)
       (unwind-protect
            (handler-case (funcall on-read octets start end)
@@ -248,7 +254,8 @@ waits, and park C again, or close it."
     (unless (upgrade-entered u)
       ;; Right after the handler: the octets after the request head first.
       (setf (upgrade-entered u) t
-            (upgrade-reader u) nil)
+            (upgrade-reader u) nil
+            (upgrade-last-input u) (now-ms))
       (sb-ext:atomic-incf (engine-upgraded (connection-engine c)))
       (sb-ext:atomic-incf (engine-upgrades (connection-engine c)))
       (with-connection-slots (inbuf in-start in-end) c

@@ -191,8 +191,11 @@ copied).  Returns the octets waiting for the client to take them
 \(backpressure: see SOCKET-PENDING), or NIL when the connection is closed
 or closing.  A backlog past the server's UPGRADED-SEND-LIMIT closes it."
   (let* ((c (take-socket socket))
-         (octets (body-octets data))
-         (end (or end (length octets))))
+         (octets (body-octets (if (and (stringp data) (or (plusp start) end))
+                                  (subseq data start end) ; characters, not octets
+                                  data)))
+         (start (if (stringp data) 0 start))
+         (end (if (stringp data) (length octets) (or end (length octets)))))
     (prog1 (gallop.core:connection-send-upgraded c octets :start start :end end)
       (when (and (eq (exchange-websocket socket) :closing) (< start end)
                  (= 8 (logand 15 (aref octets start))))
