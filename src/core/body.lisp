@@ -130,6 +130,10 @@ once set (else the engine's READ-TIMEOUT)."
   (connection-detach c)
   (setf (conn-slot c switched) t
         (conn-slot c timeout-stream) timeout-stream)
+  (sb-ext:atomic-incf (engine-switched (connection-engine c)))
+  ;; Its handler's reads wait in poll(2): an event would only wake a worker
+  ;; to mark C :DIRTY.
+  (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
   ;; The handler deadline bounds a request, not the protocol after it; and
   ;; no deadline of the housekeeper's is due while the handler reads.
   (disarm-handler-deadline c)
@@ -143,6 +147,12 @@ once set (else the engine's READ-TIMEOUT)."
 (defun connection-switched-p (c)
   "True once C switched protocols under its handler (CONNECTION-SWITCH)."
   (conn-slot c switched))
+
+(defun connection-may-switch-p (c)
+  "True when C may switch protocols under its handler: the engine's switched
+connections, each holding a thread, are fewer than MAX-SWITCHED-THREADS."
+  (let ((engine (connection-engine c)))
+    (< (engine-switched engine) (engine-max-switched engine))))
 
 (defun connection-detached-p (c)
   "True once the layer above kept C's stream (CONNECTION-DETACH)."

@@ -110,6 +110,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-unsent-bytes 0 :type fixnum)
   (upgraded-idle-ms 0 :type fixnum)  ; 0: an upgraded connection may stay silent
   (upgraded-send-limit 0 :type fixnum)
+  (max-switched 0 :type fixnum)
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 0 :type fixnum)
   (head-budget 0 :type fixnum) ; see lifecycle.lisp (the head budget)
@@ -146,6 +147,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (abandoned 0 :type sb-ext:word) ; such requests whose client went away first
   (upgraded 0 :type sb-ext:word)  ; connections that switched protocols, open now
   (upgrades 0 :type sb-ext:word)  ; and in all
+  (switched 0 :type sb-ext:word)  ; switched under a handler that keeps its thread, open now
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
@@ -376,7 +378,9 @@ connection while a handler read or answered), :SUSPENDED (requests an app
 answers later from another thread, waiting for it: counted in :IN-FLIGHT
 too), :ABANDONED (such requests whose client went away before the answer:
 freed at once), :UPGRADED and :UPGRADES (connections that switched
-protocols, a WebSocket, see upgrade.lisp: open now, and in all), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
+protocols, a WebSocket, see upgrade.lisp: open now, and in all),
+:SWITCHED (connections that switched protocols under a handler that keeps
+its thread, hunchensocket's WebSockets, see CONNECTION-SWITCH: open now), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
 reading or holds for their handlers, in memory and in temporary files, see
 spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
 :SLOW-CLIENTS (connections ended for sending or reading under the minimum
@@ -421,6 +425,7 @@ served for another group whose workers were all busy), see pool.lisp."
             :abandoned (engine-abandoned engine)
             :upgraded (engine-upgraded engine)
             :upgrades (engine-upgrades engine)
+            :switched (engine-switched engine)
             :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle-count pool) 0)

@@ -80,6 +80,8 @@ kept).")
       (uncharge-head c)
       (release-spool c)
       (note-upgrade-ended c)
+      (when (conn-slot c switched)
+        (sb-ext:atomic-decf (engine-switched engine)))
       (free-tls c)
       (setf (connection-state c) :closed)
       (wheel-forget c)
@@ -98,6 +100,15 @@ kept).")
             (close-fd fd)))
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
+
+(defun register-for-output (c)
+  "Make C's epoll registration include EPOLLOUT, once and for good:
+edge-triggered, EPOLLOUT raises an event only when the socket drains after
+a send found it full."
+  (unless (conn-slot c out-registered)
+    (setf (conn-slot c out-registered) t)
+    (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-mod+ (connection-fd c)
+               (logior +connection-events+ +epollout+) (connection-token c))))
 
 (defun park (c &optional output)
   "Give the connection back to epoll until its next request arrives (OUTPUT:
@@ -135,12 +146,8 @@ caller still owns C and must read (or send) again."
             (close-connection c)
             (reject-connection c (response-503 engine)))
         (return-from park t))
-      (when (and output (not (conn-slot c out-registered)))
-        ;; Once and for good: edge-triggered, EPOLLOUT raises an event only
-        ;; when the socket drains after a send found it full.
-        (setf (conn-slot c out-registered) t)
-        (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-mod+ (connection-fd c)
-                   (logior +connection-events+ +epollout+) (connection-token c)))
+      (when output
+        (register-for-output c))
       ;; From here on, an event (or the housekeeper, once the deadline
       ;; passes) may take C.  Input that came while C was busy left it
       ;; :DIRTY: keep it and read again, or that input would wait for an

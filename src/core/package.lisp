@@ -45,7 +45,7 @@
    ;; connections that switched protocols (upgrade.lisp)
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
-   #:connection-switch #:connection-switched-p #:pool-step-out
+   #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop
    ;; TLS on the event loop (openssl.lisp)

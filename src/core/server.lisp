@@ -55,6 +55,7 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                                       (ms upgraded-idle-timeout)
                                                       0)
                                 :upgraded-send-limit upgraded-send-limit
+                                :max-switched max-switched-threads
                                 :methods methods
                                 :max-queue max-queue-length :retry-after retry-after
                                 :head-budget (or head-budget

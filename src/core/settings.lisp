@@ -51,6 +51,10 @@ peers).  A front end may set its own per connection.")
        "Octets that may wait, sent on a connection that switched protocols, for a
 client that does not read them: a send past it closes the connection.  One
 message alone may be larger.")
+      (max-switched-threads 5000
+       "Connections that may switch protocols under a handler that keeps its
+thread (hunchensocket's WebSockets): each holds a thread outside the pool
+until it ends.  Past it, the 101 is answered 503 instead.")
       (head-budget nil
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")

@@ -171,10 +171,8 @@ its output; with no buffer held.  The caller owns C.  NIL when an event or
 a sender marked it :DIRTY meanwhile: the caller still owns C."
   (schedule c (upgraded-deadline c u))
   (release-buffers c)
-  (when (and (conn-slot c unsent) (not (conn-slot c out-registered)))
-    (setf (conn-slot c out-registered) t)
-    (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-mod+ (connection-fd c)
-               (logior +connection-events+ +epollout+) (connection-token c)))
+  (when (conn-slot c unsent)
+    (register-for-output c))
   (case (sb-ext:compare-and-swap (%conn-slot c state) :active :parked)
     (:active t)
     (:dirty (setf (connection-state c) :active) nil)

@@ -205,6 +205,19 @@ else ORIGINAL, Hunchentoot's own."
   (if (not (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*)))
       (apply original acceptor stream status-code args)
       (let ((c stream))
+        (when (and (= status-code 101) (not (gallop.core:connection-may-switch-p c)))
+          ;; No thread for another switched connection (MAX-SWITCHED-
+          ;; THREADS): 503, and the handler's next step (hunchensocket's
+          ;; loop after a 101) does not begin.
+          (setf (hunchentoot:return-code*) 503)
+          (return-from write-response
+            (write-response original acceptor stream 503
+                            :headers (list (cons :retry-after "1") (cons :connection "close")
+                                           (cons :content-type "text/plain; charset=utf-8"))
+                            :content (load-time-value
+                                      (map 'octets #'char-code
+                                           (format nil "503 Service Unavailable~%"))
+                                      t))))
         ;; Hunchentoot's own steps, in its order:
         (when content
           (setf (hunchentoot:content-length*) (length content)))

@@ -100,7 +100,11 @@ ON-CLOSE-FRAME is called (no argument) before it is given a close frame."
                     (total (+ fill (- end start))))
                 (declare (type octets kept))
                 (when (> total (length kept))
-                  (let ((bigger (make-array (max (* 2 (length kept)) total)
+                  ;; Doubled as octets come, but never past the frame being
+                  ;; assembled (KEPT holds the start of one) or what came.
+                  (let ((bigger (make-array (max total
+                                                 (min (* 2 (length kept))
+                                                      (or (frame-size kept 0 fill) total)))
                                             :element-type '(unsigned-byte 8))))
                     (replace bigger kept :end2 fill)
                     (setf kept bigger (frame-buffer-octets buffer) bigger)))
@@ -211,9 +215,5 @@ or closing.  A backlog past the server's UPGRADED-SEND-LIMIT closes it."
 (defun socket-close (socket &key abort)
   "Close SOCKET, from any thread: once the client has what was written
 \(with ABORT, at once, dropping it).  The close callback is called."
-  (let ((c (exchange-connection socket)))
-    (if (gallop.core:connection-upgraded-p c)
-        (gallop.core:connection-close-upgraded c :abort abort)
-        (progn (take-socket socket)
-               (gallop.core:connection-close-upgraded c :abort abort)))
-    nil))
+  (gallop.core:connection-close-upgraded (take-socket socket) :abort abort)
+  nil)

@@ -13,8 +13,9 @@
 ;;;;               acceptor of hunchensocket's and GALLOP:EASY-ACCEPTOR's
 ;;;;               classes; /plain: 200 "plain" (an easy handler);
 ;;;;   taskmaster  the same chat on a stock HUNCHENSOCKET:WEBSOCKET-ACCEPTOR
-;;;;               with a GALLOP:TASKMASTER.
-;;;; Prints "READY <clack> <easy> <taskmaster>" once all listen; then reads
+;;;;               with a GALLOP:TASKMASTER;
+;;;;   capped      the easy one again, with :MAX-SWITCHED-THREADS 2.
+;;;; Prints "READY <clack> <easy> <taskmaster> <capped>" once all listen; then reads
 ;;;; commands: "fds" prints the count of open fds; "quit" or end of file
 ;;;; exits.
 
@@ -124,14 +125,22 @@
                                     :access-log-destination nil
                                     :message-log-destination *error-output*)))
 
+(defvar *capped*
+  (hunchentoot:start (make-instance 'easy-websocket-acceptor
+                                    :address "127.0.0.1" :port (free-port)
+                                    :taskmaster (make-instance 'gallop:taskmaster
+                                                               :max-switched-threads 2)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
+
 (defun port-open-p (port)
   (handler-case (progn (usocket:socket-close (usocket:socket-connect "127.0.0.1" port)) t)
     (error () nil)))
 
 (loop repeat 200 until (port-open-p *clack-port*) do (sleep 0.05))
 
-(reply "READY ~D ~D ~D" *clack-port* (hunchentoot:acceptor-port *easy*)
-       (hunchentoot:acceptor-port *taskmaster*))
+(reply "READY ~D ~D ~D ~D" *clack-port* (hunchentoot:acceptor-port *easy*)
+       (hunchentoot:acceptor-port *taskmaster*) (hunchentoot:acceptor-port *capped*))
 
 (loop for line = (read-line *standard-input* nil)
       for command = (and line (string-trim " " line))
@@ -141,5 +150,6 @@
 
 (hunchentoot:stop *easy*)
 (hunchentoot:stop *taskmaster*)
+(hunchentoot:stop *capped*)
 (clack:stop *clack-thread*)
 (sb-ext:exit :abort t)

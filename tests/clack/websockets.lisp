@@ -9,7 +9,7 @@
 (in-suite native)
 
 (defvar *ws-child* nil "The child process serving the WebSocket libraries.")
-(defvar *ws-ports* nil "Its ports: (clack easy taskmaster).")
+(defvar *ws-ports* nil "Its ports: (clack easy taskmaster capped).")
 
 (defun ws-child-stderr () #p"/tmp/gallop-ws-child.err")
 
@@ -36,7 +36,7 @@ start compiles Clack, websocket-driver and Hunchentoot: up to minutes."
     (setf *ws-child* process)
     (if (and line (uiop:string-prefix-p "READY " line))
         (setf *ws-ports* (with-input-from-string (in line :start 6)
-                           (list (read in) (read in) (read in))))
+                           (list (read in) (read in) (read in) (read in))))
         (error "The WebSocket child did not start:~%~A"
                (uiop:read-file-string (ws-child-stderr))))))
 
@@ -195,12 +195,48 @@ its output lines."
                                       :output out :error out :wait t))))
     (uiop:split-string (string-right-trim '(#\Newline) output) :separator '(#\Newline))))
 
+(defun check-switched-cap (port)
+  "With :MAX-SWITCHED-THREADS 2, a third hunchensocket WebSocket is answered
+503 (and the connection keeps serving HTTP); once one closes, a new one is
+taken again."
+  (let ((one (open-ws port "/fury" "User-Agent: one"))
+        (two nil))
+    (unwind-protect
+         (progn
+           (expect-octets one (server-frame 1 (octets "one has joined /fury")) "one joins")
+           (setf two (open-ws port "/fury" "User-Agent: two"))
+           (expect-octets two (server-frame 1 (octets "two has joined /fury")) "two joins")
+           (expect-octets one (server-frame 1 (octets "two has joined /fury")) "one sees two")
+           (let ((third (connect port)))
+             (unwind-protect
+                  (progn
+                    (send third (ws-handshake "/fury" "User-Agent: three"))
+                    (let ((response (read-response third)))
+                      (is (= 503 (response-status response)))
+                      (is (equal "1" (header response :retry-after)))
+                      (is (string= (format nil "503 Service Unavailable~%") (body-string response)))))
+               (usocket:socket-close third)))
+           (ws-send one (ws-frame 8 (ws-close-payload 1000)))
+           (expect-octets one (server-frame 8 (ws-close-payload 1000)) "one's close")
+           (is (closed-by-peer-p one))
+           (is (wait-until
+                (lambda ()
+                  (let ((socket (connect port)))
+                    (unwind-protect
+                         (progn (send socket (ws-handshake "/fury" "User-Agent: four"))
+                                (let ((response (read-response socket :head-only t)))
+                                  (and response (eql 101 (response-status response)))))
+                      (usocket:socket-close socket)))))
+               "no WebSocket taken again after one closed"))
+      (usocket:socket-close one)
+      (when two (usocket:socket-close two)))))
+
 (test websocket-libraries-unchanged
   "websocket-driver on Clack :gallop, hunchensocket on both Hunchentoot front
 ends: handshakes, messages, fragments, pings, closes byte for byte; a real
 client; no fd left once every WebSocket closed."
   (with-ws-child ()
-    (destructuring-bind (clack easy taskmaster) *ws-ports*
+    (destructuring-bind (clack easy taskmaster capped) *ws-ports*
       (let ((fds (parse-integer (ws-child-command "fds"))))
         (check-websocket-driver-echo clack)
         (check-websocket-driver-echo clack :one-by-one t)
@@ -210,6 +246,7 @@ client; no fd left once every WebSocket closed."
         (is (equal '("text hello" "binary 000102ff" "big 16777216 True" "pong"
                      "closed 4000 bye" "chat hello from a" "chat hello from a")
                    (python-websockets "ws-client.py" clack)))
+        (check-switched-cap capped)
         (is (wait-until (lambda () (<= (parse-integer (ws-child-command "fds")) fds))
                         :timeout 10)
             "the child holds more fds than before the WebSockets: ~A > ~D"
