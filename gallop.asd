@@ -64,7 +64,8 @@
                              (:file "response")
                              (:file "request")
                              (:file "server")
-                             (:file "socket")))))
+                             (:file "socket")
+                             (:file "websocket")))))
 
 (defsystem "gallop"
   :description "A drop-in, event-driven upgrade for Hunchentoot."
@@ -136,6 +137,7 @@
                (:file "core/uploads")
                (:file "clack/handler")
                (:file "clack/websockets")
+               (:file "native/websocket")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")

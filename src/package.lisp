@@ -32,4 +32,7 @@
    ;; native app API: the connection as a socket, once the app switched
    ;; protocols (the environment's :CLACK.IO)
    #:env-socket #:socket-read-callback #:socket-close-callback #:socket-write
-   #:socket-pending #:socket-close))
+   #:socket-pending #:socket-close
+   ;; native app API: WebSockets (RFC 6455)
+   #:websocket-request-p #:accept-websocket #:websocket #:ws-send #:ws-ping #:ws-close
+   #:ws-pending #:ws-protocol #:ws-env #:ws-user-data))

@@ -69,6 +69,12 @@ thread; both work already while the handler runs."
             (conn-slot c upgrade) u)
       u)))
 
+(defun connection-set-upgraded-idle-timeout (c seconds)
+  "Close the upgraded connection C when its client sends nothing for SECONDS
+\(NIL: never)."
+  (setf (upgrade-idle-ms (conn-slot c upgrade))
+        (if seconds (max 1 (round (* 1000 seconds))) 0)))
+
 (declaim (inline connection-upgraded-p))
 (defun connection-upgraded-p (c)
   "True once a handler called CONNECTION-UPGRADE on C."
@@ -104,10 +110,11 @@ else by this thread, which takes C.  NIL when C is closed."
       (:dirty (return t))
       (t (return nil)))))
 
-(defun connection-send-upgraded (c octets &key (start 0) (end (length octets)))
+(defun connection-send-upgraded (c octets &key (start 0) (end (length octets)) (copy t))
   "Send OCTETS[START,END) on the upgraded connection C, after what was sent
 before, from any thread, without waiting for the client: what the socket
-does not take waits with C.  The octets are copied.  Returns the octets now
+does not take waits with C.  The octets are copied, unless COPY is NIL: the
+caller gives them up.  Returns the octets now
 waiting to be taken by the client (CONNECTION-UPGRADED-PENDING), or NIL when
 C is closed or closing: past the send limit, a send closes C (the client
 does not read) and answers NIL."
@@ -121,7 +128,9 @@ does not read) and answers NIL."
       (connection-close-upgraded c :abort t)
       (return-from connection-send-upgraded nil))
     (when (< start end)
-      (let ((segment (make-segment (subseq octets start end) 0 (- end start))))
+      (let ((segment (if copy
+                         (make-segment (subseq octets start end) 0 (- end start))
+                         (make-segment octets start end))))
         (sb-ext:atomic-incf (upgrade-mailbox-bytes u) (- end start))
         (sb-ext:atomic-push segment (upgrade-mailbox u))))
     (and (kick-upgraded c u) (connection-upgraded-pending c))))
@@ -168,7 +177,12 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
 (defun park-upgraded (c u)
   "Give C back to epoll until the client sends, or the socket takes more of
 its output; with no buffer held.  The caller owns C.  NIL when an event or
-a sender marked it :DIRTY meanwhile: the caller still owns C."
+a sender marked it :DIRTY meanwhile: the caller still owns C.  Once the
+engine stops, C is closed instead (true): the stop's last sweep may have
+passed while a sender owned it."
+  (unless (engine-running-p (connection-engine c))
+    (close-connection c)
+    (return-from park-upgraded t))
   (schedule c (upgraded-deadline c u))
   (release-buffers c)
   (when (conn-slot c unsent)

@@ -123,7 +123,7 @@ ON-CLOSE-FRAME is called (no argument) before it is given a close frame."
           (setf (frame-buffer-octets buffer)
                 (make-array 0 :element-type '(unsigned-byte 8))))))))
 
-(defun websocket-request-p (c)
+(defun asks-for-websocket-p (c)
   "True when the request on C asks for a WebSocket (Upgrade: websocket)."
   (let ((buffer (gallop.core:connection-head c)))
     (declare (type octets buffer))
@@ -132,7 +132,7 @@ ON-CLOSE-FRAME is called (no argument) before it is given a close frame."
       (when (and (= (- name-end name-start) 7)
                  (string-equal "upgrade" (latin1-string buffer name-start name-end))
                  (search "websocket" (string-downcase (latin1-string buffer value-start value-end))))
-        (return-from websocket-request-p t)))
+        (return-from asks-for-websocket-p t)))
     nil))
 
 (defun take-socket (ex)
@@ -159,7 +159,7 @@ goes to the read callback.  Only while the app has not returned (or answered)."
                               (when callback (funcall callback)))))
                (setf (exchange-responded ex) t
                      (exchange-keep-alive ex) t
-                     (exchange-websocket ex) (websocket-request-p c)))
+                     (exchange-websocket ex) (asks-for-websocket-p c)))
           (unclaim ex claim nil))))
     c))
 

@@ -465,10 +465,12 @@ drop-in names are exported too, each with its definition."
                          (read-from-string output t nil :start (+ at (length "EXPORTS=")))))))))
     (let ((native (exports "gallop/native"))
           (full (exports "gallop")))
-      (is (equal '("AFTER" "CANCEL-TIMER" "ENV-SOCKET" "HANDLER-TIMEOUT" "SERVER"
-                   "SERVER-ADDRESS" "SERVER-POOL" "SERVER-PORT" "SOCKET-CLOSE"
+      (is (equal '("ACCEPT-WEBSOCKET" "AFTER" "CANCEL-TIMER" "ENV-SOCKET" "HANDLER-TIMEOUT"
+                   "SERVER" "SERVER-ADDRESS" "SERVER-POOL" "SERVER-PORT" "SOCKET-CLOSE"
                    "SOCKET-CLOSE-CALLBACK" "SOCKET-PENDING" "SOCKET-READ-CALLBACK"
-                   "SOCKET-WRITE" "START" "STATS" "STOP")
+                   "SOCKET-WRITE" "START" "STATS" "STOP" "WEBSOCKET" "WEBSOCKET-REQUEST-P"
+                   "WS-CLOSE" "WS-ENV" "WS-PENDING" "WS-PING" "WS-PROTOCOL" "WS-SEND"
+                   "WS-USER-DATA")
                  (mapcar #'first native)))
       (is (every #'second native) "exported without a definition: ~S"
           (remove-if #'second native))

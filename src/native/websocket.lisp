@@ -1,0 +1,515 @@
+;;;; websocket.lisp -- WebSockets for native apps (RFC 6455), on the socket
+;;;; an app takes when it switches protocols (socket.lisp):
+;;;;
+;;;;   (lambda (env)
+;;;;     (if (gallop:websocket-request-p env)
+;;;;         (gallop:accept-websocket env :on-message (lambda (ws message)
+;;;;                                                     (gallop:ws-send ws message)))
+;;;;         '(200 (:content-type "text/plain") ("not a WebSocket"))))
+;;;;
+;;;; ACCEPT-WEBSOCKET checks the handshake (400, or 426 for another version),
+;;;; answers 101 and returns what the app returns.  Between messages the
+;;;; connection waits in epoll with no thread; a message arrives whole on a
+;;;; pool worker (ON-MESSAGE: a string for text, octets for binary), in order,
+;;;; one at a time.  WS-SEND, WS-PING and WS-CLOSE work from any thread and
+;;;; never wait for the client; WS-SEND answers the octets still waiting for
+;;;; it (backpressure), NIL once the WebSocket is closing.
+;;;;
+;;;; The reader is a state machine over whatever octets arrive: a frame split
+;;;; anywhere, one octet at a time or many frames in one read, reads the same.
+;;;; It checks what RFC 6455 makes the server check: masking, reserved bits
+;;;; and opcodes, control frames (final, at most 125 octets, allowed between
+;;;; the fragments of a message), continuation order, close codes (1002),
+;;;; UTF-8 of text messages and close reasons as they arrive (1007), and the
+;;;; message size (1009).  No extension is negotiated.
+
+(in-package #:gallop)
+
+;;; SHA-1 (FIPS 180-4) and base64, for Sec-WebSocket-Accept
+
+(defun sha1 (octets)
+  "The SHA-1 digest of OCTETS, 20 octets."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (optimize speed))
+  (let* ((n (length octets))
+         (total (* 64 (ceiling (+ n 9) 64)))
+         (padded (make-array total :element-type '(unsigned-byte 8) :initial-element 0))
+         (w (make-array 80 :element-type '(unsigned-byte 32)))
+         (h0 #x67452301) (h1 #xEFCDAB89) (h2 #x98BADCFE) (h3 #x10325476) (h4 #xC3D2E1F0))
+    (declare (type (unsigned-byte 32) h0 h1 h2 h3 h4) (type fixnum n total))
+    (replace padded octets)
+    (setf (aref padded n) #x80)
+    (loop for i from 0 below 8
+          do (setf (aref padded (- total 1 i)) (ldb (byte 8 (* 8 i)) (* 8 n))))
+    (flet ((rotl (x k)
+             (declare (type (unsigned-byte 32) x) (type (integer 0 31) k))
+             (logand #xFFFFFFFF (logior (ash x k) (ash x (- k 32))))))
+      (loop for block from 0 below total by 64
+            do (dotimes (i 16)
+                 (let ((j (+ block (* 4 i))))
+                   (setf (aref w i) (logior (ash (aref padded j) 24) (ash (aref padded (+ j 1)) 16)
+                                            (ash (aref padded (+ j 2)) 8) (aref padded (+ j 3))))))
+               (loop for i from 16 below 80
+                     do (setf (aref w i) (rotl (logxor (aref w (- i 3)) (aref w (- i 8))
+                                                       (aref w (- i 14)) (aref w (- i 16)))
+                                               1)))
+               (let ((a h0) (b h1) (c h2) (d h3) (e h4))
+                 (declare (type (unsigned-byte 32) a b c d e))
+                 (dotimes (i 80)
+                   (multiple-value-bind (f k)
+                       (cond ((< i 20) (values (logior (logand b c) (logand (logxor b #xFFFFFFFF) d))
+                                               #x5A827999))
+                             ((< i 40) (values (logxor b c d) #x6ED9EBA1))
+                             ((< i 60) (values (logior (logand b c) (logand b d) (logand c d))
+                                               #x8F1BBCDC))
+                             (t (values (logxor b c d) #xCA62C1D6)))
+                     (let ((temp (logand #xFFFFFFFF (+ (rotl a 5) f e k (aref w i)))))
+                       (setf e d d c c (rotl b 30) b a a temp))))
+                 (setf h0 (logand #xFFFFFFFF (+ h0 a)) h1 (logand #xFFFFFFFF (+ h1 b))
+                       h2 (logand #xFFFFFFFF (+ h2 c)) h3 (logand #xFFFFFFFF (+ h3 d))
+                       h4 (logand #xFFFFFFFF (+ h4 e))))))
+    (let ((digest (make-array 20 :element-type '(unsigned-byte 8))))
+      (loop for h in (list h0 h1 h2 h3 h4) for i from 0 by 4
+            do (loop for k below 4 do (setf (aref digest (+ i k)) (ldb (byte 8 (- 24 (* 8 k))) h))))
+      digest)))
+
+(defparameter +base64-alphabet+
+  "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+
+(defun base64-encode (octets)
+  "OCTETS in base64 (RFC 4648, with padding)."
+  (with-output-to-string (out)
+    (loop for i from 0 below (length octets) by 3
+          for n = (- (length octets) i)
+          for group = (logior (ash (aref octets i) 16)
+                              (if (> n 1) (ash (aref octets (+ i 1)) 8) 0)
+                              (if (> n 2) (aref octets (+ i 2)) 0))
+          do (dotimes (k 4)
+               (write-char (if (<= k (min n 3))
+                               (char +base64-alphabet+ (ldb (byte 6 (- 18 (* 6 k))) group))
+                               #\=)
+                           out)))))
+
+(defun websocket-accept (key)
+  "Sec-WebSocket-Accept for the client's Sec-WebSocket-Key KEY (RFC 6455, 4.2.2)."
+  (base64-encode (sha1 (map '(simple-array (unsigned-byte 8) (*)) #'char-code
+                            (concatenate 'string key "258EAFA5-E914-47DA-95CA-C5AB0DC85B11")))))
+
+(defun websocket-key-p (key)
+  "True when KEY is the base64 of 16 octets (RFC 6455, 4.2.1 item 5)."
+  (and (stringp key) (= (length key) 24) (string= "==" key :start2 22)
+       (every (lambda (ch) (find ch +base64-alphabet+)) (subseq key 0 22))
+       ;; The 22nd character carries 2 bits and 4 of padding: those are 0.
+       (zerop (logand 15 (position (char key 21) +base64-alphabet+)))))
+
+;;; UTF-8, checked as it arrives (RFC 3629): a state is the octets still
+;;; needed by the character begun, and the range the next one must be in.
+
+(declaim (inline utf8-state))
+(defun utf8-state (need low high)
+  (logior (ash need 16) (ash low 8) high))
+
+(declaim (inline utf8-step))
+(defun utf8-step (state octet)
+  "The state after OCTET, from STATE (0: between characters); -1 when OCTET
+makes the text invalid (a stray or missing continuation, an overlong form,
+a surrogate, past U+10FFFF)."
+  (declare (type fixnum state) (type (unsigned-byte 8) octet))
+  (if (zerop state)
+      (cond ((< octet #x80) 0)
+            ((<= #xC2 octet #xDF) (utf8-state 1 #x80 #xBF))
+            ((= octet #xE0) (utf8-state 2 #xA0 #xBF))
+            ((or (<= #xE1 octet #xEC) (<= #xEE octet #xEF)) (utf8-state 2 #x80 #xBF))
+            ((= octet #xED) (utf8-state 2 #x80 #x9F))
+            ((= octet #xF0) (utf8-state 3 #x90 #xBF))
+            ((<= #xF1 octet #xF3) (utf8-state 3 #x80 #xBF))
+            ((= octet #xF4) (utf8-state 3 #x80 #x8F))
+            (t -1))
+      (let ((need (ldb (byte 2 16) state)) (low (ldb (byte 8 8) state)) (high (ldb (byte 8 0) state)))
+        (if (<= low octet high)
+            (if (= need 1) 0 (utf8-state (1- need) #x80 #xBF))
+            -1))))
+
+(defun utf8-valid-p (octets &optional (start 0) (end (length octets)))
+  "True when OCTETS[START,END) is whole, valid UTF-8."
+  (let ((state 0))
+    (loop for i from start below end
+          do (setf state (utf8-step state (aref octets i)))
+             (when (minusp state) (return-from utf8-valid-p nil)))
+    (zerop state)))
+
+;;; The WebSocket
+
+(defstruct (websocket (:constructor %make-websocket) (:conc-name ws-) (:copier nil)
+                      (:predicate websocket-p))
+  "A WebSocket a native app accepted (ACCEPT-WEBSOCKET)."
+  (socket nil)                          ; its exchange, taken as a socket
+  (env nil)
+  (protocol nil)                        ; the subprotocol chosen, or NIL
+  (user-data nil)
+  (on-open nil) (on-message nil) (on-close nil) (on-pong nil)
+  (max-message 0 :type fixnum)
+  ;; the reader (READ-FRAMES), touched by one worker at a time
+  (head (make-array 14 :element-type '(unsigned-byte 8)) :type octets)
+  (head-fill 0 :type fixnum)
+  (in-payload nil)
+  (fin nil) (opcode 0 :type fixnum)
+  (mask (make-array 4 :element-type '(unsigned-byte 8)) :type octets)
+  (mask-at 0 :type fixnum)
+  (left 0 :type integer)
+  (message (make-array 0 :element-type '(unsigned-byte 8)) :type octets)
+  (message-fill 0 :type fixnum)
+  (message-opcode nil)                  ; 1 or 2 while a message is in fragments
+  (utf8 0 :type fixnum)
+  (control (make-array 125 :element-type '(unsigned-byte 8)) :type octets)
+  (control-fill 0 :type fixnum)
+  (failed nil)                          ; nothing more is read
+  ;; closing
+  (close-sent nil)
+  (close-code 1006 :type fixnum)
+  (close-reason "" :type string)
+  (closed nil))
+
+(defmethod print-object ((ws websocket) stream)
+  (print-unreadable-object (ws stream :type t :identity t)))
+
+(defun env-header (env name)
+  (gethash name (getf env :headers)))
+
+(defun comma-list (value)
+  "The elements of the comma-separated header VALUE, trimmed."
+  (loop for start = 0 then (1+ comma)
+        for comma = (position #\, value :start start)
+        collect (string-trim '(#\Space #\Tab) (subseq value start comma))
+        while comma))
+
+(defun token-in-p (token value)
+  "True when the comma-separated VALUE lists TOKEN (any case)."
+  (and value (member token (comma-list value) :test #'string-equal) t))
+
+(defun websocket-request-env-p (env)
+  "True when ENV is a request for a WebSocket (Upgrade: websocket)."
+  (token-in-p "websocket" (env-header env "upgrade")))
+
+(defun websocket-refusal (env)
+  "NIL when ENV's request is a WebSocket handshake this server accepts (RFC
+6455, 4.2.1), else the HTTP response that refuses it."
+  (flet ((refuse (status text &rest headers)
+           (list status (list* :content-type "text/plain; charset=utf-8" headers)
+                 (list (format nil "~A~%" text)))))
+    (cond ((not (eq (getf env :request-method) :get))
+           (refuse 400 "A WebSocket handshake is a GET."))
+          ((eq (getf env :server-protocol) :http/1.0)
+           (refuse 400 "A WebSocket handshake needs HTTP/1.1."))
+          ((not (websocket-request-env-p env))
+           (refuse 400 "Upgrade: websocket is missing."))
+          ((not (token-in-p "upgrade" (env-header env "connection")))
+           (refuse 400 "Connection: Upgrade is missing."))
+          ((not (equal (env-header env "sec-websocket-version") "13"))
+           (refuse 426 "Only version 13 of the WebSocket protocol is served."
+                   :sec-websocket-version "13"))
+          ((not (websocket-key-p (env-header env "sec-websocket-key")))
+           (refuse 400 "Sec-WebSocket-Key is not 16 octets in base64.")))))
+
+(defun accept-websocket (env &key on-open on-message on-close on-pong protocols
+                                  (max-message-bytes (* 16 1024 1024)) idle-timeout)
+  "Answer the WebSocket handshake of ENV: what the app returns.  A handshake
+this server refuses gets 400 (426 for another version than 13); else 101,
+and from then on ON-OPEN (WS) once, ON-MESSAGE (WS MESSAGE) for each
+message (a string for text, octets for binary), ON-PONG (WS OCTETS), and
+ON-CLOSE (WS CODE REASON) once when it ends (CODE 1006 when no close frame
+came), each on a pool worker.  PROTOCOLS: the subprotocols served, the
+first the client lists among them is chosen (WS-PROTOCOL).  A message over
+MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed when the
+client sends nothing for that long (default: the server's
+UPGRADED-IDLE-TIMEOUT; send pings to keep it)."
+  (let ((refusal (websocket-refusal env)))
+    (when refusal
+      (return-from accept-websocket refusal)))
+  (let* ((socket (env-socket env))
+         (offered (let ((value (env-header env "sec-websocket-protocol")))
+                    (and value (comma-list value))))
+         (protocol (find-if (lambda (p) (member p protocols :test #'string=)) offered))
+         (ws (%make-websocket :socket socket :env env :protocol protocol
+                              :on-open on-open :on-message on-message :on-close on-close
+                              :on-pong on-pong :max-message max-message-bytes))
+         (c (take-socket socket)))
+    (when idle-timeout
+      (gallop.core:connection-set-upgraded-idle-timeout c idle-timeout))
+    (setf (exchange-read-callback socket)
+          (lambda (octets &key start end) (read-frames ws octets start end))
+          (exchange-close-callback socket)
+          (lambda () (websocket-ended ws)))
+    (socket-write socket (switching-protocols (websocket-accept (env-header env "sec-websocket-key"))
+                                              protocol))
+    (when on-open
+      (ws-call ws on-open ws))
+    (lambda (responder) (declare (ignore responder)))))
+
+(defun switching-protocols (accept protocol)
+  "The 101 answer to a WebSocket handshake."
+  (flet ((line (&rest parts) (format nil "~{~A~}~C~C" parts #\Return #\Newline)))
+    (concatenate 'string
+                 (line "HTTP/1.1 101 Switching Protocols")
+                 (line "Upgrade: websocket")
+                 (line "Connection: Upgrade")
+                 (line "Sec-WebSocket-Accept: " accept)
+                 (if protocol (line "Sec-WebSocket-Protocol: " protocol) "")
+                 (line))))
+
+(defun websocket-request-p (env)
+  "True when ENV asks for a WebSocket (its handshake may still be refused:
+ACCEPT-WEBSOCKET says)."
+  (websocket-request-env-p env))
+
+(defun ws-call (ws function &rest args)
+  "Call one of WS's callbacks; an error in it is logged and closes WS with 1011."
+  (handler-case (apply function args)
+    (serious-condition (e)
+      (let ((server (exchange-server (ws-socket ws))))
+        (log-error server "Error in a WebSocket callback: ~A" e))
+      (ws-fail ws 1011 "internal error"))))
+
+;;; Sending, from any thread
+
+(defun frame-octets (opcode payload &optional (start 0) (end (length payload)))
+  "A final, unmasked frame (as a server sends it) of OPCODE with PAYLOAD[START,END)."
+  (declare (type octets payload) (type fixnum start end))
+  (let* ((n (- end start))
+         (head (cond ((< n 126) 2) ((< n 65536) 4) (t 10)))
+         (frame (make-array (+ head n) :element-type '(unsigned-byte 8))))
+    (setf (aref frame 0) (logior #x80 opcode))
+    (case head
+      (2 (setf (aref frame 1) n))
+      (4 (setf (aref frame 1) 126 (aref frame 2) (ldb (byte 8 8) n) (aref frame 3) (ldb (byte 8 0) n)))
+      (t (setf (aref frame 1) 127)
+       (dotimes (i 8) (setf (aref frame (+ 2 i)) (ldb (byte 8 (- 56 (* 8 i))) n)))))
+    (replace frame payload :start1 head :start2 start :end2 end)
+    frame))
+
+(defun send-frame (ws opcode payload)
+  (let ((frame (frame-octets opcode payload)))
+    (gallop.core:connection-send-upgraded (exchange-connection (ws-socket ws)) frame
+                                          :copy nil)))
+
+(defun ws-send (ws data &key binary)
+  "Send DATA on WS, from any thread, without waiting for the client: a string
+as a text message (UTF-8; with BINARY, as a binary one), octets as a binary
+message.  Returns the octets waiting for the client to take them, or NIL
+when WS is closing or closed."
+  (unless (ws-close-sent ws)
+    (send-frame ws (if (and (stringp data) (not binary)) 1 2) (body-octets data))))
+
+(defun ws-ping (ws &optional (data #.(make-array 0 :element-type '(unsigned-byte 8))))
+  "Send a ping (at most 125 octets of DATA) on WS; the pong comes to ON-PONG."
+  (let ((octets (body-octets data)))
+    (assert (<= (length octets) 125) () "A ping carries at most 125 octets.")
+    (unless (ws-close-sent ws)
+      (send-frame ws 9 octets))))
+
+(defun ws-pending (ws)
+  "Octets sent on WS that the client has not taken yet."
+  (socket-pending (ws-socket ws)))
+
+(defconstant +close-wait-seconds+ 5
+  "How long a WebSocket whose server sent its close frame waits for the
+client's before the connection is closed anyway.")
+
+(defun close-payload (code reason)
+  (let ((reason (sb-ext:string-to-octets reason :external-format :utf-8)))
+    (concatenate 'octets (vector (ldb (byte 8 8) code) (ldb (byte 8 0) code))
+                 (subseq reason 0 (min (length reason) 123)))))
+
+(defun ws-close (ws &optional (code 1000) (reason ""))
+  "Begin the close handshake of WS, from any thread: send a close frame with
+CODE and REASON (cut to fit); the connection closes once the client answers
+\(or +CLOSE-WAIT-SECONDS+ later).  Nothing is sent after it."
+  (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+    (setf (ws-close-code ws) code (ws-close-reason ws) reason)
+    (send-frame ws 8 (close-payload code reason))
+    (let* ((c (exchange-connection (ws-socket ws)))
+           (pool (gallop.core:engine-pool (gallop.core:connection-engine c))))
+      (when pool
+        (gallop.core:schedule-timer pool +close-wait-seconds+
+                                    (lambda () (socket-close (ws-socket ws) :abort t))))))
+  nil)
+
+(defun ws-fail (ws code reason)
+  "The client broke the protocol (or a callback failed): close WS with CODE,
+read nothing more."
+  (setf (ws-failed ws) t)
+  (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+    (setf (ws-close-code ws) code (ws-close-reason ws) reason)
+    (send-frame ws 8 (close-payload code reason)))
+  (socket-close (ws-socket ws)))
+
+(defun websocket-ended (ws)
+  "The connection of WS ended (the socket's close callback): ON-CLOSE, once."
+  (unless (shiftf (ws-closed ws) t)
+    (when (ws-on-close ws)
+      (ws-call ws (ws-on-close ws) ws (ws-close-code ws) (ws-close-reason ws)))))
+
+;;; Reading
+
+(defun valid-close-code-p (code)
+  "A close code a peer may send (RFC 6455, 7.4; IANA's registry)."
+  (or (<= 1000 code 1003) (<= 1007 code 1014) (<= 3000 code 4999)))
+
+(defun read-frames (ws octets start end)
+  "Read OCTETS[START,END), what the client sent next, into WS's frames."
+  (declare (type octets octets) (type fixnum start end))
+  (loop while (and (< start end) (not (ws-failed ws)))
+        do (if (ws-in-payload ws)
+               (setf start (read-payload ws octets start end))
+               (setf start (read-head ws octets start end)))))
+
+(defun head-size (head)
+  "The octets of the frame head begun in HEAD, once its first two are in."
+  (+ 2 (case (logand (aref head 1) 127) (126 2) (127 8) (t 0))
+     (if (logbitp 7 (aref head 1)) 4 0)))
+
+(defun read-head (ws octets start end)
+  "Take the octets of a frame head from OCTETS[START,END); once it is whole,
+check it.  The index after what was taken."
+  (let ((head (ws-head ws)))
+    (loop while (and (< start end)
+                     (< (ws-head-fill ws) (if (< (ws-head-fill ws) 2) 2 (head-size head))))
+          do (setf (aref head (ws-head-fill ws)) (aref octets start))
+             (incf (ws-head-fill ws))
+             (incf start))
+    (when (and (>= (ws-head-fill ws) 2) (= (ws-head-fill ws) (head-size head)))
+      (setf (ws-head-fill ws) 0)
+      (begin-frame ws head))
+    start))
+
+(defun begin-frame (ws head)
+  "Check a whole frame head and get ready for its payload."
+  (let* ((first (aref head 0))
+         (second (aref head 1))
+         (fin (logbitp 7 first))
+         (opcode (logand first 15))
+         (control (>= opcode 8))
+         (short (logand second 127))
+         (length (case short
+                   (126 (logior (ash (aref head 2) 8) (aref head 3)))
+                   (127 (loop for i from 2 below 10
+                              for n = (aref head i) then (logior (ash n 8) (aref head i))
+                              finally (return n)))
+                   (t short)))
+         (mask-at (case short (126 4) (127 10) (t 2))))
+    (cond ((plusp (logand first #x70)) (ws-fail ws 1002 "reserved bits set"))
+          ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
+          ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
+          ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
+          ((and control (> length 125)) (ws-fail ws 1002 "a control frame over 125 octets"))
+          ((and (= short 127) (logbitp 63 length)) (ws-fail ws 1002 "a length over 2^63"))
+          ((and (= opcode 0) (null (ws-message-opcode ws)))
+           (ws-fail ws 1002 "a continuation with no message begun"))
+          ((and (member opcode '(1 2)) (ws-message-opcode ws))
+           (ws-fail ws 1002 "a new message before the last one ended"))
+          ((and (not control)
+                (> (+ (if (= opcode 0) (ws-message-fill ws) 0) length) (ws-max-message ws)))
+           (ws-fail ws 1009 "message too big"))
+          (t
+           (replace (ws-mask ws) head :start2 mask-at :end2 (+ mask-at 4))
+           (setf (ws-fin ws) fin
+                 (ws-opcode ws) opcode
+                 (ws-mask-at ws) 0
+                 (ws-left ws) length
+                 (ws-control-fill ws) 0)
+           (unless control
+             (when (member opcode '(1 2))
+               (setf (ws-message-opcode ws) opcode
+                     (ws-message-fill ws) 0
+                     (ws-utf8 ws) 0))
+             (reserve-message ws length))
+           (if (zerop length)
+               (end-frame ws)
+               (setf (ws-in-payload ws) t))))))
+
+(defun reserve-message (ws more)
+  "Room in WS's message buffer for MORE octets: what the frame head declared,
+which the size limit already bounded."
+  (let ((need (+ (ws-message-fill ws) more))
+        (buffer (ws-message ws)))
+    (when (> need (length buffer))
+      (let ((bigger (make-array (max need (min (* 2 (length buffer)) (ws-max-message ws)))
+                                :element-type '(unsigned-byte 8))))
+        (replace bigger buffer :end2 (ws-message-fill ws))
+        (setf (ws-message ws) bigger)))))
+
+(defun read-payload (ws octets start end)
+  "Unmask what OCTETS[START,END) holds of the current frame's payload into
+its message (or control) buffer.  The index after it."
+  (declare (type octets octets) (type fixnum start end))
+  (let* ((n (min (- end start) (ws-left ws)))
+         (control (>= (ws-opcode ws) 8))
+         (buffer (if control (ws-control ws) (ws-message ws)))
+         (at (if control (ws-control-fill ws) (ws-message-fill ws)))
+         (mask (ws-mask ws))
+         (k (ws-mask-at ws))
+         (text (and (not control) (eql (ws-message-opcode ws) 1)))
+         (state (ws-utf8 ws)))
+    (declare (type fixnum n at k state) (type octets buffer mask))
+    (dotimes (i n)
+      (let ((octet (logxor (aref octets (+ start i)) (aref mask (logand (+ k i) 3)))))
+        (setf (aref buffer (+ at i)) octet)
+        (when text
+          (setf state (utf8-step state octet))
+          (when (minusp state)
+            (ws-fail ws 1007 "invalid UTF-8 in a text message")
+            (return-from read-payload end)))))
+    (setf (ws-mask-at ws) (logand (+ k n) 3)
+          (ws-utf8 ws) state)
+    (if control (incf (ws-control-fill ws) n) (incf (ws-message-fill ws) n))
+    (decf (ws-left ws) n)
+    (when (zerop (ws-left ws))
+      (setf (ws-in-payload ws) nil)
+      (end-frame ws))
+    (+ start n)))
+
+(defun end-frame (ws)
+  "A frame's payload is all read: act on it."
+  (case (ws-opcode ws)
+    ((0 1 2)
+     (when (ws-fin ws)
+       (let ((opcode (shiftf (ws-message-opcode ws) nil))
+             (fill (shiftf (ws-message-fill ws) 0)))
+         (cond ((and (= opcode 1) (not (zerop (ws-utf8 ws))))
+                (ws-fail ws 1007 "a text message ends inside a character"))
+               ((ws-close-sent ws))     ; closing: data is not delivered
+               (t
+                (let ((message (if (= opcode 1)
+                                   (sb-ext:octets-to-string (ws-message ws) :external-format :utf-8
+                                                                            :end fill)
+                                   (subseq (ws-message ws) 0 fill))))
+                  (when (> (length (ws-message ws)) 65536)
+                    ;; No large buffer kept between messages.
+                    (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
+                  (when (ws-on-message ws)
+                    (ws-call ws (ws-on-message ws) ws message))))))))
+    (9 (unless (ws-close-sent ws)
+         (send-frame ws 10 (subseq (ws-control ws) 0 (ws-control-fill ws)))))
+    (10 (when (ws-on-pong ws)
+          (ws-call ws (ws-on-pong ws) ws (subseq (ws-control ws) 0 (ws-control-fill ws)))))
+    (8 (read-close ws (subseq (ws-control ws) 0 (ws-control-fill ws))))))
+
+(defun read-close (ws payload)
+  "The client's close frame: check it, answer it (unless the server began
+the close), then close the connection (the server closes TCP first, RFC
+6455, 7.1.1)."
+  (let* ((n (length payload))
+         (code (and (>= n 2) (logior (ash (aref payload 0) 8) (aref payload 1)))))
+    (cond ((= n 1) (ws-fail ws 1002 "a close frame of one octet"))
+          ((and code (not (valid-close-code-p code))) (ws-fail ws 1002 "an invalid close code"))
+          ((and code (not (utf8-valid-p payload 2))) (ws-fail ws 1007 "invalid UTF-8 in a close reason"))
+          (t
+           (setf (ws-failed ws) t)      ; nothing is read after a close frame
+           (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+             (setf (ws-close-code ws) (or code 1005)
+                   (ws-close-reason ws) (if code
+                                            (sb-ext:octets-to-string payload :external-format :utf-8
+                                                                             :start 2)
+                                            ""))
+             ;; The same code back (none when none came).
+             (send-frame ws 8 (if code (subseq payload 0 2) payload)))
+           (socket-close (ws-socket ws))))))

@@ -1,0 +1,213 @@
+;;;; websocket.lisp -- the native WebSocket API (src/native/websocket.lisp):
+;;;; SHA-1, base64 and UTF-8 on octet vectors; then a real server and socket,
+;;;; every answer checked byte by byte, each exchange sent whole and one
+;;;; octet at a time: handshakes and refusals, messages at each length
+;;;; form, fragments with control frames between them, the close handshake
+;;;; and every protocol error the server must close on, with its code.
+
+(in-package #:gallop-tests)
+
+(in-suite native)
+
+(deftype octets-vector () '(simple-array (unsigned-byte 8) (*)))
+
+(defun hex (octets) (format nil "~(~{~2,'0x~}~)" (coerce octets 'list)))
+
+(test sha1-and-base64
+  (is (string= "da39a3ee5e6b4b0d3255bfef95601890afd80709" (hex (gallop::sha1 (octets "")))))
+  (is (string= "a9993e364706816aba3e25717850c26c9cd0d89d" (hex (gallop::sha1 (octets "abc")))))
+  (is (string= "84983e441c3bd26ebaae4aa1f95129e5e54670f1"
+               (hex (gallop::sha1 (octets "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")))))
+  (is (string= "34aa973cd4c4daa4f61eeb2bdbad27316534016f"
+               (hex (gallop::sha1 (make-array 1000000 :element-type '(unsigned-byte 8)
+                                                       :initial-element 97)))))
+  (is (equal '("" "Zg==" "Zm8=" "Zm9v" "Zm9vYg==" "Zm9vYmE=" "Zm9vYmFy")
+             (mapcar (lambda (s) (gallop::base64-encode (octets s)))
+                     '("" "f" "fo" "foo" "foob" "fooba" "foobar"))))
+  (is (string= "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" (gallop::websocket-accept "dGhlIHNhbXBsZSBub25jZQ==")))
+  (is (gallop::websocket-key-p "dGhlIHNhbXBsZSBub25jZQ=="))
+  (dolist (bad '("dGhlIHNhbXBsZSBub25jZQ=" "dGhlIHNhbXBsZSBub25jZR==" "dGhlIHNhbXBsZSBub25j*Q=="
+                 "" nil "dGhlIHNhbXBsZSBub25jZQ==="))
+    (is (not (gallop::websocket-key-p bad)) "~S" bad)))
+
+(test utf8-checked-as-it-arrives
+  (dolist (good (list #() #(#x41) #(#xC2 #x80) #(#xDF #xBF) #(#xE0 #xA0 #x80) #(#xED #x9F #xBF)
+                      #(#xEE #x80 #x80) #(#xF0 #x90 #x80 #x80) #(#xF4 #x8F #xBF #xBF)
+                      (sb-ext:string-to-octets "κόσμε" :external-format :utf-8)))
+    (is (gallop::utf8-valid-p (coerce good 'octets-vector)) "~S" good))
+  (dolist (bad (list #(#x80) #(#xC0 #x80) #(#xC1 #xBF) #(#xE0 #x9F #xBF) #(#xED #xA0 #x80)
+                     #(#xF0 #x8F #xBF #xBF) #(#xF4 #x90 #x80 #x80) #(#xF5 #x80 #x80 #x80)
+                     #(#xFF) #(#xC2) #(#xE1 #x80) #(#x41 #xC2 #x41)))
+    (is (not (gallop::utf8-valid-p (coerce bad 'octets-vector))) "~S" bad)))
+
+;;; A live server
+
+(defvar *ws-closes* nil "(CODE REASON) of each ON-CLOSE, newest first.")
+(defvar *ws-last* nil "The WebSocket accepted last.")
+
+(defun native-ws-app (env)
+  "/echo echoes; \"close-me\" makes the server close (4001); \"pings\" sends a
+ping.  Messages over 1,000,000 octets close with 1009."
+  (cond ((gallop:websocket-request-p env)
+         (gallop:accept-websocket
+          env :protocols '("chat")
+              :max-message-bytes (* 17 1024 1024)
+              :on-open (lambda (ws) (setf *ws-last* ws))
+              :on-message (lambda (ws message)
+                            (cond ((equal message "close-me") (gallop:ws-close ws 4001 "asked"))
+                                  ((equal message "pings") (gallop:ws-ping ws "hey"))
+                                  (t (gallop:ws-send ws message))))
+              :on-close (lambda (ws code reason)
+                          (declare (ignore ws))
+                          (push (list code reason) *ws-closes*))))
+        (t '(200 (:content-type "text/plain") ("plain")))))
+
+(defmacro with-native-ws ((port) &body body)
+  `(progn (setf *ws-closes* nil *ws-last* nil)
+          (with-app (server #'native-ws-app)
+            (let ((,port (native-port server))) ,@body))))
+
+(defun expect-close-code (socket code)
+  "The next frame from SOCKET is a close frame with CODE; then end of file."
+  (let* ((head (read-octets socket 2))
+         (length (and (= 2 (length head)) (logand (aref head 1) 127)))
+         (payload (and length (read-octets socket length))))
+    (is (and length (= #x88 (aref head 0))) "not a close frame: ~S" head)
+    (is (and payload (>= (length payload) 2)
+             (= code (logior (ash (aref payload 0) 8) (aref payload 1))))
+        "close code ~S, not ~D" payload code)
+    (is (closed-by-peer-p socket))))
+
+(defun exact-101 (&optional protocol)
+  (octets (apply #'crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: websocket"
+                 "Connection: Upgrade" (format nil "Sec-WebSocket-Accept: ~A" +rfc-accept+)
+                 (and protocol (list (format nil "Sec-WebSocket-Protocol: ~A" protocol))))))
+
+(defun native-ws (port &key one-by-one (extra '()))
+  "A connection to PORT's /echo with the handshake answered exactly."
+  (let ((socket (connect port)))
+    (ws-send socket (octets (apply #'ws-handshake "/echo" extra)) :one-by-one one-by-one)
+    (expect-octets socket (exact-101 (and extra "chat")) "the 101")
+    socket))
+
+(defmacro with-native-socket ((socket port &rest options) &body body)
+  `(let ((,socket (native-ws ,port ,@options)))
+     (unwind-protect (progn ,@body) (usocket:socket-close ,socket))))
+
+(test native-websocket-handshakes
+  "The 101 exactly, with a subprotocol chosen from the client's list; refused
+handshakes get 400, or 426 with the version served."
+  (with-native-ws (port)
+    (with-native-socket (s port))
+    (with-native-socket (s port :extra '("Sec-WebSocket-Protocol: superchat, chat")))
+    (flet ((status (&rest lines)
+             (let ((response (request port (apply #'crlf lines))))
+               (values (response-status response) response))))
+      (multiple-value-bind (status response)
+          (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
+                  (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 8")
+        (is (= 426 status))
+        (is (equal "13" (header response "Sec-WebSocket-Version"))))
+      (is (= 400 (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
+                         "Sec-WebSocket-Key: short" "Sec-WebSocket-Version: 13")))
+      (is (= 400 (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: keep-alive"
+                         (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 13")))
+      (is (= 400 (status "POST /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
+                         (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 13"
+                         "Content-Length: 0"))))))
+
+(defun check-native-echo (port one-by-one)
+  (with-native-socket (s port :one-by-one one-by-one)
+    (dolist (n (if one-by-one '(0 5 125 126) '(0 1 125 126 65535 65536 200000)))
+      (let ((text (make-string n :initial-element #\é)))
+        (ws-send s (ws-frame 1 (sb-ext:string-to-octets text :external-format :utf-8))
+                 :one-by-one one-by-one)
+        (expect-octets s (server-frame 1 (sb-ext:string-to-octets text :external-format :utf-8))
+                       (format nil "text of ~D characters" n)))
+      (let ((binary (make-array n :element-type '(unsigned-byte 8))))
+        (dotimes (i n) (setf (aref binary i) (mod (* 31 i) 256)))
+        (ws-send s (ws-frame 2 binary) :one-by-one one-by-one)
+        (expect-octets s (server-frame 2 binary) (format nil "binary of ~D octets" n))))
+    ;; fragments, a ping and an unsolicited pong between them
+    (ws-send s (concat-octets (ws-frame 1 (octets "frag") :fin nil) (ws-frame 9 (octets "p1"))
+                              (ws-frame 0 (octets "men") :fin nil) (ws-frame 10 (octets "x"))
+                              (ws-frame 0 #() :fin nil))
+             :one-by-one one-by-one)
+    (ws-send s (ws-frame 0 (octets "t")) :one-by-one one-by-one)
+    (expect-octets s (concat-octets (server-frame 10 (octets "p1")) (server-frame 1 (octets "fragment")))
+                   "pong, then the whole message")
+    ;; the server's own ping
+    (ws-send s (ws-frame 1 (octets "pings")) :one-by-one one-by-one)
+    (expect-octets s (server-frame 9 (octets "hey")) "the server's ping")
+    ;; the close handshake
+    (ws-send s (ws-frame 8 (ws-close-payload 1000 "bye")) :one-by-one one-by-one)
+    (expect-octets s (server-frame 8 (ws-close-payload 1000)) "close")
+    (is (closed-by-peer-p s))))
+
+(test native-websocket-messages
+  "Messages at each length form, fragments with control frames between them,
+pings both ways and the close handshake, whole and one octet at a time;
+ON-CLOSE gets the client's code and reason."
+  (with-native-ws (port)
+    (check-native-echo port nil)
+    (check-native-echo port t)
+    (is (wait-until (lambda () (= 2 (length *ws-closes*)))))
+    (is (equal '((1000 "bye") (1000 "bye")) *ws-closes*))
+    (with-native-socket (s port)
+      (let ((big (make-array (* 16 1024 1024) :element-type '(unsigned-byte 8))))
+        (dotimes (i (length big)) (setf (aref big i) (mod i 251)))
+        (ws-send s (ws-frame 2 big))
+        (expect-octets s (server-frame 2 big) "16 MiB")))))
+
+(test native-websocket-closes-from-the-server
+  "WS-CLOSE from the app: its close frame, the client's answer, then the end
+of the connection; ON-CLOSE gets the server's code.  A send from another
+thread arrives; none after the close."
+  (with-native-ws (port)
+    (with-native-socket (s port)
+      (is (wait-until (lambda () *ws-last*)))
+      (sb-thread:join-thread (sb-thread:make-thread (lambda () (gallop:ws-send *ws-last* "hi"))))
+      (expect-octets s (server-frame 1 (octets "hi")) "from another thread")
+      (ws-send s (ws-frame 1 (octets "close-me")))
+      (expect-octets s (server-frame 8 (ws-close-payload 4001 "asked")) "the server's close")
+      (is (null (gallop:ws-send *ws-last* "late")))
+      (ws-send s (ws-frame 8 (ws-close-payload 4001)))
+      (is (closed-by-peer-p s))
+      (is (wait-until (lambda () (equal '((4001 "asked")) *ws-closes*)))))))
+
+(defparameter +protocol-errors+
+  `(("an unmasked frame" 1002 ,(ws-frame 1 (octets "a") :mask nil))
+    ("RSV1 set" 1002 ,(let ((f (ws-frame 1 (octets "a")))) (setf (aref f 0) #xC1) f))
+    ("opcode 3" 1002 ,(ws-frame 3 (octets "a")))
+    ("opcode 11" 1002 ,(ws-frame 11 (octets "a")))
+    ("a fragmented ping" 1002 ,(ws-frame 9 (octets "a") :fin nil))
+    ("a ping of 126 octets" 1002 ,(ws-frame 9 (make-array 126 :initial-element 1)))
+    ("a continuation first" 1002 ,(ws-frame 0 (octets "a")))
+    ("a new message in fragments" 1002 ,(concat-octets (ws-frame 1 (octets "a") :fin nil)
+                                                       (ws-frame 1 (octets "b"))))
+    ("invalid UTF-8" 1007 ,(ws-frame 1 #(#xCE #xBA #xE1 #xBD #xB9 #xED #xA0 #x80)))
+    ("UTF-8 cut at the end" 1007 ,(ws-frame 1 #(#x41 #xE1 #xBD)))
+    ("UTF-8 cut across fragments, then bad" 1007
+     ,(concat-octets (ws-frame 1 #(#xE1) :fin nil) (ws-frame 0 #(#x41))))
+    ("close code 999" 1002 ,(ws-frame 8 (ws-close-payload 999)))
+    ("close code 1005" 1002 ,(ws-frame 8 (ws-close-payload 1005)))
+    ("close code 2000" 1002 ,(ws-frame 8 (ws-close-payload 2000)))
+    ("a close of one octet" 1002 ,(ws-frame 8 #(3)))
+    ("a close reason in bad UTF-8" 1007 ,(ws-frame 8 (concat-octets (ws-close-payload 1000) #(#xFF))))
+    ("a message over the limit" 1009 ,(concatenate '(vector (unsigned-byte 8))
+                                                   #(#x82 #xFF 0 0 0 0 1 16 0 1 1 2 3 4))))
+  "Frames the server must close on, with the code it must close with.")
+
+(test native-websocket-protocol-errors
+  "Each protocol error closes with its code (then the connection), whole and
+one octet at a time; the server keeps serving."
+  (with-native-ws (port)
+    (loop for (what code frame) in +protocol-errors+
+          do (dolist (one-by-one '(nil t))
+               (with-native-socket (s port)
+                 (ws-send s (coerce frame 'octets-vector) :one-by-one one-by-one)
+                 (expect-close-code s code)))
+             (is (wait-until (lambda () (= 2 (count code *ws-closes* :key #'first))))
+                 "~A: ON-CLOSE saw ~S" what *ws-closes*)
+             (setf *ws-closes* nil))
+    (is (string= "plain" (body-string (get-request port "/plain"))))))
