@@ -37,10 +37,11 @@ serve: deps
 # Compiler chatter (lines starting with ';') is dropped; the report is kept.
 # The WebSocket libraries' tests (tests/clack/websockets.lisp) load
 # ../shared/vendor/clack-ws in a child process: these are what it needs from
-# Debian, and the client they are checked with.
+# Debian, and the clients they are checked with (python3-websockets, and
+# Chromium for examples/chat.lisp's page).
 WS_DEPS = cl-ironclad cl-babel cl-swank cl-trivial-utf-8 cl-global-vars cl-trivial-features \
           cl-trivial-garbage cl-utilities cl-base64 cl-fad cl-ppcre cl-split-sequence \
-          cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets
+          cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets chromium
 
 test: deps
 	@scripts/deps.sh $(WS_DEPS)

@@ -138,6 +138,7 @@
                (:file "clack/handler")
                (:file "clack/websockets")
                (:file "native/websocket")
+               (:file "native/chat")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")
@@ -145,7 +146,8 @@
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")
                (:static-file "child/ws-server.lisp")
-               (:static-file "clients/ws-client.py"))
+               (:static-file "clients/ws-client.py")
+               (:static-file "clients/chromium-chat.py"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
 
 (defsystem "gallop/stress"

@@ -1,8 +1,11 @@
 ;;;; serve.lisp -- the example server of `make serve`: Gallop's drop-in
 ;;;; easy-acceptor on http://127.0.0.1:4242/ with /yo, a demo page and
-;;;; /gallop/status.  Logs to standard output; Ctrl-C stops it.
+;;;; /gallop/status; beside it, on http://127.0.0.1:4243/, the native API's
+;;;; WebSockets (examples/chat.lisp): an echo at /ws/echo and a chat page at
+;;;; /chat.  Logs to standard output; Ctrl-C stops both.
 
 (asdf:load-system "gallop")
+(load (merge-pathnames "chat.lisp" (or *load-truename* *default-pathname-defaults*)))
 
 (defpackage #:gallop-example
   (:use #:common-lisp))
@@ -39,6 +42,8 @@ idle connections wait in epoll, requests run on an elastic pool of threads.</p>
 <li><a href='/yo?name=you'>/yo?name=you</a> - the benchmark handler</li>
 <li><a href='/sleep?ms=250'>/sleep?ms=250</a> - a handler that blocks for 250 ms</li>
 <li><a href='/gallop/status'>/gallop/status</a> - connection and pool statistics</li>
+<li><a href='http://127.0.0.1:4243/chat'>http://127.0.0.1:4243/chat</a> - a WebSocket chat
+on the native API (echo: ws://127.0.0.1:4243/ws/echo)</li>
 </ul>
 <form method='post' action='/yo'><input name='name' placeholder='your name'>
 <button>POST to /yo</button></form>
@@ -53,7 +58,9 @@ idle connections wait in epoll, requests run on an elastic pool of threads.</p>
                                 :access-log-destination *standard-output*
                                 :message-log-destination *standard-output*))
 (hunchentoot:start *acceptor*)
-(format t "~&Gallop is serving on http://127.0.0.1:4242/ (Ctrl-C stops it)~%")
+(defvar *chat* (gallop-example-chat:main :port 4243))
+(format t "~&Gallop is serving on http://127.0.0.1:4242/, and a WebSocket chat on ~
+           http://127.0.0.1:4243/chat (Ctrl-C stops it)~%")
 (finish-output)
 
 (handler-case
@@ -61,5 +68,6 @@ idle connections wait in epoll, requests run on an elastic pool of threads.</p>
   (sb-sys:interactive-interrupt ()
     (format t "~&Stopping...~%")
     (hunchentoot:stop *acceptor* :soft t)
+    (gallop:stop *chat* :soft t)
     (format t "Stopped.~%")
     (uiop:quit 0)))
