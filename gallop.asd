@@ -142,6 +142,8 @@
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
                (:file "conformance/runner")
+               (:file "conformance/websocket-corpus")
+               (:file "conformance/websocket-runner")
                ;; run in child processes by stress/shutdown and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")

@@ -9,7 +9,8 @@
 ;;;;   clack       websocket-driver's README echo app at /echo and a broadcast
 ;;;;               chat at /chat, under (clack:clackup ... :server :gallop);
 ;;;;               anything else: 200 "plain";
-;;;;   easy        hunchensocket's README chat (rooms /bongo and /fury) on an
+;;;;   easy        hunchensocket's README chat (rooms /bongo and /fury), and an
+;;;;               echo at /echo for the WebSocket corpus, on an
 ;;;;               acceptor of hunchensocket's and GALLOP:EASY-ACCEPTOR's
 ;;;;               classes; /plain: 200 "plain" (an easy handler);
 ;;;;   taskmaster  the same chat on a stock HUNCHENSOCKET:WEBSOCKET-ACCEPTOR
@@ -98,6 +99,18 @@
 
 (defmethod hunchensocket:text-message-received ((room chat-room) user message)
   (broadcast room "~a says ~a" (name user) message))
+
+;;; An echo on hunchensocket, for the WebSocket corpus (its default limits:
+;;; binary messages refused, 64 KiB fragments, 1 MiB messages).
+
+(defclass echo-resource (hunchensocket:websocket-resource) ())
+(defvar *echo* (make-instance 'echo-resource))
+(pushnew (lambda (request) (and (string= (hunchentoot:script-name request) "/echo") *echo*))
+         hunchensocket:*websocket-dispatch-table*)
+(defmethod hunchensocket:text-message-received ((resource echo-resource) client message)
+  (hunchensocket:send-text-message client message))
+(defmethod hunchensocket:binary-message-received ((resource echo-resource) client message)
+  (hunchensocket:send-binary-message client message))
 
 ;;; The one line a user changes: the acceptor's class, or its taskmaster.
 
