@@ -128,9 +128,10 @@ bufferless SB-SYS:FD-STREAM that the layer above lets the handler set a
 timeout on (Hunchentoot's SET-TIMEOUTS), gives C's reads their timeout
 once set (else the engine's READ-TIMEOUT)."
   (connection-detach c)
+  (unless (conn-slot c switched)        ; counted by CONNECTION-MAY-SWITCH-P
+    (sb-ext:atomic-incf (engine-switched (connection-engine c))))
   (setf (conn-slot c switched) t
         (conn-slot c timeout-stream) timeout-stream)
-  (sb-ext:atomic-incf (engine-switched (connection-engine c)))
   ;; Its handler's reads wait in poll(2): an event would only wake a worker
   ;; to mark C :DIRTY.
   (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
@@ -146,13 +147,19 @@ once set (else the engine's READ-TIMEOUT)."
 
 (defun connection-switched-p (c)
   "True once C switched protocols under its handler (CONNECTION-SWITCH)."
-  (conn-slot c switched))
+  (eq (conn-slot c switched) t))
 
 (defun connection-may-switch-p (c)
-  "True when C may switch protocols under its handler: the engine's switched
-connections, each holding a thread, are fewer than MAX-SWITCHED-THREADS."
+  "True when C may switch protocols under its handler, and then counted among
+the engine's switched connections (each holding a thread) at once, so that
+handshakes at the same moment cannot pass MAX-SWITCHED-THREADS together."
   (let ((engine (connection-engine c)))
-    (< (engine-switched engine) (engine-max-switched engine))))
+    (cond ((conn-slot c switched) t)
+          ((< (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
+           (setf (conn-slot c switched) :counted)
+           t)
+          (t (sb-ext:atomic-decf (engine-switched engine))
+             nil))))
 
 (defun connection-detached-p (c)
   "True once the layer above kept C's stream (CONNECTION-DETACH)."

@@ -207,8 +207,9 @@ last looked at, for CLIENT-READ-A-PERIOD-P.")
               :documentation "True once the client of a SUSPENDED request went away
 before the answer, and C was closed (ABANDON).")
    (switched :initform nil
-             :documentation "True once C switched protocols under a handler that keeps
-its thread (CONNECTION-SWITCH).")
+             :documentation "T once C switched protocols under a handler that keeps
+its thread (CONNECTION-SWITCH); :COUNTED once counted for it before
+\(CONNECTION-MAY-SWITCH-P).")
    (timeout-stream :initform nil
                    :documentation "For a switched C: an fd-stream whose timeout, once set,
 is its reads' (see CONNECTION-SWITCH).")

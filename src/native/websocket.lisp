@@ -420,15 +420,15 @@ check it.  The index after what was taken."
              (when (member opcode '(1 2))
                (setf (ws-message-opcode ws) opcode
                      (ws-message-fill ws) 0
-                     (ws-utf8 ws) 0))
-             (reserve-message ws length))
+                     (ws-utf8 ws) 0)))
            (if (zerop length)
                (end-frame ws)
                (setf (ws-in-payload ws) t))))))
 
 (defun reserve-message (ws more)
-  "Room in WS's message buffer for MORE octets: what the frame head declared,
-which the size limit already bounded."
+  "Room in WS's message buffer for MORE octets, come: it grows with what
+arrives (doubling, up to the size limit), never to what a frame head
+declares, so that a client holds only the memory it sent."
   (let ((need (+ (ws-message-fill ws) more))
         (buffer (ws-message ws)))
     (when (> need (length buffer))
@@ -443,7 +443,9 @@ its message (or control) buffer.  The index after it."
   (declare (type octets octets) (type fixnum start end))
   (let* ((n (min (- end start) (ws-left ws)))
          (control (>= (ws-opcode ws) 8))
-         (buffer (if control (ws-control ws) (ws-message ws)))
+         (buffer (if control
+                     (ws-control ws)
+                     (progn (reserve-message ws n) (ws-message ws))))
          (at (if control (ws-control-fill ws) (ws-message-fill ws)))
          (mask (ws-mask ws))
          (k (ws-mask-at ws))

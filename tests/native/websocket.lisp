@@ -211,3 +211,17 @@ one octet at a time; the server keeps serving."
                  "~A: ON-CLOSE saw ~S" what *ws-closes*)
              (setf *ws-closes* nil))
     (is (string= "plain" (body-string (get-request port "/plain"))))))
+
+(test websocket-memory-follows-what-came
+  "A frame head declaring 16 MiB, then 100 octets of it: the reader holds
+about what came, not what was declared."
+  (let* ((got nil)
+         (ws (gallop::%make-websocket :max-message (* 17 1024 1024)
+                                      :on-message (lambda (ws message) (declare (ignore ws))
+                                                    (setf got (length message)))))
+         (frame (ws-frame 2 (make-array (* 16 1024 1024) :element-type '(unsigned-byte 8))))
+         (head (+ 2 8 4)))
+    (gallop::read-frames ws frame 0 (+ head 100))
+    (is (< (length (gallop::ws-message ws)) 4096) "~D octets held" (length (gallop::ws-message ws)))
+    (gallop::read-frames ws frame (+ head 100) (length frame))
+    (is (eql (* 16 1024 1024) got) "the message came as ~S octets" got)))
