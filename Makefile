@@ -133,6 +133,16 @@ bench-pending:
 	 $(LISP) --load bench/pending.lisp --eval '(gallop-bench-pending:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
 
+# WebSockets (bench/websockets.lisp): 10,000 idle, echo rates, a broadcast,
+# Gallop's native API, websocket-driver on Clack :gallop and hunchensocket
+# on Gallop, beside stock Hunchentoot + hunchensocket, about 10 min.
+.PHONY: bench-websockets
+bench-websockets: deps
+	@scripts/deps.sh gcc $(WS_DEPS)
+	@set -o pipefail; \
+	 $(LISP) --load bench/websockets.lisp --eval '(gallop-bench-websockets:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
+
 .PHONY: bench-tls-hold
 bench-tls-hold:
 	@set -o pipefail; \

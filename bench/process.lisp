@@ -9,7 +9,7 @@
   (:use #:common-lisp)
   (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
            #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit
-           #:proc-status #:proc-field #:make-tls-certificate #:fetch #:probe-yo))
+           #:proc-status #:proc-field #:make-tls-certificate #:fetch #:probe-yo #:clock-ms))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
