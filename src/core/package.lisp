@@ -45,7 +45,7 @@
    ;; connections that switched protocols (upgrade.lisp)
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
-   #:connection-set-upgraded-idle-timeout
+   #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop

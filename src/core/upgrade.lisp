@@ -30,6 +30,7 @@
   (reader nil)                            ; the thread running ON-READ
   (closing nil :type (member nil :close :abort))
   (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
+  (charged 0 :type sb-ext:word)           ; octets counted in the body budget
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -74,6 +75,23 @@ thread; both work already while the handler runs."
 \(NIL: never)."
   (setf (upgrade-idle-ms (conn-slot c upgrade))
         (if seconds (max 1 (round (* 1000 seconds))) 0)))
+
+(defun connection-charge-upgraded (c delta)
+  "Count DELTA octets (negative: fewer) that the layer above holds for the
+upgraded connection C, a message it assembles, against the engine's body
+budget, the one request bodies share: all the clients together can hold
+no more than it, whatever they send.  NIL when that would exceed the
+budget (nothing is counted).  What is counted when C ends is given back."
+  (let ((u (conn-slot c upgrade))
+        (engine (connection-engine c)))
+    (cond ((upgrade-ended u) (minusp delta)) ; given back already
+          ((minusp delta)
+           (body-bytes-incf engine delta)
+           (sb-ext:atomic-decf (upgrade-charged u) (- delta))
+           t)
+          ((charge-budget engine #'body-bytes-incf (engine-body-budget engine) delta)
+           (sb-ext:atomic-incf (upgrade-charged u) delta)
+           t))))
 
 (declaim (inline connection-upgraded-p))
 (defun connection-upgraded-p (c)
@@ -209,6 +227,7 @@ worker (a timer due now), or in this thread when the engine is stopping."
             (on-close (upgrade-on-close u)))
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
+        (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
         (when on-close
           (flet ((call ()
                    (handler-case (funcall on-close)

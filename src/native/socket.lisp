@@ -69,59 +69,75 @@ all there), and whether a close frame is among the whole ones.  A frame over
   (octets (make-array 0 :element-type '(unsigned-byte 8)) :type octets)
   (fill 0 :type fixnum))
 
-(defun frame-reader (callback on-close-frame)
+(defun frame-reader (callback on-close-frame &key (charge (constantly t)) (refused (constantly nil)))
   "A read callback that gives CALLBACK (called as the socket's read callback
 is) only whole WebSocket frames, keeping a partial one until it is whole;
-ON-CLOSE-FRAME is called (no argument) before it is given a close frame."
-  (let ((buffer (make-frame-buffer)))
-    (flet ((keep (octets start end)
-             ;; The start of a frame: copied, the octets are not ours after
-             ;; the call; grown as octets come, never to the size a head declares.
-             (let ((kept (frame-buffer-octets buffer))
-                   (n (- end start)))
-               (when (< (length kept) n)
-                 (setf kept (make-array (max n 256) :element-type '(unsigned-byte 8))
-                       (frame-buffer-octets buffer) kept))
-               (replace kept octets :start2 start :end2 end)
-               (setf (frame-buffer-fill buffer) n))))
+ON-CLOSE-FRAME is called (no argument) before it is given a close frame.
+The buffer a partial frame waits in is counted with CHARGE (a function of
+the octets it grows by, negative when it shrinks; NIL refuses): refused, it
+drops what came and calls REFUSED."
+  (let ((buffer (make-frame-buffer))
+        (dead nil))                     ; refused once: nothing more is read
+    (labels ((resize (size keep)
+               ;; A buffer of SIZE octets for the partial frame, its first
+               ;; KEEP octets kept; NIL when CHARGE refuses it.
+               (let ((old (frame-buffer-octets buffer)))
+                 (when (funcall charge (- size (length old)))
+                   (let ((new (make-array size :element-type '(unsigned-byte 8))))
+                     (replace new old :end2 keep)
+                     (setf (frame-buffer-octets buffer) new)))))
+             (keep (octets start end)
+               ;; The start of a frame: copied, the octets are not ours after
+               ;; the call; grown as octets come, never to the size a head declares.
+               (let ((n (- end start)))
+                 (when (or (>= (length (frame-buffer-octets buffer)) n)
+                           (resize (max n 256) 0))
+                   (replace (frame-buffer-octets buffer) octets :start2 start :end2 end)
+                   (setf (frame-buffer-fill buffer) n)
+                   t))))
       (lambda (octets &key (start 0) (end (length octets)))
         (declare (type octets octets) (type fixnum start end))
-        (let ((fill (frame-buffer-fill buffer)))
-          (if (zerop fill)
-              (multiple-value-bind (whole size close) (whole-frames-end octets start end)
-                (declare (ignore size))
-                (when close (funcall on-close-frame))
-                (when (< start whole)
-                  (funcall callback octets :start start :end whole))
-                (when (< whole end)
-                  (keep octets whole end)))
-              ;; A frame in parts: add to it, and go on once it is whole.
-              (let ((kept (frame-buffer-octets buffer))
-                    (total (+ fill (- end start))))
-                (declare (type octets kept))
-                (when (> total (length kept))
-                  ;; Doubled as octets come, but never past the frame being
-                  ;; assembled (KEPT holds the start of one) or what came.
-                  (let ((bigger (make-array (max total
-                                                 (min (* 2 (length kept))
-                                                      (or (frame-size kept 0 fill) total)))
-                                            :element-type '(unsigned-byte 8))))
-                    (replace bigger kept :end2 fill)
-                    (setf kept bigger (frame-buffer-octets buffer) bigger)))
-                (replace kept octets :start1 fill :start2 start :end2 end)
-                (setf (frame-buffer-fill buffer) total)
-                (multiple-value-bind (whole size close) (whole-frames-end kept 0 total)
+        (block read
+          (when dead (return-from read))
+          (let ((fill (frame-buffer-fill buffer)))
+            (if (zerop fill)
+                (multiple-value-bind (whole size close) (whole-frames-end octets start end)
                   (declare (ignore size))
                   (when close (funcall on-close-frame))
-                  (when (plusp whole)
-                    (funcall callback kept :start 0 :end whole)
-                    (replace kept kept :start2 whole :end2 total)
-                    (setf (frame-buffer-fill buffer) (- total whole)))))))
-        (when (and (zerop (frame-buffer-fill buffer))
-                   (> (length (frame-buffer-octets buffer)) 4096))
-          ;; Nothing kept: no large buffer held by an idle socket.
-          (setf (frame-buffer-octets buffer)
-                (make-array 0 :element-type '(unsigned-byte 8))))))))
+                  (when (< start whole)
+                    (funcall callback octets :start start :end whole))
+                  (when (and (< whole end) (not (keep octets whole end)))
+                    (setf dead t)
+                    (return-from read (funcall refused))))
+                ;; A frame in parts: add to it, and go on once it is whole.
+                (let ((total (+ fill (- end start))))
+                  (when (and (> total (length (frame-buffer-octets buffer)))
+                             ;; Doubled as octets come, but never past the
+                             ;; frame being assembled (the buffer holds the
+                             ;; start of one) or what came.
+                             (not (resize (max total
+                                               (min (* 2 (length (frame-buffer-octets buffer)))
+                                                    (or (frame-size (frame-buffer-octets buffer) 0 fill)
+                                                        total)))
+                                          fill)))
+                    (setf (frame-buffer-fill buffer) 0
+                          dead t)
+                    (return-from read (funcall refused)))
+                  (let ((kept (frame-buffer-octets buffer)))
+                    (declare (type octets kept))
+                    (replace kept octets :start1 fill :start2 start :end2 end)
+                    (setf (frame-buffer-fill buffer) total)
+                    (multiple-value-bind (whole size close) (whole-frames-end kept 0 total)
+                      (declare (ignore size))
+                      (when close (funcall on-close-frame))
+                      (when (plusp whole)
+                        (funcall callback kept :start 0 :end whole)
+                        (replace kept kept :start2 whole :end2 total)
+                        (setf (frame-buffer-fill buffer) (- total whole))))))))
+          (when (and (zerop (frame-buffer-fill buffer))
+                     (> (length (frame-buffer-octets buffer)) 4096))
+            ;; Nothing kept: no large buffer held by an idle socket.
+            (resize 0 0)))))))
 
 (defun asks-for-websocket-p (c)
   "True when the request on C asks for a WebSocket (Upgrade: websocket)."
@@ -174,7 +190,13 @@ octets are the server's once it returns."
   (progn
     (setf (exchange-read-callback socket)
           (if (and callback (exchange-websocket socket))
-              (frame-reader callback (lambda () (setf (exchange-websocket socket) :closing)))
+              (frame-reader callback (lambda () (setf (exchange-websocket socket) :closing))
+                            :charge (lambda (delta)
+                                      (gallop.core:connection-charge-upgraded
+                                       (exchange-connection socket) delta))
+                            ;; The server's body budget is spent: it cannot
+                            ;; hold this client's frame.
+                            :refused (lambda () (socket-close socket :abort t)))
               callback))
     callback))
 

@@ -334,8 +334,8 @@ CODE and REASON (cut to fit); the connection closes once the client answers
   nil)
 
 (defun ws-fail (ws code reason)
-  "The client broke the protocol (or a callback failed): close WS with CODE,
-read nothing more."
+  "The client broke the protocol (or a callback failed, or no memory is left
+for its message): close WS with CODE, read nothing more."
   (setf (ws-failed ws) t)
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
@@ -425,17 +425,27 @@ check it.  The index after what was taken."
                (end-frame ws)
                (setf (ws-in-payload ws) t))))))
 
+(defun ws-connection (ws) (exchange-connection (ws-socket ws)))
+
 (defun reserve-message (ws more)
   "Room in WS's message buffer for MORE octets, come: it grows with what
 arrives (doubling, up to the size limit), never to what a frame head
-declares, so that a client holds only the memory it sent."
+declares, so that a client holds only the memory it sent; and it counts in
+the server's body budget.  NIL, WS closed with 1013 (try again later), when
+the budget is spent."
   (let ((need (+ (ws-message-fill ws) more))
         (buffer (ws-message ws)))
-    (when (> need (length buffer))
-      (let ((bigger (make-array (max need (min (* 2 (length buffer)) (ws-max-message ws)))
-                                :element-type '(unsigned-byte 8))))
-        (replace bigger buffer :end2 (ws-message-fill ws))
-        (setf (ws-message ws) bigger)))))
+    (if (<= need (length buffer))
+        t
+        (let ((size (max need (min (* 2 (length buffer)) (ws-max-message ws)))))
+          (if (and (ws-socket ws)
+                   (not (gallop.core:connection-charge-upgraded (ws-connection ws)
+                                                                (- size (length buffer)))))
+              (progn (ws-fail ws 1013 "no memory for more messages now") nil)
+              (let ((bigger (make-array size :element-type '(unsigned-byte 8))))
+                (replace bigger buffer :end2 (ws-message-fill ws))
+                (setf (ws-message ws) bigger)
+                t))))))
 
 (defun read-payload (ws octets start end)
   "Unmask what OCTETS[START,END) holds of the current frame's payload into
@@ -443,9 +453,9 @@ its message (or control) buffer.  The index after it."
   (declare (type octets octets) (type fixnum start end))
   (let* ((n (min (- end start) (ws-left ws)))
          (control (>= (ws-opcode ws) 8))
-         (buffer (if control
-                     (ws-control ws)
-                     (progn (reserve-message ws n) (ws-message ws))))
+         (buffer (cond (control (ws-control ws))
+                       ((reserve-message ws n) (ws-message ws))
+                       (t (return-from read-payload end))))
          (at (if control (ws-control-fill ws) (ws-message-fill ws)))
          (mask (ws-mask ws))
          (k (ws-mask-at ws))
@@ -486,6 +496,9 @@ its message (or control) buffer.  The index after it."
                                    (subseq (ws-message ws) 0 fill))))
                   (when (> (length (ws-message ws)) 65536)
                     ;; No large buffer kept between messages.
+                    (when (ws-socket ws)
+                      (gallop.core:connection-charge-upgraded (ws-connection ws)
+                                                              (- (length (ws-message ws)))))
                     (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
                   (when (ws-on-message ws)
                     (ws-call ws (ws-on-message ws) ws message))))))))

@@ -243,3 +243,28 @@ each exactly once; a close frame is seen before it is given."
           (is (subsetp ends boundaries) "a call ended inside a frame: ~A" cuts))
         (is (and close-seen (<= close-seen (- (length stream) (length (car (last frames))))))
             "close frame not seen before it was given: ~A" cuts)))))
+
+(test frame-reader-counts-what-it-keeps
+  "The buffer a partial frame waits in is counted as it grows and given back
+when emptied; refused, the frame is dropped and REFUSED is called."
+  (let* ((held 0) (refused 0) (given 0)
+         (reader (gallop::frame-reader (lambda (octets &key start end)
+                                         (declare (ignore octets))
+                                         (incf given (- end start)))
+                                       (lambda ())
+                                       :charge (lambda (delta)
+                                                 (when (<= (+ held delta) 100000)
+                                                   (incf held delta)
+                                                   t))
+                                       :refused (lambda () (incf refused))))
+         (small (ws-frame 2 (make-array 50000 :initial-element 1)))
+         (big (ws-frame 2 (make-array 300000 :initial-element 2))))
+    (funcall reader small :start 0 :end 20000)
+    (is (plusp held))
+    (funcall reader small :start 20000 :end (length small))
+    (is (= (length small) given))
+    (is (zerop held) "~D octets still counted after the frame went" held)
+    (loop for start from 0 below (length big) by 40000
+          do (funcall reader big :start start :end (min (length big) (+ start 40000))))
+    (is (plusp refused))
+    (is (= (length small) given) "part of a refused frame was given")))

@@ -62,10 +62,17 @@ ping.  Messages over 1,000,000 octets close with 1009."
                           (push (list code reason) *ws-closes*))))
         (t '(200 (:content-type "text/plain") ("plain")))))
 
-(defmacro with-native-ws ((port) &body body)
+(defvar *ws-server* nil "The server WITH-NATIVE-WS-OPTIONS runs.")
+
+(defmacro with-native-ws-options ((port &rest options) &body body)
   `(progn (setf *ws-closes* nil *ws-last* nil)
-          (with-app (server #'native-ws-app)
-            (let ((,port (native-port server))) ,@body))))
+          (with-app (server #'native-ws-app ,@options)
+            (let ((*ws-server* server)
+                  (,port (native-port server)))
+              ,@body))))
+
+(defmacro with-native-ws ((port) &body body)
+  `(with-native-ws-options (,port) ,@body))
 
 (defun expect-close-code (socket code)
   "The next frame from SOCKET is a close frame with CODE; then end of file."
@@ -225,3 +232,15 @@ about what came, not what was declared."
     (is (< (length (gallop::ws-message ws)) 4096) "~D octets held" (length (gallop::ws-message ws)))
     (gallop::read-frames ws frame (+ head 100) (length frame))
     (is (eql (* 16 1024 1024) got) "the message came as ~S octets" got)))
+
+(test websocket-messages-within-the-body-budget
+  "Messages being assembled count in the server's body budget: past it the
+WebSocket closes with 1013 and the budget is given back; others go on."
+  (with-native-ws-options (port :body-budget (* 256 1024))
+    (with-native-socket (s port)
+      (ws-send s (ws-frame 2 (filled (* 512 1024))))
+      (expect-close-code s 1013))
+    (is (wait-until (lambda () (zerop (stat *ws-server* :body-bytes)))))
+    (with-native-socket (s port)
+      (ws-send s (ws-frame 2 (filled (* 100 1024))))
+      (expect-octets s (server-frame 2 (filled (* 100 1024))) "within the budget"))))
