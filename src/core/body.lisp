@@ -185,16 +185,15 @@ REQUEST-BODY-ERROR 408, and the connection closes after the answer).
 The request is not over, so end of file here means the client went away."
   (with-connection-slots (in-start in-end) c
     (when (and (= in-start in-end)
-               (not (handler-case (fill-input c)
-                      (connection-timeout-error (e)
-                        (let ((rate (body-rate-deadline c)))
-                          (when (and rate (<= rate (now-ms)))
-                            (sb-ext:atomic-incf
-                             (engine-slow-clients (connection-engine c)))))
-                        (if (conn-slot c source)
-                            (error e)   ; TLS through a library: its own reading
-                            (body-broken c (make-condition 'request-body-error
-                                                           :status 408)))))))
+               (not (let ((began (now-ms)))
+                      (handler-case (fill-input c)
+                        (connection-timeout-error (e)
+                          (when (rate-ended-wait-p c began)
+                            (sb-ext:atomic-incf (engine-slow-clients (connection-engine c))))
+                          (if (conn-slot c source)
+                              (error e) ; TLS through a library: its own reading
+                              (body-broken c (make-condition 'request-body-error
+                                                             :status 408))))))))
       ;; The client ended its side in the middle of a request: there is no
       ;; request to answer (as nginx, nothing is sent; later sends are
       ;; dropped), and the connection closes.

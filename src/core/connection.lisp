@@ -499,16 +499,31 @@ a 500 after the failure) should not fail and log again."
     (setf (conn-slot c gone) t))
   (error 'connection-error :stream c :errno errno :operation operation))
 
+(defun read-timeout-ms (c)
+  "The read timeout of C: a switched C's own (see CONNECTION-SWITCH), else
+the engine's."
+  (let ((stream (conn-slot c timeout-stream)))
+    (or (and stream (sb-impl::fd-stream-timeout stream)
+             (max 1 (round (* 1000 (sb-impl::fd-stream-timeout stream)))))
+        (engine-read-timeout-ms (connection-engine c)))))
+
+(defun rate-ended-wait-p (c began)
+  "True when the minimum data rate, not a timeout, ended a read on C that
+began waiting at BEGAN: the rate's deadline came before the others.  Told
+from the deadlines, not the clock, which reads up to a tick behind the
+end of the wait."
+  (let ((rate (body-rate-deadline c))
+        (deadline (conn-slot c read-deadline)))
+    (and rate
+         (< rate (+ began (read-timeout-ms c)))
+         (or (zerop deadline) (< rate deadline)))))
+
 (defun read-wait-ms (c)
   "How long a read on C may wait: the read timeout (a switched C's own, see
 CONNECTION-SWITCH), or less when C has a
 READ-DEADLINE, or reads a body under the minimum data rate (RATE-START,
 see BODY-RATE-DEADLINE) (0 once it passed)."
-  (let* ((engine (connection-engine c))
-         (timeout (let ((stream (conn-slot c timeout-stream)))
-                    (or (and stream (sb-impl::fd-stream-timeout stream)
-                             (max 1 (round (* 1000 (sb-impl::fd-stream-timeout stream)))))
-                        (engine-read-timeout-ms engine))))
+  (let* ((timeout (read-timeout-ms c))
          (deadline (conn-slot c read-deadline))
          (rate (body-rate-deadline c)))
     (when (and rate (or (zerop deadline) (< rate deadline)))
