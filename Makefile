@@ -142,6 +142,9 @@ bench-websockets: deps
 	@set -o pipefail; \
 	 $(LISP) --load bench/websockets.lisp --eval '(gallop-bench-websockets:main)' 2>&1 \
 	   | grep -av '^;\|^WARNING: System definition file'
+	@set -o pipefail; \
+	 $(LISP) --load bench/ws-deflate.lisp --eval '(gallop-bench-ws-deflate:main)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
 
 .PHONY: bench-tls-hold
 bench-tls-hold:

@@ -65,6 +65,7 @@
                              (:file "request")
                              (:file "server")
                              (:file "socket")
+                             (:file "zlib")
                              (:file "websocket")))))
 
 (defsystem "gallop"

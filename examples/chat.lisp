@@ -56,10 +56,12 @@ document.getElementById('form').onsubmit = (event) => {
 (defun chat-app (env)
   (let ((path (getf env :path-info)))
     (cond ((and (string= path "/ws/echo") (gallop:websocket-request-p env))
-           (gallop:accept-websocket env :on-message (lambda (ws message) (gallop:ws-send ws message))))
+           (gallop:accept-websocket env :deflate t
+                                        :on-message (lambda (ws message) (gallop:ws-send ws message))))
           ((and (string= path "/ws/chat") (gallop:websocket-request-p env))
            (gallop:accept-websocket
             env
+            :deflate t
             :on-open (lambda (ws)
                        (sb-thread:with-mutex (*lock*) (push ws *members*))
                        (say (format nil "~D here" (length (members)))))

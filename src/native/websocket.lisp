@@ -21,7 +21,12 @@
 ;;;; and opcodes, control frames (final, at most 125 octets, allowed between
 ;;;; the fragments of a message), continuation order, close codes (1002),
 ;;;; UTF-8 of text messages and close reasons as they arrive (1007), and the
-;;;; message size (1009).  No extension is negotiated.
+;;;; message size (1009).
+;;;;
+;;;; One extension is negotiated when the app asks for it (:DEFLATE):
+;;;; permessage-deflate (RFC 7692), each message compressed on its own, so
+;;;; that a WebSocket keeps no compression state between messages
+;;;; (zlib.lisp; doc/design.md, "WebSocket compression").
 
 (in-package #:gallop)
 
@@ -148,6 +153,8 @@ a surrogate, past U+10FFFF)."
   (user-data nil)
   (on-open nil) (on-message nil) (on-close nil) (on-pong nil)
   (max-message 0 :type fixnum)
+  (deflate nil)                         ; the window bits to compress with, when agreed
+  (deflate-min 0 :type fixnum)          ; shorter messages are sent as they are
   ;; the reader (READ-FRAMES), touched by one worker at a time
   (head (make-array 14 :element-type '(unsigned-byte 8)) :type octets)
   (head-fill 0 :type fixnum)
@@ -159,6 +166,7 @@ a surrogate, past U+10FFFF)."
   (message (make-array 0 :element-type '(unsigned-byte 8)) :type octets)
   (message-fill 0 :type fixnum)
   (message-opcode nil)                  ; 1 or 2 while a message is in fragments
+  (compressed nil)                      ; the message in progress is compressed
   (utf8 0 :type fixnum)
   (control (make-array 125 :element-type '(unsigned-byte 8)) :type octets)
   (control-fill 0 :type fixnum)
@@ -210,8 +218,59 @@ a surrogate, past U+10FFFF)."
           ((not (websocket-key-p (env-header env "sec-websocket-key")))
            (refuse 400 "Sec-WebSocket-Key is not 16 octets in base64.")))))
 
+(defun window-bits (value)
+  "The window bits VALUE (a permessage-deflate parameter's value, maybe
+quoted) names: an integer from 8 to 15 written without a leading zero; NIL
+when it is not one."
+  (let ((value (if (and (>= (length value) 2) (char= #\" (char value 0))
+                        (char= #\" (char value (1- (length value)))))
+                   (subseq value 1 (1- (length value)))
+                   value)))
+    (and (member value '("8" "9" "10" "11" "12" "13" "14" "15") :test #'string=)
+         (parse-integer value))))
+
+(defun deflate-agreement (header)
+  "The first permessage-deflate offer in the Sec-WebSocket-Extensions HEADER
+that this server accepts (RFC 7692, 7.1): (values RESPONSE WINDOW), the
+extension to answer with and the window bits to compress with; NIL when it
+accepts none.  An offer with an unknown, repeated or malformed parameter is
+declined, as is one that asks the server for a window of 256 octets (zlib
+compresses with 512 at least).  The answer asks for no context takeover
+either way, so each message is compressed on its own."
+  (dolist (offer (comma-list header))
+    (let ((parts (mapcar (lambda (part) (string-trim '(#\Space #\Tab) part))
+                         (loop for start = 0 then (1+ semicolon)
+                               for semicolon = (position #\; offer :start start)
+                               collect (subseq offer start semicolon)
+                               while semicolon))))
+      (when (string-equal (first parts) "permessage-deflate")
+        (let ((seen '()) (window nil) (ok t))
+          (dolist (parameter (rest parts))
+            (let* ((equals (position #\= parameter))
+                   (name (string-trim '(#\Space #\Tab) (subseq parameter 0 equals)))
+                   (value (and equals (string-trim '(#\Space #\Tab) (subseq parameter (1+ equals))))))
+              (when (member name seen :test #'string-equal)
+                (setf ok nil))
+              (push name seen)
+              (cond ((or (string-equal name "server_no_context_takeover")
+                         (string-equal name "client_no_context_takeover"))
+                     (when value (setf ok nil)))
+                    ((string-equal name "server_max_window_bits")
+                     (let ((bits (and value (window-bits value))))
+                       (if (and bits (>= bits 9)) (setf window bits) (setf ok nil))))
+                    ((string-equal name "client_max_window_bits")
+                     (when (and value (not (window-bits value)))
+                       (setf ok nil)))
+                    (t (setf ok nil)))))
+          (when ok
+            (return (values (format nil "permessage-deflate; server_no_context_takeover; ~
+                                         client_no_context_takeover~@[; server_max_window_bits=~D~]"
+                                    window)
+                            (or window 15)))))))))
+
 (defun accept-websocket (env &key on-open on-message on-close on-pong protocols
-                                  (max-message-bytes (* 16 1024 1024)) idle-timeout)
+                                  (max-message-bytes (* 16 1024 1024)) idle-timeout
+                                  deflate (deflate-min-bytes 256))
   "Answer the WebSocket handshake of ENV: what the app returns.  A handshake
 this server refuses gets 400 (426 for another version than 13); else 101,
 and from then on ON-OPEN (WS) once, ON-MESSAGE (WS MESSAGE) for each
@@ -221,7 +280,10 @@ came), each on a pool worker.  PROTOCOLS: the subprotocols served, the
 first the client lists among them is chosen (WS-PROTOCOL).  A message over
 MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed when the
 client sends nothing for that long (default: the server's
-UPGRADED-IDLE-TIMEOUT; send pings to keep it)."
+UPGRADED-IDLE-TIMEOUT; send pings to keep it).  DEFLATE: agree to
+permessage-deflate when the client offers it, each message compressed on
+its own; messages sent shorter than DEFLATE-MIN-BYTES, or that would not
+shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
   (let ((refusal (websocket-refusal env)))
     (when refusal
       (return-from accept-websocket refusal)))
@@ -229,10 +291,20 @@ UPGRADED-IDLE-TIMEOUT; send pings to keep it)."
          (offered (let ((value (env-header env "sec-websocket-protocol")))
                     (and value (comma-list value))))
          (protocol (find-if (lambda (p) (member p protocols :test #'string=)) offered))
-         (ws (%make-websocket :socket socket :env env :protocol protocol
-                              :on-open on-open :on-message on-message :on-close on-close
-                              :on-pong on-pong :max-message max-message-bytes))
-         (c (take-socket socket)))
+         (extensions (env-header env "sec-websocket-extensions")))
+    (multiple-value-bind (extension window)
+        (and deflate extensions (zlib-available-p) (deflate-agreement extensions))
+      (accept-switched env socket protocol extension
+                       (%make-websocket :socket socket :env env :protocol protocol
+                                        :on-open on-open :on-message on-message
+                                        :on-close on-close :on-pong on-pong
+                                        :max-message max-message-bytes
+                                        :deflate window :deflate-min deflate-min-bytes)
+                       idle-timeout))))
+
+(defun accept-switched (env socket protocol extension ws idle-timeout)
+  "Take SOCKET for WS and answer 101 with PROTOCOL and EXTENSION."
+  (let ((c (take-socket socket)))
     (when idle-timeout
       (gallop.core:connection-set-upgraded-idle-timeout c idle-timeout))
     (setf (exchange-read-callback socket)
@@ -240,12 +312,12 @@ UPGRADED-IDLE-TIMEOUT; send pings to keep it)."
           (exchange-close-callback socket)
           (lambda () (websocket-ended ws)))
     (socket-write socket (switching-protocols (websocket-accept (env-header env "sec-websocket-key"))
-                                              protocol))
-    (when on-open
-      (ws-call ws on-open ws))
+                                              protocol extension))
+    (when (ws-on-open ws)
+      (ws-call ws (ws-on-open ws) ws))
     (lambda (responder) (declare (ignore responder)))))
 
-(defun switching-protocols (accept protocol)
+(defun switching-protocols (accept protocol extension)
   "The 101 answer to a WebSocket handshake."
   (flet ((line (&rest parts) (format nil "~{~A~}~C~C" parts #\Return #\Newline)))
     (concatenate 'string
@@ -254,6 +326,7 @@ UPGRADED-IDLE-TIMEOUT; send pings to keep it)."
                  (line "Connection: Upgrade")
                  (line "Sec-WebSocket-Accept: " accept)
                  (if protocol (line "Sec-WebSocket-Protocol: " protocol) "")
+                 (if extension (line "Sec-WebSocket-Extensions: " extension) "")
                  (line))))
 
 (defun websocket-request-p (env)
@@ -271,13 +344,14 @@ ACCEPT-WEBSOCKET says)."
 
 ;;; Sending, from any thread
 
-(defun frame-octets (opcode payload &optional (start 0) (end (length payload)))
-  "A final, unmasked frame (as a server sends it) of OPCODE with PAYLOAD[START,END)."
+(defun frame-octets (opcode payload &optional (start 0) (end (length payload)) compressed)
+  "A final, unmasked frame (as a server sends it) of OPCODE with
+PAYLOAD[START,END); with RSV1 set when COMPRESSED."
   (declare (type octets payload) (type fixnum start end))
   (let* ((n (- end start))
          (head (cond ((< n 126) 2) ((< n 65536) 4) (t 10)))
          (frame (make-array (+ head n) :element-type '(unsigned-byte 8))))
-    (setf (aref frame 0) (logior #x80 opcode))
+    (setf (aref frame 0) (logior #x80 (if compressed #x40 0) opcode))
     (case head
       (2 (setf (aref frame 1) n))
       (4 (setf (aref frame 1) 126 (aref frame 2) (ldb (byte 8 8) n) (aref frame 3) (ldb (byte 8 0) n)))
@@ -286,8 +360,8 @@ ACCEPT-WEBSOCKET says)."
     (replace frame payload :start1 head :start2 start :end2 end)
     frame))
 
-(defun send-frame (ws opcode payload)
-  (let ((frame (frame-octets opcode payload)))
+(defun send-frame (ws opcode payload &optional (start 0) (end (length payload)) compressed)
+  (let ((frame (frame-octets opcode payload start end compressed)))
     (gallop.core:connection-send-upgraded (exchange-connection (ws-socket ws)) frame
                                           :copy nil)))
 
@@ -297,7 +371,14 @@ as a text message (UTF-8; with BINARY, as a binary one), octets as a binary
 message.  Returns the octets waiting for the client to take them, or NIL
 when WS is closing or closed."
   (unless (ws-close-sent ws)
-    (send-frame ws (if (and (stringp data) (not binary)) 1 2) (body-octets data))))
+    (let ((opcode (if (and (stringp data) (not binary)) 1 2))
+          (octets (body-octets data)))
+      (multiple-value-bind (deflated length)
+          (and (ws-deflate ws) (>= (length octets) (ws-deflate-min ws))
+               (deflate-message octets (ws-deflate ws)))
+        (if deflated
+            (send-frame ws opcode deflated 0 length t)
+            (send-frame ws opcode octets))))))
 
 (defun ws-ping (ws &optional (data #.(make-array 0 :element-type '(unsigned-byte 8))))
   "Send a ping (at most 125 octets of DATA) on WS; the pong comes to ON-PONG."
@@ -396,7 +477,10 @@ check it.  The index after what was taken."
                               finally (return n)))
                    (t short)))
          (mask-at (case short (126 4) (127 10) (t 2))))
-    (cond ((plusp (logand first #x70)) (ws-fail ws 1002 "reserved bits set"))
+    (cond ((or (plusp (logand first #x30))
+               ;; RSV1: a compressed message, in its first frame (RFC 7692, 6)
+               (and (logbitp 6 first) (not (and (ws-deflate ws) (member opcode '(1 2))))))
+           (ws-fail ws 1002 "reserved bits set"))
           ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
           ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
           ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
@@ -419,6 +503,7 @@ check it.  The index after what was taken."
            (unless control
              (when (member opcode '(1 2))
                (setf (ws-message-opcode ws) opcode
+                     (ws-compressed ws) (logbitp 6 first)
                      (ws-message-fill ws) 0
                      (ws-utf8 ws) 0)))
            (if (zerop length)
@@ -427,23 +512,21 @@ check it.  The index after what was taken."
 
 (defun ws-connection (ws) (exchange-connection (ws-socket ws)))
 
-(defun reserve-message (ws more)
-  "Room in WS's message buffer for MORE octets, come: it grows with what
-arrives (doubling, up to the size limit), never to what a frame head
-declares, so that a client holds only the memory it sent; and it counts in
-the server's body budget.  NIL, WS closed with 1013 (try again later), when
-the budget is spent."
-  (let ((need (+ (ws-message-fill ws) more))
+(defun reserve-message (ws more &optional (fill (ws-message-fill ws)))
+  "Room in WS's message buffer, holding FILL octets, for MORE octets, come:
+it grows with what arrives (doubling, up to the size limit), never to what
+a frame head declares, so that a client holds only the memory it sent; and
+it counts in the server's body budget.  NIL, WS closed with 1013 (try again
+later), when the budget is spent."
+  (let ((need (+ fill more))
         (buffer (ws-message ws)))
     (if (<= need (length buffer))
         t
         (let ((size (max need (min (* 2 (length buffer)) (ws-max-message ws)))))
-          (if (and (ws-socket ws)
-                   (not (gallop.core:connection-charge-upgraded (ws-connection ws)
-                                                                (- size (length buffer)))))
+          (if (not (charge ws (- size (length buffer))))
               (progn (ws-fail ws 1013 "no memory for more messages now") nil)
               (let ((bigger (make-array size :element-type '(unsigned-byte 8))))
-                (replace bigger buffer :end2 (ws-message-fill ws))
+                (replace bigger buffer :end2 fill)
                 (setf (ws-message ws) bigger)
                 t))))))
 
@@ -459,7 +542,7 @@ its message (or control) buffer.  The index after it."
          (at (if control (ws-control-fill ws) (ws-message-fill ws)))
          (mask (ws-mask ws))
          (k (ws-mask-at ws))
-         (text (and (not control) (eql (ws-message-opcode ws) 1)))
+         (text (and (not control) (eql (ws-message-opcode ws) 1) (not (ws-compressed ws))))
          (state (ws-utf8 ws)))
     (declare (type fixnum n at k state) (type octets buffer mask))
     (dotimes (i n)
@@ -489,24 +572,51 @@ its message (or control) buffer.  The index after it."
          (cond ((and (= opcode 1) (not (zerop (ws-utf8 ws))))
                 (ws-fail ws 1007 "a text message ends inside a character"))
                ((ws-close-sent ws))     ; closing: data is not delivered
-               (t
-                (let ((message (if (= opcode 1)
-                                   (sb-ext:octets-to-string (ws-message ws) :external-format :utf-8
-                                                                            :end fill)
-                                   (subseq (ws-message ws) 0 fill))))
-                  (when (> (length (ws-message ws)) 65536)
-                    ;; No large buffer kept between messages.
-                    (when (ws-socket ws)
-                      (gallop.core:connection-charge-upgraded (ws-connection ws)
-                                                              (- (length (ws-message ws)))))
-                    (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
-                  (when (ws-on-message ws)
-                    (ws-call ws (ws-on-message ws) ws message))))))))
+               ((ws-compressed ws) (deliver-inflated ws opcode fill))
+               (t (deliver ws opcode (ws-message ws) fill))))))
     (9 (unless (ws-close-sent ws)
          (send-frame ws 10 (subseq (ws-control ws) 0 (ws-control-fill ws)))))
     (10 (when (ws-on-pong ws)
           (ws-call ws (ws-on-pong ws) ws (subseq (ws-control ws) 0 (ws-control-fill ws)))))
     (8 (read-close ws (subseq (ws-control ws) 0 (ws-control-fill ws))))))
+
+(defun charge (ws delta)
+  "Count DELTA more octets of WS's messages in the server's body budget:
+true when they fit (always, for a WebSocket with no socket: a test's)."
+  (or (null (ws-socket ws))
+      (gallop.core:connection-charge-upgraded (ws-connection ws) delta)))
+
+(defun deliver (ws opcode octets end)
+  "Give the message OCTETS[0,END) to ON-MESSAGE: text (OPCODE 1) as a string."
+  (let ((message (if (= opcode 1)
+                     (sb-ext:octets-to-string octets :external-format :utf-8 :end end)
+                     (subseq octets 0 end))))
+    (when (> (length (ws-message ws)) 65536)
+      ;; No large buffer kept between messages.
+      (charge ws (- (length (ws-message ws))))
+      (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
+    (when (ws-on-message ws)
+      (ws-call ws (ws-on-message ws) ws message))))
+
+(defun deliver-inflated (ws opcode fill)
+  "Inflate the compressed message in WS's first FILL octets (RFC 7692,
+7.2.2) and deliver it: data that does not inflate, or text that is not
+UTF-8, closes with 1007; more than the message limit with 1009.  The
+inflated octets count in the body budget while they are held (1013)."
+  (when (reserve-message ws 4 fill)
+    (let ((buffer (ws-message ws)))
+      (replace buffer #(0 0 #xFF #xFF) :start1 fill)
+      (multiple-value-bind (out length)
+          (inflate-message buffer (+ fill 4) (ws-max-message ws) (lambda (delta) (charge ws delta)))
+        (unwind-protect
+             (case out
+               (:invalid (ws-fail ws 1007 "invalid compressed data"))
+               (:too-big (ws-fail ws 1009 "message too big"))
+               (:no-memory (ws-fail ws 1013 "no memory for more messages now"))
+               (t (if (and (= opcode 1) (not (utf8-valid-p out 0 length)))
+                      (ws-fail ws 1007 "invalid UTF-8 in a text message")
+                      (deliver ws opcode out length))))
+          (charge ws (- (if (symbolp out) length (length out)))))))))
 
 (defun read-close (ws payload)
   "The client's close frame: check it, answer it (unless the server began

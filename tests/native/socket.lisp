@@ -177,12 +177,13 @@ would be read as the new protocol's.  The app's attempt is an error (500)."
 
 ;;; Whole WebSocket frames for websocket-driver (FRAME-READER), on octet vectors
 
-(defun ws-frame (opcode payload &key (fin t) (mask #(1 2 3 4)))
-  "A client's WebSocket frame (RFC 6455, 5.2): masked unless MASK is NIL."
+(defun ws-frame (opcode payload &key (fin t) (mask #(1 2 3 4)) rsv1)
+  "A client's WebSocket frame (RFC 6455, 5.2): masked unless MASK is NIL;
+RSV1 set (a compressed message, RFC 7692) with RSV1."
   (let* ((payload (coerce payload '(vector (unsigned-byte 8))))
          (n (length payload))
          (out (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
-    (vector-push-extend (logior (if fin #x80 0) opcode) out)
+    (vector-push-extend (logior (if fin #x80 0) (if rsv1 #x40 0) opcode) out)
     (let ((bit (if mask #x80 0)))
       (cond ((< n 126) (vector-push-extend (logior bit n) out))
             ((< n 65536) (vector-push-extend (logior bit 126) out)

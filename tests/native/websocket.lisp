@@ -52,6 +52,7 @@ ping.  Messages over 1,000,000 octets close with 1009."
          (gallop:accept-websocket
           env :protocols '("chat")
               :max-message-bytes (* 17 1024 1024)
+              :deflate t :deflate-min-bytes 64
               :on-open (lambda (ws) (setf *ws-last* ws))
               :on-message (lambda (ws message)
                             (cond ((equal message "close-me") (gallop:ws-close ws 4001 "asked"))
@@ -244,3 +245,163 @@ WebSocket closes with 1013 and the budget is given back; others go on."
     (with-native-socket (s port)
       (ws-send s (ws-frame 2 (filled (* 100 1024))))
       (expect-octets s (server-frame 2 (filled (* 100 1024))) "within the budget"))))
+
+;;; permessage-deflate (RFC 7692)
+
+(test websocket-deflate-agreement
+  "The first permessage-deflate offer the server can honour is accepted, with
+no context takeover either way; offers with unknown, repeated or malformed
+parameters are declined."
+  (let ((plain "permessage-deflate; server_no_context_takeover; client_no_context_takeover"))
+    (loop for (offer response window)
+            in `(("permessage-deflate" ,plain 15)
+                 ("permessage-deflate; client_max_window_bits" ,plain 15)
+                 ("PerMessage-Deflate ;client_max_window_bits=10 ; server_no_context_takeover" ,plain 15)
+                 ("permessage-deflate; server_max_window_bits=12"
+                  ,(format nil "~A; server_max_window_bits=12" plain) 12)
+                 ("permessage-deflate; server_max_window_bits=\"9\""
+                  ,(format nil "~A; server_max_window_bits=9" plain) 9)
+                 ("x-webkit-deflate-frame, permessage-deflate" ,plain 15)
+                 ("permessage-deflate; server_max_window_bits=8, permessage-deflate" ,plain 15)
+                 ("permessage-deflate; server_max_window_bits" nil)
+                 ("permessage-deflate; server_max_window_bits=16" nil)
+                 ("permessage-deflate; server_max_window_bits=08" nil)
+                 ("permessage-deflate; client_max_window_bits=7" nil)
+                 ("permessage-deflate; server_no_context_takeover=1" nil)
+                 ("permessage-deflate; client_no_context_takeover; client_no_context_takeover" nil)
+                 ("permessage-deflate; mux" nil)
+                 ("permessage-deflate;" nil)
+                 ("x-webkit-deflate-frame" nil)
+                 ("" nil))
+          do (multiple-value-bind (got bits) (gallop::deflate-agreement offer)
+               (is (equal response got) "~S: ~S" offer got)
+               (when response (is (eql window bits) "~S: window ~S" offer bits))))))
+
+(defun inflated (hex &key (limit 1000) (charge (constantly t)))
+  "What INFLATE-MESSAGE makes of the octets HEX names: a string, or its keyword."
+  (let* ((octets (concat-octets (loop for i from 0 below (length hex) by 2
+                                      collect (parse-integer hex :start i :end (+ i 2) :radix 16))
+                                #(0 0 #xFF #xFF)))
+         (out (gallop::inflate-message octets (length octets) limit charge)))
+    (if (symbolp out)
+        out
+        (map 'string #'code-char (subseq out 0 (nth-value 1 (gallop::inflate-message
+                                                              octets (length octets) limit charge)))))))
+
+(test websocket-deflate-octets
+  "RFC 7692's examples inflate to \"Hello\" (7.2.3.1-7.2.3.4: compressed, cut
+in two, a stored block, BFINAL set); data that is not deflate or stops
+inside a block is refused, as is more than the limit or the budget.
+Compressing gives what inflates back, and nothing that would not shrink."
+  (flet ((hex (list) (apply #'concatenate 'string list)))
+    (is (equal "Hello" (inflated "f248cdc9c90700")))
+    (is (equal "Hello" (inflated (hex '("f248cd" "c9c90700")))))
+    (is (equal "Hello" (inflated "000500faff48656c6c6f00")))
+    (is (equal "Hello" (inflated "f348cdc9c90700")))
+    (is (equal "" (inflated "00")))
+    (is (equal "" (inflated "")))
+    (is (eq :invalid (inflated "ffffff")))
+    (is (eq :invalid (inflated "f248cd")))
+    (is (eq :too-big (inflated "f248cdc9c90700" :limit 4)))
+    (is (equal "Hello" (inflated "f248cdc9c90700" :limit 5)))
+    (is (eq :no-memory (inflated "f248cdc9c90700" :charge (constantly nil)))))
+  (let ((message (octets (format nil "~{~A~}" (loop repeat 40 collect "Hello, ")))))
+    (multiple-value-bind (deflated length) (gallop::deflate-message message 15)
+      (is (and deflated (< length 40)) "280 octets of text compressed to ~S" length)
+      (let ((in (concat-octets (subseq deflated 0 length) #(0 0 #xFF #xFF))))
+        (multiple-value-bind (out n) (gallop::inflate-message in (length in) 1000 (constantly t))
+          (is (equalp message (subseq out 0 n)))))))
+  (let ((noise (make-array 1000 :element-type '(unsigned-byte 8))))
+    (let ((state (sb-ext:seed-random-state 7)))
+      (dotimes (i 1000) (setf (aref noise i) (random 256 state))))
+    (is (null (gallop::deflate-message noise 15)))))
+
+(defparameter +deflate-offer+ "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits")
+
+(defun deflate-ws (port &key one-by-one)
+  "A connection to PORT's /echo with permessage-deflate agreed, the 101 exact."
+  (let ((socket (connect port)))
+    (ws-send socket (octets (ws-handshake "/echo" +deflate-offer+)) :one-by-one one-by-one)
+    (expect-octets socket
+                   (octets (crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: websocket"
+                                 "Connection: Upgrade"
+                                 (format nil "Sec-WebSocket-Accept: ~A" +rfc-accept+)
+                                 (format nil "Sec-WebSocket-Extensions: permessage-deflate; ~
+                                              server_no_context_takeover; ~
+                                              client_no_context_takeover")))
+                   "the 101 with permessage-deflate")
+    socket))
+
+(defun hex-octets (hex)
+  (coerce (loop for i from 0 below (length hex) by 2
+                collect (parse-integer hex :start i :end (+ i 2) :radix 16))
+          'octets-vector))
+
+(test native-websocket-deflate
+  "With permessage-deflate agreed: compressed messages (whole, in fragments,
+a stored block, BFINAL set) arrive inflated, whole and one octet at a time;
+a short answer goes uncompressed, a long one compressed (RSV1) and inflates
+back; RSV1 where it cannot be, data that does not inflate, or inflates past
+the limit, or text that is not UTF-8 once inflated, closes with its code."
+  (with-native-ws (port)
+    (dolist (one-by-one '(nil t))
+      (let ((s (deflate-ws port :one-by-one one-by-one)))
+        (unwind-protect
+             (progn
+               (loop for (frames pong)
+                       in (list (list (ws-frame 1 (hex-octets "f248cdc9c90700") :rsv1 t) nil)
+                                (list (concat-octets
+                                       (ws-frame 1 (hex-octets "f248cd") :rsv1 t :fin nil)
+                                       (ws-frame 9 (octets "p"))
+                                       (ws-frame 0 (hex-octets "c9c90700")))
+                                      t)
+                                (list (ws-frame 1 (hex-octets "000500faff48656c6c6f00") :rsv1 t) nil)
+                                (list (ws-frame 1 (hex-octets "f348cdc9c90700") :rsv1 t) nil)
+                                (list (ws-frame 1 (octets "Hello")) nil))
+                     do (ws-send s frames :one-by-one one-by-one)
+                        (when pong
+                          (expect-octets s (server-frame 10 (octets "p")) "the pong"))
+                        (expect-octets s (server-frame 1 (octets "Hello")) "Hello, short: uncompressed"))
+               (let ((long (octets (format nil "~{~A~}" (loop repeat 40 collect "Hello, ")))))
+                 (ws-send s (ws-frame 1 long) :one-by-one one-by-one)
+                 (let* ((head (read-octets s 2))
+                        (payload (read-octets s (logand (aref head 1) 127)))
+                        (in (concat-octets payload #(0 0 #xFF #xFF))))
+                   (is (= #xC1 (aref head 0)) "a long answer is compressed: ~S" head)
+                   (multiple-value-bind (out n) (gallop::inflate-message in (length in) 1000
+                                                                         (constantly t))
+                     (is (equalp long (subseq out 0 n)))))))
+          (usocket:socket-close s))))
+    (flet ((deflated (octets)
+             (multiple-value-bind (out length) (gallop::deflate-message octets 15)
+               (subseq out 0 length))))
+      (let ((bomb (deflated (make-array (* 18 1024 1024) :element-type '(unsigned-byte 8))))
+            (bad-text (deflated (concat-octets (filled 100 65) #(#xFF)))))
+        (loop for (what code frames)
+                in `(("RSV1 on a continuation" 1002
+                      ,(concat-octets (ws-frame 1 (hex-octets "f248cd") :rsv1 t :fin nil)
+                                      (ws-frame 0 (hex-octets "c9c90700") :rsv1 t)))
+                     ("RSV1 on a ping" 1002 ,(ws-frame 9 #() :rsv1 t))
+                     ("not deflate data" 1007 ,(ws-frame 2 (hex-octets "ffffff") :rsv1 t))
+                     ("deflate data cut in a block" 1007 ,(ws-frame 2 (hex-octets "f248cd") :rsv1 t))
+                     ("18 MiB inflated" 1009 ,(ws-frame 2 bomb :rsv1 t))
+                     ("invalid UTF-8 once inflated" 1007 ,(ws-frame 1 bad-text :rsv1 t)))
+              do (let ((s (deflate-ws port)))
+                   (unwind-protect
+                        (progn (ws-send s frames)
+                               (expect-close-code s code))
+                     (usocket:socket-close s)))
+                 (is (wait-until (lambda () (find code *ws-closes* :key #'first)))
+                     "~A: ON-CLOSE saw ~S" what *ws-closes*)
+                 (setf *ws-closes* nil))))
+    (is (wait-until (lambda () (zerop (stat *ws-server* :body-bytes)))))))
+
+(test native-websocket-deflate-with-python
+  "Debian's python3-websockets offers permessage-deflate by default: it is
+agreed with no context takeover either way, and messages of each kind,
+compressed both ways, come back whole."
+  (with-native-ws (port)
+    (is (equal '("agreed permessage-deflate server_no_context_takeover True client_no_context_takeover True"
+                 "short hello" "json 2190 True" "big True" "noise True" "fragments True"
+                 "closed 4000 ")
+               (python-websockets "ws-deflate-client.py" port)))))
