@@ -587,16 +587,23 @@ true when they fit (always, for a WebSocket with no socket: a test's)."
       (gallop.core:connection-charge-upgraded (ws-connection ws) delta)))
 
 (defun deliver (ws opcode octets end)
-  "Give the message OCTETS[0,END) to ON-MESSAGE: text (OPCODE 1) as a string."
-  (let ((message (if (= opcode 1)
-                     (sb-ext:octets-to-string octets :external-format :utf-8 :end end)
-                     (subseq octets 0 end))))
-    (when (> (length (ws-message ws)) 65536)
-      ;; No large buffer kept between messages.
-      (charge ws (- (length (ws-message ws))))
-      (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
-    (when (ws-on-message ws)
-      (ws-call ws (ws-on-message ws) ws message))))
+  "Give the message OCTETS[0,END) to ON-MESSAGE: text (OPCODE 1) as a
+string.  The copy handed over counts in the body budget until ON-MESSAGE
+returns (a string takes 4 octets a character): past the budget, 1013."
+  (let ((copy (if (= opcode 1) (* 4 end) end)))
+    (if (not (charge ws copy))
+        (ws-fail ws 1013 "no memory for more messages now")
+        (unwind-protect
+             (let ((message (if (= opcode 1)
+                                (sb-ext:octets-to-string octets :external-format :utf-8 :end end)
+                                (subseq octets 0 end))))
+               (when (> (length (ws-message ws)) 65536)
+                 ;; No large buffer kept between messages.
+                 (charge ws (- (length (ws-message ws))))
+                 (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
+               (when (ws-on-message ws)
+                 (ws-call ws (ws-on-message ws) ws message)))
+          (charge ws (- copy))))))
 
 (defun deliver-inflated (ws opcode fill)
   "Inflate the compressed message in WS's first FILL octets (RFC 7692,
@@ -604,19 +611,21 @@ true when they fit (always, for a WebSocket with no socket: a test's)."
 UTF-8, closes with 1007; more than the message limit with 1009.  The
 inflated octets count in the body budget while they are held (1013)."
   (when (reserve-message ws 4 fill)
-    (let ((buffer (ws-message ws)))
+    (let ((buffer (ws-message ws))
+          (charged 0))
       (replace buffer #(0 0 #xFF #xFF) :start1 fill)
-      (multiple-value-bind (out length)
-          (inflate-message buffer (+ fill 4) (ws-max-message ws) (lambda (delta) (charge ws delta)))
-        (unwind-protect
+      (unwind-protect
+           (multiple-value-bind (out length)
+               (inflate-message buffer (+ fill 4) (ws-max-message ws)
+                                (lambda (delta) (and (charge ws delta) (incf charged delta))))
              (case out
                (:invalid (ws-fail ws 1007 "invalid compressed data"))
                (:too-big (ws-fail ws 1009 "message too big"))
                (:no-memory (ws-fail ws 1013 "no memory for more messages now"))
                (t (if (and (= opcode 1) (not (utf8-valid-p out 0 length)))
                       (ws-fail ws 1007 "invalid UTF-8 in a text message")
-                      (deliver ws opcode out length))))
-          (charge ws (- (if (symbolp out) length (length out)))))))))
+                      (deliver ws opcode out length)))))
+        (charge ws (- charged))))))
 
 (defun read-close (ws payload)
   "The client's close frame: check it, answer it (unless the server began

@@ -26,6 +26,10 @@
 (defconstant +z-stream-end+ 1)
 (defconstant +z-buf-error+ -5)
 
+(defconstant +zlib-max-octets+ (expt 2 31)
+  "zlib counts a call's input and output in 32 bits: larger messages are
+sent uncompressed, and inflate to at most this many octets.")
+
 (defconstant +deflate-level+ 6
   "zlib's default level: doc/design.md, \"WebSocket compression\".")
 
@@ -55,8 +59,6 @@ when it cannot be opened."
                            *zlib-functions*))
                      :missing))
            (zlib)))))
-
-(pushnew (lambda () (setf **zlib** nil)) sb-ext:*save-hooks*)
 
 (defun zlib-available-p ()
   "True when zlib can be used (opening it if need be)."
@@ -134,6 +136,17 @@ threads compress at once, are freed after use.")
                 (push z (svref **zstreams** i))))
       (free-zstream z))))
 
+(defun forget-zlib ()
+  "Before the image is saved: free the pooled streams and forget zlib's
+addresses, which a restarted image opens afresh."
+  (when (vectorp **zlib**)
+    (sb-thread:with-mutex (**zstreams-lock**)
+      (dotimes (i (length **zstreams**))
+        (mapc #'free-zstream (shiftf (svref **zstreams** i) nil)))))
+  (setf **zlib** nil))
+
+(pushnew 'forget-zlib sb-ext:*save-hooks*)
+
 (defmacro with-zstream ((z inflate window) &body body)
   `(let ((,z (take-zstream ,inflate ,window)))
      (unwind-protect (progn ,@body) (give-zstream ,z))))
@@ -162,6 +175,8 @@ zlib's result, the octets of input left and of output space left."
 a sync flush, its final 00 00 FF FF left out, as (values BUFFER LENGTH); NIL
 when that is not shorter than OCTETS.  WINDOW: the window's bits."
   (declare (type octets octets))
+  (when (>= (length octets) +zlib-max-octets+) ; sent as it is
+    (return-from deflate-message nil))
   (let* ((n (length octets))
          (out (make-array (+ n 4) :element-type '(unsigned-byte 8))))
     (with-zstream (z nil window)
@@ -179,22 +194,24 @@ when that is not shorter than OCTETS.  WINDOW: the window's bits."
 FF FF (RFC 7692, 7.2.2; an empty payload is an empty message), into a
 buffer grown as output comes, up to LIMIT octets; CHARGE (DELTA) is called
 as the buffer grows and answers whether that much more memory may be used.  Returns (values BUFFER LENGTH), or
-:INVALID (not deflate data, or data that stops inside a block), :TOO-BIG
-or :NO-MEMORY, with the buffer charged so far as a second value."
+:INVALID (not deflate data, data that stops inside a block or goes on
+after its final one), :TOO-BIG or :NO-MEMORY."
   (declare (type octets octets) (type fixnum end limit))
   (when (= end 4)
     (return-from inflate-message (values (make-array 0 :element-type '(unsigned-byte 8)) 0)))
-  (let* ((size (min (1+ limit) (max 4096 (* 4 end))))
+  (when (>= end +zlib-max-octets+)
+    (return-from inflate-message :too-big))
+  (let* ((limit (min limit (1- +zlib-max-octets+)))
+         (size (min (1+ limit) (max 4096 (* 4 end))))
          (out (make-array 0 :element-type '(unsigned-byte 8)))
-         (charged 0)
          (start 0)
          (fill 0))
     (declare (type fixnum size start fill))
     (flet ((grow (to)
-             (unless (funcall charge (- to (length out)))
-               (return-from inflate-message (values :no-memory charged)))
-             (setf charged to)
+             ;; Counted once made: a failure to make it leaves nothing counted.
              (let ((bigger (make-array to :element-type '(unsigned-byte 8))))
+               (unless (funcall charge (- to (length out)))
+                 (return-from inflate-message :no-memory))
                (replace bigger out :end2 fill)
                (setf out bigger))))
       (grow size)
@@ -204,19 +221,24 @@ or :NO-MEMORY, with the buffer charged so far as a second value."
               (zstream-run z octets start end out fill (length out))
             (setf start (- end in-left)
                   fill (- (length out) out-left))
-            (cond ((= result +z-stream-end+) (return))
-                  ((and (minusp result) (/= result +z-buf-error+))
-                   (return-from inflate-message (values :invalid charged)))
-                  ((and (zerop in-left) (plusp out-left))
-                   ;; All in: the data must end between blocks.
-                   (if (logbitp 7 (sb-sys:sap-ref-32 (zstream-sap z) +z-data-type+))
+            (cond ((= result +z-stream-end+)
+                   ;; The final block: only the 00 00 FF FF appended may follow.
+                   (if (= in-left 4)
                        (return)
-                       (return-from inflate-message (values :invalid charged))))
+                       (return-from inflate-message :invalid)))
+                  ((and (minusp result) (/= result +z-buf-error+))
+                   (return-from inflate-message :invalid))
+                  ((and (zerop in-left)
+                        (logbitp 7 (sb-sys:sap-ref-32 (zstream-sap z) +z-data-type+)))
+                   ;; All in, and between blocks (zlib pulls octets only as
+                   ;; it needs them, so the empty block appended was read).
+                   (return))
                   ((plusp out-left)
-                   (return-from inflate-message (values :invalid charged)))
+                   ;; Room left, and the data stops inside a block.
+                   (return-from inflate-message :invalid))
                   ((> fill limit)
-                   (return-from inflate-message (values :too-big charged)))
+                   (return-from inflate-message :too-big))
                   (t (grow (min (1+ limit) (* 2 (length out))))))))))
     (if (> fill limit)
-        (values :too-big charged)
+        :too-big
         (values out fill))))

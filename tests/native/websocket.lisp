@@ -302,6 +302,7 @@ Compressing gives what inflates back, and nothing that would not shrink."
     (is (equal "" (inflated "")))
     (is (eq :invalid (inflated "ffffff")))
     (is (eq :invalid (inflated "f248cd")))
+    (is (eq :invalid (inflated "f348cdc9c90700deadbeef")) "octets after the final block")
     (is (eq :too-big (inflated "f248cdc9c90700" :limit 4)))
     (is (equal "Hello" (inflated "f248cdc9c90700" :limit 5)))
     (is (eq :no-memory (inflated "f248cdc9c90700" :charge (constantly nil)))))
@@ -311,6 +312,26 @@ Compressing gives what inflates back, and nothing that would not shrink."
       (let ((in (concat-octets (subseq deflated 0 length) #(0 0 #xFF #xFF))))
         (multiple-value-bind (out n) (gallop::inflate-message in (length in) 1000 (constantly t))
           (is (equalp message (subseq out 0 n)))))))
+  ;; Round trips at the sizes where the inflater's buffer fills exactly.
+  (let ((state (sb-ext:seed-random-state 3)))
+    (dolist (n '(300 4095 4096 4097 16384 65535 65536 65537 (* 1024 1024)))
+      (let ((n (eval n)))
+        (dolist (kind '(:same :pattern :text))
+          (let ((m (make-array n :element-type '(unsigned-byte 8))))
+            (dotimes (i n)
+              (setf (aref m i) (ecase kind
+                                 (:same 65)
+                                 (:pattern (mod (* i 7) 251))
+                                 (:text (+ 97 (random 6 state))))))
+            (multiple-value-bind (deflated length) (gallop::deflate-message m 15)
+              (let ((in (concat-octets (subseq deflated 0 length) #(0 0 #xFF #xFF))))
+                (multiple-value-bind (out got)
+                    (gallop::inflate-message in (length in) (* 2 n) (constantly t))
+                  (is (and (not (symbolp out)) (= n got) (equalp m (subseq out 0 got)))
+                      "~D octets, ~(~A~): ~S" n kind (if (symbolp out) out got))))))))))
+  ;; What a saved image does: pooled streams freed, zlib opened again.
+  (gallop::forget-zlib)
+  (is (equal "Hello" (inflated "f248cdc9c90700")))
   (let ((noise (make-array 1000 :element-type '(unsigned-byte 8))))
     (let ((state (sb-ext:seed-random-state 7)))
       (dotimes (i 1000) (setf (aref noise i) (random 256 state))))
@@ -405,3 +426,28 @@ compressed both ways, come back whole."
                  "short hello" "json 2190 True" "big True" "noise True" "fragments True"
                  "closed 4000 ")
                (python-websockets "ws-deflate-client.py" port)))))
+
+(test websocket-inflated-messages-within-the-body-budget
+  "A small compressed message that inflates to much more: the inflated
+octets and the string handed to the app count in the body budget, so past
+it the WebSocket closes with 1013 (not the heap), and all is given back."
+  (with-native-ws-options (port :body-budget (* 1024 1024))
+    (let ((s (deflate-ws port))
+          (text (multiple-value-bind (out length)
+                    (gallop::deflate-message (filled (* 512 1024) 65) 15)
+                  (subseq out 0 length))))
+      (unwind-protect
+           (progn (is (< (length text) 1024))
+                  (ws-send s (ws-frame 1 text :rsv1 t))
+                  (expect-close-code s 1013))
+        (usocket:socket-close s)))
+    (is (wait-until (lambda () (zerop (stat *ws-server* :body-bytes)))))
+    (let ((s (deflate-ws port))
+          (small (multiple-value-bind (out length)
+                     (gallop::deflate-message (filled (* 64 1024) 65) 15)
+                   (subseq out 0 length))))
+      (unwind-protect
+           (progn (ws-send s (ws-frame 2 small :rsv1 t))
+                  (let ((head (read-octets s 2)))
+                    (is (= #xC2 (aref head 0)) "the 64 KiB echo, compressed: ~S" head)))
+        (usocket:socket-close s)))))
