@@ -27,13 +27,13 @@
 ;;;;
 ;;;; RUN PERMITS.  A group's ALLOWED bounds how many of its workers wait in
 ;;;; or serve from epoll at once; its other threads wait for a permit.
-;;;; ALLOWED starts at the group's share of the usable CPUs (GROUP-CPU-SHARE):
-;;;; more runnable workers than CPUs add preemption, not throughput.  The
-;;;; maker, sampling every 5 ms, adds a permit for a worker the kernel shows
-;;;; blocked in a handler, so that as many as there are CPUs can still run,
-;;;; never for one waiting for a CPU; it takes permits back, down to the
-;;;; share, when the CPUs are saturated, the holders sat idle a second, or
-;;;; the extra permits cover no blocked worker (RESIZE-GROUP).  Only the
+;;;; ALLOWED starts at the group's share of the usable CPUs (GROUP-CPU-SHARE).
+;;;; Every +SAMPLE-MS+ the maker samples each group and acts on what the
+;;;; sizing policy decides (RESIZE-GROUP; the policy, a pure function, and
+;;;; its constants are in sizing.lisp): a permit for workers the kernel
+;;;; shows blocked in a handler, never for ones waiting for a CPU; a permit
+;;;; back, down to the share, when the CPUs are saturated, the holders sat
+;;;; idle a second, or the extra permits cover no blocked worker.  Only the
 ;;;; maker starts threads (SBCL starts them under one global mutex); a
 ;;;; thread idle for IDLE-TIMEOUT-MS leaves while its group has more than its
 ;;;; share of MIN-THREADS (at least one).
@@ -73,20 +73,6 @@
 serves many requests (nginx does the same).  The worker serves the first and
 queues the others on its group's READY queue, so that a first handler that
 blocks holds none of them back.")
-(defconstant +runnable-per-cpu+ 3
-  "Serving workers seen runnable (state R) per CPU of a group's share beyond
-which the group does not grow (BLOCKED-WORKERS): they wait for a CPU, and
-another thread would wait too.  On a machine shared with other processes the
-process may use well under its CPUs and still get no more, so the CPU limit
-alone does not stop growth there.  A snapshot catches a worker runnable for
-as long as it computes after its handler wakes, so the more CPU a request
-takes the more runnable workers a load shows at the same use of the CPUs:
-the limit must leave room for the front end whose requests cost the most
-(the Hunchentoot ones, about twice `gallop:start`'s).  Not applied when the
-CPUs were idle lately (cpus.lisp, \"Whether the CPUs have time to spare\"):
-then runnable workers are a burst of wake-ups.  See doc/design.md,
-\"Runnable workers per CPU\".")
-
 (defvar *group-count* nil
   "The number of groups (epoll sets) a pool starts with (at most its
 MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
@@ -117,19 +103,11 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (permits (sb-thread:make-semaphore :name "gallop run permits"))
   (thread-count 0 :type fixnum)         ; under the pool's LOCK
   (min-threads 1 :type fixnum)
-  ;; The maker's: samples in a row in which the group was seen blocked,
-  ;; with idle workers, and with none idle.
-  (blocked-samples 0 :type fixnum)
+  ;; The maker's: samples in a row with idle workers, and with none idle;
+  ;; and the counters its sizing policy carries (sizing.lisp).
   (idle-samples 0 :type fixnum)
   (busy-samples 0 :type fixnum)
-  ;; and, of its looks at its workers' states (BLOCKED-WORKERS), those in a
-  ;; row that found too few blocked to grow, and the samples left before
-  ;; the next look.
-  (quiet-looks 0 :type fixnum)
-  (look-in 0 :type fixnum)
-  ;; and those in a row that found fewer blocked than half its permits
-  ;; above its share of the CPUs.
-  (spare-looks 0 :type fixnum)
+  (sizing (make-sizing-state) :type sizing-state)
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
@@ -337,18 +315,6 @@ the maker thread, or from POOL-START."
     (dolist (thread retired)
       (sb-thread:join-thread thread :default nil))))
 
-(defconstant +growth-cpu-limit+ 0.85
-  "Permits are added only while the process uses less than this share of its
-CPUs (over the last +LOAD-SAMPLES+ samples).")
-
-(defconstant +load-samples+ 4
-  "The process's use of its CPUs that the maker compares with
-+GROWTH-CPU-LIMIT+ and +SHRINK-CPU-LIMIT+ is over this many samples (20 ms),
-not one: handlers that sleep wake in bursts, so over 5 ms the use jumps far
-above and below its mean, and one sample in a few would cross the limits,
-taking a permit back and stopping growth.  See doc/design.md, \"Idle CPUs
-and the pool's load\".")
-
 (defstruct (load-history (:constructor make-load-history
                              (cpu-us wall
                               &aux (cpu-then (make-array +load-samples+ :initial-element cpu-us))
@@ -383,9 +349,6 @@ used since the oldest sample HISTORY kept."
   "The time (internal real time) of the last sample HISTORY recorded."
   (svref (load-history-wall-then history)
          (mod (1- (load-history-count history)) +load-samples+)))
-
-(defconstant +shrink-cpu-limit+ 0.95
-  "Above this share of its CPUs, the process gives permits back.")
 
 (defun add-permit (group)
   (incf (group-allowed group))
@@ -485,7 +448,7 @@ once a request; at more it does not rest.")
            ;; not wake the maker per request: that would cost a context
            ;; switch each.
            (sb-thread:wait-on-semaphore (pool-maker-semaphore pool)
-                                        :timeout (if resting 1 0.005))
+                                        :timeout (if resting 1 (/ +sample-ms+ 1000)))
            (join-retired pool)
            (when (pool-stopping pool)
              (return))
@@ -510,7 +473,8 @@ once a request; at more it does not rest.")
            ;; next.
            (let ((wall (get-internal-real-time)))
              (when (and (not resting)
-                        (>= (* us-per-unit (- wall (load-history-last-wall history))) 5000))
+                        (>= (* us-per-unit (- wall (load-history-last-wall history)))
+                           (* 1000 +sample-ms+)))
                (let* ((load (note-load history (process-cpu-us) wall cpus))
                       ;; (A sample in which a garbage collection stopped every
                       ;; thread but one says nothing about blocked handlers:
@@ -578,144 +542,50 @@ decrement of its group's IDLE, which fences): wake the maker if it rests."
              (sb-ext:compare-and-swap (pool-maker-resting pool) t nil))
     (sb-thread:signal-semaphore (pool-maker-semaphore pool))))
 
-(defconstant +spare-looks-before-shrink+ 20
-  "Looks in a row at a group's workers' states that found fewer of them
-blocked than half its permits above its share of the CPUs, after which the
-maker takes one of those permits back.  The other ways back (saturated
-CPUs, a second of idle holders) never come while the group's workers are
-busy and the process under its CPUs, which on a machine shared with other
-processes is always; and there a handler that never blocks still waits at
-times on a lock whose holder another process preempted, which a look may
-take for blocking and grow for.  This rule keeps such permits from
-ratcheting up.  With handlers that do block, most workers are blocked at
-any moment and the looks keep the permits.  See doc/design.md, \"Lock
-waits are not blocked handlers\".")
-
-(defun note-spare-look (group blocked above-share)
-  "Record a look at GROUP's workers that found BLOCKED of them blocked, with
-ABOVE-SHARE permits above its share of the CPUs (see
-+SPARE-LOOKS-BEFORE-SHRINK+)."
-  (setf (group-spare-looks group)
-        (if (< (* 2 blocked) above-share) (1+ (group-spare-looks group)) 0)))
-
-(defun spare-permit-p (group)
-  "True when GROUP's last +SPARE-LOOKS-BEFORE-SHRINK+ looks found its permits
-above its share not covering blocked workers: one of them may go."
-  (>= (group-spare-looks group) +spare-looks-before-shrink+))
+(defvar *sizing-trace* nil
+  "NIL, or a function the maker calls with each group's index, its
+SIZING-SAMPLE, its SIZING-STATE before, the decision and what the look
+found (a list: BLOCKED SATURATED CONFIRMED, NIL where not read): how
+tests/data/sizing/ was recorded (bench/record-sizing.lisp).")
 
 (defun resize-group (pool group load share stat-buffer found brief-waits cpus-idle)
-  "The maker's decision for GROUP in one sample (RUN PERMITS in the header).
-A sample finds GROUP blocked when
- - none of its workers waits in epoll_wait;
- - the process used under +GROWTH-CPU-LIMIT+ of its CPUs (LOAD);
- - its permit holders not blocked (BLOCKED-WORKERS) are fewer than its share
-   of the CPUs or than half its holders (with many workers blocked most of
-   the time, those waking at once may outnumber the CPUs), and no more than
-   +RUNNABLE-PER-CPU+ per CPU of its serving workers are runnable; or,
-   when the CPUs were idle lately (CPUS-IDLE), any holder is blocked,
-   whatever the runnable ones;
- - and at least half of those found blocked are confirmed, not in a lock's
-   brief wait (CONFIRMED-BLOCKED).
-Found blocked two samples in a row, it gets a thread when it has a permit
-no thread holds (threads that left idle leave their permits), else a permit
-and a thread, one a sample while this lasts, up to MAX-THREADS threads and
-permits over all groups.  Otherwise one permit above its share goes back
-when the process uses more than +SHRINK-CPU-LIMIT+ of its CPUs, when the
-group had an idle worker in each of 200 samples in a row (a second), or
-when its permits above the share cover no blocked worker
-\(SPARE-PERMIT-P); the holder that notices gives it up.  LOAD is the
-process's share of its CPUs over the last samples (NOTE-LOAD), SHARE the
-group's share of them; FOUND and BRIEF-WAITS are the maker's, for
-CONFIRMED-BLOCKED; CPUS-IDLE true when the CPUs were idle lately (cpus.lisp),
-for BLOCKED-WORKERS and growth."
-  (let* ((room-for-permit (< (pool-run-permits pool) (pool-max-threads pool)))
-         (room-for-thread (and (< (group-thread-count group) (group-allowed group))
-                               (< (pool-thread-count pool) (pool-max-threads pool))))
-         (above-share (- (group-allowed group) share))
-         (grow nil))
-    (when (and (zerop (group-idle group))
-               (< load +growth-cpu-limit+)
-               (or room-for-permit room-for-thread (plusp above-share))
-               (look-for-blocked-p group))
-      ;; The permit holders not blocked are fewer than the group's CPUs, or
-      ;; than half the holders; or, when the CPUs were idle lately
-      ;; (CPUS-IDLE), any is blocked: with every worker busy and a CPU
-      ;; free, a blocked worker is work no thread can run.  (Holders, not
-      ;; permits: threads that left idle may have left permits nobody
-      ;; holds.)  BLOCKED-WORKERS counts up to one past that edge, which is
-      ;; at least half of ABOVE-SHARE.
-      ;; At least half of those found must also be blocked on more than a
-      ;; lock's brief wait (CONFIRMED-BLOCKED), checked only then, since it
-      ;; reads another file.  (Half, not all: with handlers that do block,
-      ;; the many threads added for them also wait on locks at times, on
-      ;; the allocator's or on one the handlers share, and those waits
-      ;; should not hold growth back.)
-      (let* ((holders (group-holders group))
-             (enough (max share (ceiling holders 2))))
-        (multiple-value-bind (blocked saturated)
-            (blocked-workers pool group (- holders enough -1) share stat-buffer found
-                             cpus-idle)
-          (setf grow (and (or room-for-permit room-for-thread)
-                          (or (> blocked (- holders enough))
-                              (and cpus-idle (plusp blocked)))
-                          (>= (* 2 (confirmed-blocked found blocked stat-buffer brief-waits
-                                                      (now-ms)))
-                              blocked)))
-          (note-look group grow)
-          ;; (Workers that want the CPUs are not spare either.)
-          (note-spare-look group (if saturated above-share blocked) above-share))))
-    (setf (group-blocked-samples group)
-          (if grow (1+ (group-blocked-samples group)) 0))
-    ;; Growth starts after two such samples in a row (a thread's state is a
-    ;; snapshot) and goes on one permit a sample while they last; a thread
-    ;; is added when fewer threads than permits remain (idle ones left since
-    ;; the permits were added).
-    (cond ((>= (group-blocked-samples group) 2)
-           ;; A free permit with no thread to take it: a thread.  Else a
-           ;; permit, and a thread for it.
-           (when (and (>= (group-thread-count group) (group-allowed group)) room-for-permit)
-             (add-permit group))
-           (when (< (group-thread-count group) (group-allowed group))
-             (spawn-worker pool group)))
-          ((and (plusp above-share)
-                (or (> load +shrink-cpu-limit+)
-                    (> (group-idle-samples group) 200)
-                    (spare-permit-p group)))
-           (setf (group-idle-samples group) 0
-                 (group-spare-looks group) 0)
-           (remove-permit group)))))
-
-(defconstant +quiet-looks-before-spacing+ 20
-  "Looks at a group's workers' states in a row that found too few blocked to
-grow (100 ms of samples), after which the maker looks only every
-+SPACED-LOOK-SAMPLES+ samples.")
-
-(defconstant +spaced-look-samples+ 4
-  "While a group's looks find too few workers blocked to grow, one sample in
-this many looks (20 ms apart): a group whose handlers never block keeps all
-its workers busy and the process under its CPUs on a machine it shares, so
-without spacing the maker would read each worker's /proc file every 5 ms for
-nothing.  The first look that finds enough blocked goes back to every
-sample, so growth starts at most 15 ms later than it would.  See
-doc/design.md, \"The maker's looks\".")
-
-(defun look-for-blocked-p (group)
-  "True when this sample of the maker looks at GROUP's workers' states (see
-+SPACED-LOOK-SAMPLES+)."
-  (if (plusp (group-look-in group))
-      (progn (decf (group-look-in group)) nil)
-      t))
-
-(defun note-look (group blocked)
-  "Record what a look at GROUP's workers found: BLOCKED true when enough of
-them were blocked to grow."
-  (if blocked
-      (setf (group-quiet-looks group) 0
-            (group-look-in group) 0)
-      (let ((quiet (setf (group-quiet-looks group)
-                         (min (1+ (group-quiet-looks group)) +quiet-looks-before-spacing+))))
-        (setf (group-look-in group)
-              (if (>= quiet +quiet-looks-before-spacing+) (1- +spaced-look-samples+) 0)))))
+  "Sample GROUP, ask the sizing policy (DECIDE-SIZE, sizing.lisp) and act on
+its decision.  LOAD is the process's share of its CPUs over the last
+samples (NOTE-LOAD), SHARE the group's share of them; FOUND and BRIEF-WAITS
+are the maker's, for CONFIRMED-BLOCKED; CPUS-IDLE true when the CPUs were
+idle lately (cpus.lisp)."
+  (let* ((seen (list nil nil nil))
+         (sample (make-sizing-sample
+                  :idle (group-idle group) :holders (group-holders group)
+                  :allowed (group-allowed group) :threads (group-thread-count group)
+                  :share share :idle-samples (group-idle-samples group)
+                  :load load :cpus-idle cpus-idle
+                  :room-for-permit (< (pool-run-permits pool) (pool-max-threads pool))
+                  :room-for-thread (< (pool-thread-count pool) (pool-max-threads pool))
+                  :look (lambda (limit)
+                          (multiple-value-bind (blocked saturated)
+                              (blocked-workers pool group limit share stat-buffer found cpus-idle)
+                            (setf (first seen) blocked (second seen) saturated)
+                            (values blocked saturated)))
+                  :confirm (lambda (blocked)
+                             (setf (third seen)
+                                   (confirmed-blocked found blocked stat-buffer brief-waits
+                                                      (now-ms))))))
+         (before (group-sizing group)))
+    (multiple-value-bind (decision state) (decide-size sample before)
+      (setf (group-sizing group) state)
+      (when *sizing-trace*
+        (funcall *sizing-trace* (group-index group) sample before decision seen))
+      (ecase decision
+        (:hold)
+        (:add-permit
+         (add-permit group)
+         (when (< (group-thread-count group) (group-allowed group))
+           (spawn-worker pool group)))
+        (:add-thread (spawn-worker pool group))
+        (:remove-permit
+         (setf (group-idle-samples group) 0)
+         (remove-permit group))))))
 
 (defun help-busy-groups (pool events)
   "STEALING (see the header): for each group busy (no worker idle) in two
@@ -789,15 +659,6 @@ CONFIRMED-BLOCKED)."
                      (when (>= (incf count) limit)
                        (return)))))))))
     (values count nil)))
-
-(defconstant +brief-wait-ms+ 50
-  "How long a worker must have been seen waiting briefly (THREAD-WAIT-KIND:
-in futex(2) or a page fault) on one event before it counts as blocked
-\(CONFIRMED-BLOCKED).  Longer than a lock wait lasts when another process
-preempted the lock's holder (it gets a CPU back within a few of the
-scheduler's slices), so such waits never grow the pool; a handler waiting
-on a semaphore for its database pool waits on, and is counted.  See
-doc/design.md, \"Lock waits are not blocked handlers\".")
 
 (defun confirmed-blocked (found count buffer brief-waits now)
   "Of the COUNT blocked workers BLOCKED-WORKERS put in FOUND, how many are

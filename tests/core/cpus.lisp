@@ -203,56 +203,6 @@ handlers that sleep 1 ms, the pool left a third of the CPU idle)."
         (mapc #'sb-thread:join-thread spinners)
         (sb-thread:join-thread sleeper :default nil)))))
 
-(test looks-at-a-group-whose-workers-never-block-are-spaced
-  "The maker reads a group's workers' states every sample until
-+QUIET-LOOKS-BEFORE-SPACING+ looks in a row found too few blocked to grow,
-then one sample in +SPACED-LOOK-SAMPLES+; a look that finds enough blocked
-goes back to every sample, so that the next sample can confirm it (growth
-needs two in a row)."
-  (let* ((group (gallop.core::make-group))
-         (quiet gallop.core::+quiet-looks-before-spacing+)
-         (spacing gallop.core::+spaced-look-samples+)
-         (spaced (append (make-list (1- spacing) :initial-element nil) (list t))))
-    (flet ((samples (n blocked)
-             ;; Whether each of N samples looked, each look finding BLOCKED.
-             (loop repeat n
-                   collect (let ((look (gallop.core::look-for-blocked-p group)))
-                             (when look (gallop.core::note-look group blocked))
-                             look))))
-      (is (> spacing 1))
-      (is (every #'identity (samples quiet nil)) "every sample looks at first")
-      (is (equal (append spaced spaced) (samples (* 2 spacing) nil))
-          "then one sample in +SPACED-LOOK-SAMPLES+")
-      (is (equal spaced (samples spacing t)) "until a look finds workers blocked")
-      (is (every #'identity (samples 3 t)) "then every sample looks again")
-      (is (every #'identity (samples quiet nil))
-          "and goes on doing so for as many quiet looks as at first")
-      (is (equal spaced (samples spacing nil))))))
-
-(test permits-above-the-share-that-cover-no-blocked-worker-go-back
-  "A group's permits above its share of the CPUs are for blocked workers: once
-+SPARE-LOOKS-BEFORE-SHRINK+ looks in a row found fewer blocked than half of
-them, one may go back; a look that finds as many starts the count again."
-  (let ((group (gallop.core::make-group))
-        (needed gallop.core::+spare-looks-before-shrink+))
-    (flet ((looks (n blocked above-share)
-             (loop repeat n do (gallop.core::note-spare-look group blocked above-share))
-             (gallop.core::spare-permit-p group)))
-      (is (> needed 1))
-      (is (not (looks (1- needed) 0 2)) "not before that many looks")
-      (is (looks 1 0 2) "after them")
-      (setf (gallop.core::group-spare-looks group) 0)
-      (is (not (looks (1- needed) 1 3)) "1 blocked is fewer than half of 3")
-      (is (looks 1 1 3))
-      (setf (gallop.core::group-spare-looks group) 0)
-      (is (not (looks (* 2 needed) 1 2)) "1 blocked covers half of 2: they stay")
-      (is (not (looks (* 2 needed) 0 0)) "none above the share: nothing to give back")
-      (is (not (looks (* 2 needed) 0 -1)))
-      (is (not (progn (looks (1- needed) 0 2) (looks 1 3 4)))
-          "a look that finds enough starts the count again")
-      (is (not (looks (1- needed) 0 4)))
-      (is (looks 1 0 4)))))
-
 (test the-makers-load-is-over-its-last-samples
   "The share of its CPUs the process used, which the maker compares with its
 limits, is over its last +LOAD-SAMPLES+ samples (NOTE-LOAD), not the last
