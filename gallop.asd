@@ -122,6 +122,7 @@
                (:file "hunchentoot/requests")
                (:file "hunchentoot/pool")
                (:file "hunchentoot/taskmaster")
+               (:file "hunchentoot/compat")
                (:file "hunchentoot/lifecycle")
                (:file "hunchentoot/ssl")
                (:file "hunchentoot/tls")

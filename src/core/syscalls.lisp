@@ -7,8 +7,9 @@
 ;;;; otherwise, so callers can tell EAGAIN from a real failure without consing.
 ;;;;
 ;;;; struct epoll_event is PACKED on x86-64: 12 bytes, events (u32) at offset 0
-;;;; and data (u64) at offset 4.  It is therefore read and written as raw bytes
-;;;; through SAP-REF, never through a naturally aligned alien struct.
+;;;; and data (u64) at offset 4; on arm64 it is aligned: 16 bytes, data at 8.
+;;;; It is read and written as raw bytes through SAP-REF at the offsets below,
+;;;; which refuse to compile for any other architecture.
 
 (in-package #:gallop.core)
 
@@ -31,8 +32,14 @@
 (defconstant +epoll-ctl-del+ 2)
 (defconstant +epoll-ctl-mod+ 3)
 
-(defconstant +epoll-event-size+ 12
-  "sizeof (struct epoll_event) on x86-64, where the struct is packed.")
+#-(or x86-64 arm64)
+(error "Gallop knows the layout of struct epoll_event on x86-64 and arm64 only.")
+
+(defconstant +epoll-event-size+ #+x86-64 12 #-x86-64 16
+  "sizeof (struct epoll_event): packed on x86-64, aligned on arm64.")
+
+(defconstant +epoll-event-data+ #+x86-64 4 #-x86-64 8
+  "The offset of the data (u64) in struct epoll_event.")
 
 (defconstant +o-nonblock+ #o4000)
 (defconstant +o-cloexec+ #o2000000)
@@ -159,7 +166,7 @@ handed back by epoll_wait.  Returns T on success, NIL and the errno on failure."
   (sb-alien:with-alien ((ev (array (sb-alien:unsigned 8) 16)))
     (let ((sap (sb-alien:alien-sap ev)))
       (setf (sb-sys:sap-ref-32 sap 0) events
-            (sb-sys:sap-ref-64 sap 4) data)
+            (sb-sys:sap-ref-64 sap +epoll-event-data+) data)
       (if (zerop (%epoll-ctl epfd op fd sap))
           t
           (values nil (%errno))))))
@@ -176,7 +183,7 @@ handed back by epoll_wait.  Returns T on success, NIL and the errno on failure."
 (defun event-flags (sap index)
   (sb-sys:sap-ref-32 sap (* index +epoll-event-size+)))
 (defun event-data (sap index)
-  (sb-sys:sap-ref-64 sap (+ 4 (* index +epoll-event-size+))))
+  (sb-sys:sap-ref-64 sap (+ +epoll-event-data+ (* index +epoll-event-size+))))
 
 (defun epoll-wait (epfd sap max timeout-ms)
   "Wait for up to MAX events.  Returns the count, 0 on timeout or EINTR."

@@ -1,17 +1,73 @@
-;;;; compat.lisp -- the one place Gallop touches Hunchentoot beyond its
-;;;; exported protocol.
+;;;; compat.lisp -- the one place Gallop touches Hunchentoot (and usocket,
+;;;; cl+ssl) beyond their exported protocols.
 ;;;;
 ;;;; Gallop uses Hunchentoot's exported generic functions (START-LISTENING,
 ;;;; EXECUTE-ACCEPTOR, HANDLE-INCOMING-CONNECTION, PROCESS-CONNECTION,
 ;;;; INITIALIZE-CONNECTION-STREAM, RESET-CONNECTION-STREAM, SHUTDOWN, STOP ...)
-;;;; and, where no exported name does the job, the internal names below,
-;;;; each with the reason and a check that makes a Hunchentoot that changes
-;;;; it fail at load time rather than at run time.  Every one has the same
-;;;; name and meaning in 1.2.38 and in 1.3.x.  The first: the listen socket
-;;;; that Hunchentoot's own START-LISTENING creates is reachable only through
-;;;; the internal accessor ACCEPTOR-LISTEN-SOCKET (STOP uses it in both).
+;;;; and, where no exported name does the job, the internal names in
+;;;; *INTERNAL-NAMES* below, and nowhere but in this file: the other files
+;;;; call the functions defined here (tests/hunchentoot/compat.lisp checks
+;;;; both).  Each is checked when this file loads, so that a Hunchentoot
+;;;; that changes one fails then rather than at run time, and each has the
+;;;; same name and meaning in every version tested (`make test`: Debian's
+;;;; 1.2.38; `make test-ht13`: 1.3.1), but +VALID-REQUEST-METHODS+, which
+;;;; 1.2.38 lacks.
 
 (in-package #:gallop)
+
+(defparameter *internal-names*
+  '(;; (PACKAGE NAME KIND WHY USED-BY)
+    ("HUNCHENTOOT" "ACCEPTOR-LISTEN-SOCKET" :accessor
+     "the listen socket START-LISTENING made, taken over" "taskmaster.lisp")
+    ("HUNCHENTOOT" "+VALID-REQUEST-METHODS+" :constant
+     "the methods 1.3.x reads (absent in 1.2.38: any)" "taskmaster.lisp")
+    ("HUNCHENTOOT" "RAW-POST-DATA" :slot
+     "a body nobody read is marked consumed, not read into memory" "taskmaster.lisp")
+    ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-P" :generic-function
+     "a soft stop serves requests that arrived; read after a request" "this file, in-progress.lisp, taskmaster.lisp")
+    ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-LOCK" :accessor
+     "a soft STOP waits on it for requests in progress" "in-progress.lisp")
+    ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-QUEUE" :accessor
+     "the same" "in-progress.lisp")
+    ("HUNCHENTOOT" "GET-REQUEST-DATA" :function
+     "wrapped: a request head comes from the core's record" "wire.lisp")
+    ("HUNCHENTOOT" "SEND-RESPONSE" :function
+     "wrapped: a response head goes straight to the connection" "wire.lisp")
+    ("HUNCHENTOOT" "STRINGIFY-COOKIE" :generic-function
+     "Set-Cookie values as SEND-RESPONSE writes them" "wire.lisp")
+    ("HUNCHENTOOT" "START-OUTPUT" :function
+     "a deferred answer is written by Hunchentoot's own code" "defer.lisp")
+    ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special "bound again for a deferred answer" "defer.lisp")
+    ("HUNCHENTOOT" "*HEADERS-SENT*" :special "the same; and for HANDLER-DONE" "defer.lisp, acceptor.lisp")
+    ("HUNCHENTOOT" "*FINISH-PROCESSING-SOCKET*" :special "the same" "defer.lisp, acceptor.lisp")
+    ("HUNCHENTOOT" "*CLOSE-HUNCHENTOOT-STREAM*" :special "the same" "defer.lisp")
+    ("HUNCHENTOOT" "REQUEST-PROCESSED" :catch-tag
+     "START-OUTPUT throws to it for a HEAD request" "defer.lisp")
+    ("HUNCHENTOOT" "HANDLER-DONE" :catch-tag
+     "a handler's error ends it as Hunchentoot's HANDLE-REQUEST does" "acceptor.lisp")
+    ("HUNCHENTOOT" "GET-PEER-ADDRESS-AND-PORT" :function
+     "wrapped: the peer's address, known once a connection" "memo.lisp")
+    ("HUNCHENTOOT" "GET-LOCAL-ADDRESS-AND-PORT" :function
+     "wrapped: the local address, known once a connection" "memo.lisp")
+    ("HUNCHENTOOT" "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER" :function
+     "wrapped: remembered per content type" "memo.lisp")
+    ("HUNCHENTOOT" "DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED" :function
+     "wrapped: requests in progress counted without a lock" "in-progress.lisp")
+    ("HUNCHENTOOT" "REQUESTS-IN-PROGRESS" :slot
+     "that count" "in-progress.lisp")
+    ("USOCKET" "REAL-ERROR" :slot
+     "the condition in the UNKNOWN-ERROR Hunchentoot makes of every one" "taskmaster.lisp")
+    ("CL+SSL" "SSL-STREAM" :class "telling a cl+ssl stream" "taskmaster.lisp")
+    ("CL+SSL" "SSL-STREAM-HANDLE" :accessor "SSL_pending on its handle" "taskmaster.lisp")
+    ("CL+SSL" "*SOCKET*" :special "close_notify through a Lisp BIO" "taskmaster.lisp"))
+  "Every internal name of Hunchentoot, usocket and cl+ssl that Gallop uses:
+\(PACKAGE NAME KIND WHY USED-BY), USED-BY naming the files that call this
+file's function for it.  (Hunchentoot's SET-TIMEOUTS is not here: Gallop
+does not call it; hunchensocket does, see MAKE-TIMEOUT-STREAM.)")
+
+;;; The listen socket that Hunchentoot's own START-LISTENING creates is
+;;; reachable only through the internal accessor ACCEPTOR-LISTEN-SOCKET
+;;; (STOP uses it in both versions).
 
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (unless (fboundp (find-symbol "ACCEPTOR-LISTEN-SOCKET" '#:hunchentoot))
@@ -44,6 +100,10 @@ both read every request the same way."
                 :key (lambda (slot) (symbol-name (sb-mop:slot-definition-name slot)))
                 :test #'string=)
     (error "This usocket's UNKNOWN-ERROR has no REAL-ERROR slot.")))
+
+(defun usocket-real-error (condition)
+  "The condition inside the USOCKET:UNKNOWN-ERROR CONDITION, or NIL."
+  (ignore-errors (slot-value condition 'usocket::real-error)))
 
 ;;; The slot behind HUNCHENTOOT:RAW-POST-DATA (REQUEST, same name in 1.2.38
 ;;; and 1.3.x).  When a handler did not read the request body, Hunchentoot's
@@ -107,13 +167,29 @@ stream was made over), as it does inside cl+ssl's own calls."
 ;;; PROCESS-CONNECTION checks it before reading each request and returns
 ;;; when it is true.  During a soft stop Gallop still serves the requests
 ;;; that had already arrived (engine-stop :soft), so for a connection whose
-;;; checked request head Hunchentoot has not read yet, it answers NIL (see
-;;; taskmaster.lisp).  Elsewhere (counting requests in progress, STOP) it is
+;;; checked request head Hunchentoot has not read yet, it answers NIL (the
+;;; method below).  Elsewhere (counting requests in progress, STOP) it is
 ;;; untouched.
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (unless (typep (fdefinition (find-symbol "ACCEPTOR-SHUTDOWN-P" '#:hunchentoot))
                  'generic-function)
     (error "This Hunchentoot's ACCEPTOR-SHUTDOWN-P is not a generic function.")))
+
+(defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
+  ;; A request that arrived before a soft stop is served.
+  (and (not (let ((c (request-connection)))
+              (and c (gallop.core:connection-head-pending-p c))))
+       (call-next-method)))
+
+(defun hunchentoot-shutdown-p (acceptor)
+  "True once HUNCHENTOOT:STOP began stopping ACCEPTOR."
+  (hunchentoot::acceptor-shutdown-p acceptor))
+
+(defun notify-hunchentoot-shutdown (acceptor)
+  "Wake a soft HUNCHENTOOT:STOP of ACCEPTOR waiting for requests in
+progress, as Hunchentoot does after each request."
+  (bt:with-lock-held ((hunchentoot::acceptor-shutdown-lock acceptor))
+    (bt:condition-notify (hunchentoot::acceptor-shutdown-queue acceptor))))
 ;;; GET-REQUEST-DATA and SEND-RESPONSE (internal functions, the same in
 ;;; 1.2.38 and 1.3.x): Hunchentoot reads every request head and writes every
 ;;; response head through them.  wire.lisp wraps them (SB-INT:ENCAPSULATE)
@@ -162,6 +238,8 @@ what NAME (one checked here) does; loading this again replaces it."
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (unless (fboundp (find-symbol "START-OUTPUT" '#:hunchentoot))
     (error "This Hunchentoot has no START-OUTPUT."))
+  (unless (find-symbol "REQUEST-PROCESSED" '#:hunchentoot)
+    (error "This Hunchentoot has no REQUEST-PROCESSED catch tag."))
   (dolist (name '("*HUNCHENTOOT-STREAM*" "*HEADERS-SENT*" "*FINISH-PROCESSING-SOCKET*"
                   "*CLOSE-HUNCHENTOOT-STREAM*"))
     (let ((symbol (find-symbol name '#:hunchentoot)))
@@ -179,7 +257,10 @@ PROCESS-REQUEST bind them for a request on STREAM, before its answer."
      ,@body))
 
 (defun hunchentoot-start-output (code content)
-  (funcall (find-symbol "START-OUTPUT" '#:hunchentoot) code content))
+  "Hunchentoot's START-OUTPUT of CODE and CONTENT, caught where
+PROCESS-REQUEST catches it (a HEAD request's throws)."
+  (catch (load-time-value (find-symbol "REQUEST-PROCESSED" '#:hunchentoot) t)
+    (funcall (find-symbol "START-OUTPUT" '#:hunchentoot) code content)))
 
 (defun hunchentoot-headers-sent ()
   "Mark the current request's head as sent (PROCESS-REQUEST then writes no

@@ -80,12 +80,10 @@ connection wrapped by the acceptor itself (see the README)."
                 (hunchentoot:*reply* (deferred-reply deferred))
                 (hunchentoot:*session* (deferred-session deferred)))
             (with-hunchentoot-output-specials (c)
-              ;; (A HEAD request's START-OUTPUT throws, as in PROCESS-REQUEST.)
-              (catch (find-symbol "REQUEST-PROCESSED" '#:hunchentoot)
-                (hunchentoot-start-output
-                 (hunchentoot:return-code*)
-                 (or content (hunchentoot:acceptor-status-message
-                              hunchentoot:*acceptor* (hunchentoot:return-code*)))))
+              (hunchentoot-start-output
+               (hunchentoot:return-code*)
+               (or content (hunchentoot:acceptor-status-message
+                            hunchentoot:*acceptor* (hunchentoot:return-code*))))
               (finish-output c)
               (setf keep-alive (hunchentoot-keep-alive-p)
                     sent t)))

@@ -50,9 +50,8 @@ ACCEPTOR while ACCEPTOR counts the request in progress."
            (progn (add-requests-in-progress acceptor 1)
                   (sb-sys:with-local-interrupts (funcall function)))
         (add-requests-in-progress acceptor -1)
-        (when (hunchentoot::acceptor-shutdown-p acceptor)
-          (bt:with-lock-held ((hunchentoot::acceptor-shutdown-lock acceptor))
-            (bt:condition-notify (hunchentoot::acceptor-shutdown-queue acceptor))))))))
+        (when (hunchentoot-shutdown-p acceptor)
+          (notify-hunchentoot-shutdown acceptor))))))
 
 (wrap-hunchentoot-function (hunchentoot-request-count-incremented)
   (lambda (original acceptor function)

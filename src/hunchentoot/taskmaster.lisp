@@ -284,7 +284,7 @@ first.  The default method says NIL.")
         (flet ((closing ()
                  (when (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
                            ;; HUNCHENTOOT:STOP sets this before it stops us
-                           (hunchentoot::acceptor-shutdown-p acceptor)
+                           (hunchentoot-shutdown-p acceptor)
                            (gallop.core:connection-close-after-p c))
                    (setf (hunchentoot:header-out :connection) "Close"))))
           (handler-case (multiple-value-call
@@ -334,7 +334,7 @@ USOCKET:UNKNOWN-ERROR (twice, when it crosses two), so those are looked into."
     (gallop.core:connection-timeout-error nil)
     (gallop.core:connection-error t)
     (usocket:unknown-error
-     (client-abort-condition-p (ignore-errors (slot-value object 'usocket::real-error))))))
+     (client-abort-condition-p (usocket-real-error object)))))
 
 (defun client-timeout-condition-p (object)
   "True if OBJECT is a condition saying a read or write on the client's
@@ -343,7 +343,7 @@ does)."
   (typecase object
     (gallop.core:connection-timeout-error t)
     (usocket:unknown-error
-     (client-timeout-condition-p (ignore-errors (slot-value object 'usocket::real-error))))))
+     (client-timeout-condition-p (usocket-real-error object)))))
 
 (defmethod hunchentoot:acceptor-log-message :around ((acceptor hunchentoot:acceptor) log-level
                                                      format-string &rest format-arguments)
@@ -384,12 +384,6 @@ does)."
   (let ((c (request-connection)))
     (when c
       (gallop.core:connection-detach c))))
-
-(defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
-  ;; See compat.lisp: a request that arrived before a soft stop is served.
-  (and (not (let ((c (request-connection)))
-              (and c (gallop.core:connection-head-pending-p c))))
-       (call-next-method)))
 
 (defun switch-protocols (c)
   "A 101 answer goes out on the Gallop connection C: the handler (hunchensocket's
