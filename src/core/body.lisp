@@ -12,7 +12,7 @@
 ;;;;    drops it (CONNECTION-CONSUME-HEAD) and reads the decoded body with
 ;;;;    CONNECTION-READ-BODY, usually through a BODY-STREAM.
 ;;;;  - Hunchentoot takes the head from the record too (CONNECTION-TAKE-HEAD,
-;;;;    see src/hunchentoot/wire.lisp) and reads the connection as a stream
+;;;;    see src/hunchentoot/heads.lisp) and reads the connection as a stream
 ;;;;    (READ-MESSAGE): the head's octets only where it reads the head itself
 ;;;;    (HUNCHENTOOT:*HEADER-STREAM* set), then the body.  A Content-Length body is passed on
 ;;;;    as it is; a chunked body is decoded here and passed on re-chunked

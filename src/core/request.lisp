@@ -6,7 +6,7 @@
 ;;;; connection has one, reused from request to request.  The layers above
 ;;;; read the head from here and never scan it again: the native API builds
 ;;;; its environment from it (src/native/request.lisp), the Hunchentoot layer
-;;;; Hunchentoot's request data (src/hunchentoot/wire.lisp).
+;;;; Hunchentoot's request data (src/hunchentoot/heads.lisp).
 ;;;;
 ;;;; The head's positions are indexes into the connection's input buffer,
 ;;;; valid from PARSE-HEAD until the body is read (reading the body may move

@@ -30,11 +30,11 @@
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-QUEUE" :accessor
      "the same" "in-progress.lisp")
     ("HUNCHENTOOT" "GET-REQUEST-DATA" :function
-     "wrapped: a request head comes from the core's record" "wire.lisp")
+     "wrapped: a request head comes from the core's record" "heads.lisp")
     ("HUNCHENTOOT" "SEND-RESPONSE" :function
-     "wrapped: a response head goes straight to the connection" "wire.lisp")
+     "wrapped: a response head goes straight to the connection" "heads.lisp")
     ("HUNCHENTOOT" "STRINGIFY-COOKIE" :generic-function
-     "Set-Cookie values as SEND-RESPONSE writes them" "wire.lisp")
+     "Set-Cookie values as SEND-RESPONSE writes them" "heads.lisp")
     ("HUNCHENTOOT" "START-OUTPUT" :function
      "a deferred answer is written by Hunchentoot's own code" "defer.lisp")
     ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special "bound again for a deferred answer" "defer.lisp")
@@ -192,7 +192,7 @@ progress, as Hunchentoot does after each request."
     (bt:condition-notify (hunchentoot::acceptor-shutdown-queue acceptor))))
 ;;; GET-REQUEST-DATA and SEND-RESPONSE (internal functions, the same in
 ;;; 1.2.38 and 1.3.x): Hunchentoot reads every request head and writes every
-;;; response head through them.  wire.lisp wraps them (SB-INT:ENCAPSULATE)
+;;; response head through them.  heads.lisp wraps them (SB-INT:ENCAPSULATE)
 ;;; so that on a Gallop connection the head comes from the request record
 ;;; the core already parsed, and the response head goes straight into the
 ;;; connection's buffer: the speed of Gallop's Hunchentoot acceptors.  Their
@@ -204,7 +204,7 @@ progress, as Hunchentoot does after each request."
     (unless (and symbol (fboundp symbol)
                  (equal (mapcar #'symbol-name (sb-introspect:function-lambda-list symbol))
                         lambda-list))
-      (error "This Hunchentoot's ~A is not a function of ~S: Gallop's wire.lisp needs it."
+      (error "This Hunchentoot's ~A is not a function of ~S: Gallop's heads.lisp needs it."
              name lambda-list))
     symbol))
 

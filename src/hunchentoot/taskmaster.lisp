@@ -116,7 +116,7 @@ new connections get 503.")
   (let ((tm (acceptor-gallop-taskmaster acceptor)))
     (and tm (stats tm))))
 
-(defun serve-connection (acceptor connection)
+(defun process-gallop-connection (acceptor connection)
   "The engine's handler: run Hunchentoot's request loop on CONNECTION.  It
 gets a CONNECTION-USOCKET (socket.lisp), also for a socket Hunchentoot's own
 ACCEPT-CONNECTIONS accepted: the peer's address is the one accept gave, so
@@ -178,7 +178,7 @@ first.  The default method says NIL.")
       ;; and the queue length first, then every setting as given.
       (apply #'gallop.core:make-engine
              :name (format nil "gallop-~A" (hunchentoot:acceptor-port acceptor))
-             :handler (lambda (connection) (serve-connection acceptor connection))
+             :handler (lambda (connection) (process-gallop-connection acceptor connection))
              :tls-context tls
              :raw (and (null tls) (hunchentoot:acceptor-ssl-p acceptor))
              :methods (hunchentoot-request-methods)

@@ -26,7 +26,7 @@
       "sec-fetch-dest" "sec-fetch-user")
     "Lower-case header names common enough to be matched against literals
 \(OCTETS-CASE) when a request's head is read: the native API shares one
-string for each, the Hunchentoot layer names each by its keyword (wire.lisp)."))
+string for each, the Hunchentoot layer names each by its keyword (heads.lisp)."))
 
 (defun common-header-name (name)
   "The shared string of the common header NAME."

@@ -81,7 +81,7 @@ start compiles Clack, websocket-driver and Hunchentoot: up to minutes."
       (subseq out 0 got))))
 
 (defun read-ws-head (socket)
-  "The handshake's answer: status and headers (the strict reader of wire.lisp)."
+  "The handshake's answer: status and headers (the strict reader of strict-reader.lisp)."
   (let ((source (stream-source (usocket:socket-stream socket))))
     (multiple-value-bind (status fields) (read-101-head source)
       (values status fields))))

@@ -6,7 +6,7 @@
 ;;;; (shutdown SHUT_WR: the server sees end of file after the last byte, so no
 ;;;; case waits for a timeout), and reads every answer until the server
 ;;;; closes.  The answers are then read strictly, by the tests' one response
-;;;; reader (PARSE-WIRE, tests/wire.lisp), and compared with the verdict: the
+;;;; reader (PARSE-WIRE, tests/strict-reader.lisp), and compared with the verdict: the
 ;;;; sequence of statuses (interim 1xx answers aside), for each request served
 ;;;; the line the app wrote in its X-Seen header -- method, target, header
 ;;;; count, body length and MD5 of the body, exactly as the app saw them --
@@ -211,7 +211,7 @@ connection, else NIL."
 
 (defun parse-answers (octets)
   "Split OCTETS, everything a server sent before it closed, into the
-responses they hold, each read strictly by PARSE-WIRE (tests/wire.lisp) as
+responses they hold, each read strictly by PARSE-WIRE (tests/strict-reader.lisp) as
 it would be read off the connection: a WIRE-RESPONSE per answer, interim 1xx
 answers included.  Second and third values: where the octets stop being a
 valid response, the octets from there and the WIRE-ERROR saying why (a

@@ -1,7 +1,7 @@
 ;;;; answers.lisp -- every answer Gallop writes itself is a valid HTTP/1.1
 ;;;; message (spec: issue 13), on both front ends: GALLOP:START with a
 ;;;; trivial app, and GALLOP:EASY-ACCEPTOR.  Each answer is read with the
-;;;; strict reader of tests/wire.lisp: the exact status line, Content-Type,
+;;;; strict reader of tests/strict-reader.lisp: the exact status line, Content-Type,
 ;;;; Content-Length equal to the body that follows, Connection: close (and
 ;;;; Retry-After for 503), then the end of the connection and nothing else.
 ;;;; curl must read each one an HTTP client can provoke and exit 0.

@@ -4,7 +4,7 @@
 ;;;; The clients are raw sockets whose receive buffer is made small before
 ;;;; they connect, so the server's socket fills after a few KiB.  Each test
 ;;;; checks what a client sees, byte by byte with the strict reader
-;;;; (tests/wire.lisp), and what the server holds meanwhile (GALLOP:STATS:
+;;;; (tests/strict-reader.lisp), and what the server holds meanwhile (GALLOP:STATS:
 ;;;; :WRITING connections parked until their client reads, pool threads).
 ;;;; Timing is never asserted: the waits are bounded only so that a broken
 ;;;; server fails instead of hanging.

@@ -2,7 +2,7 @@
 ;;;; strings (UTF-8) with CR, LF, NUL and characters beyond ASCII, octet
 ;;;; vectors with every value, SEND-HEADERS streams and HANDLE-STATIC-FILE,
 ;;;; on GALLOP:EASY-ACCEPTOR and on a stock HUNCHENTOOT:EASY-ACCEPTOR with a
-;;;; GALLOP:TASKMASTER.  Read back strictly, by READ-WIRE (tests/wire.lisp),
+;;;; GALLOP:TASKMASTER.  Read back strictly, by READ-WIRE (tests/strict-reader.lisp),
 ;;;; on keep-alive connections (see tests/native/bodies.lisp for the exchange
 ;;;; runner and the random content).
 

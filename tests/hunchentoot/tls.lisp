@@ -4,7 +4,7 @@
 ;;;; A raw TLS client: cl+ssl over a real socket to 127.0.0.1, writing
 ;;;; exactly the octets a test gives it, each write one TLS record (write,
 ;;;; then force-output: one SSL_write), and reading exactly what the server
-;;;; sends, with the strict reader of tests/wire.lisp.  With it:
+;;;; sends, with the strict reader of tests/strict-reader.lisp.  With it:
 ;;;;   - the segmentation limits of core/answers.lisp (414, 431, 413 and
 ;;;;     requests just under each, sent whole, every 1 KiB and one byte at a
 ;;;;     time) on GALLOP:EASY-SSL-ACCEPTOR;
@@ -137,7 +137,7 @@ write (after a failed one OpenSSL forbids SSL_shutdown)."
       (tls-close client))))
 
 (defun tls-wire-source (client)
-  "A wire source (tests/wire.lisp) reading CLIENT's TLS stream a byte at a
+  "A wire source (tests/strict-reader.lisp) reading CLIENT's TLS stream a byte at a
 time; it fails with a WIRE-ERROR on an error of the TLS stream and when
 SB-SYS:*DEADLINE* passes."
   (stream-source (tls-stream client) :timeout 'sb-sys:deadline-timeout :failure 'error))

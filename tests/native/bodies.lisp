@@ -4,7 +4,7 @@
 ;;;; buffer) and large, read back byte by byte by a strict client on
 ;;;; keep-alive connections, so that a body changed in flight or a wrong
 ;;;; Content-Length (which breaks the next answer) is seen.  The client is
-;;;; READ-WIRE (tests/wire.lisp), the tests' one strict response reader.
+;;;; READ-WIRE (tests/strict-reader.lisp), the tests' one strict response reader.
 ;;;;
 ;;;; Also the random content and the exchange runner that
 ;;;; tests/hunchentoot/bodies.lisp uses for Hunchentoot handlers.

@@ -1,6 +1,6 @@
-;;;; wire.lisp -- Hunchentoot on Gallop reads its requests from the core's
+;;;; heads.lisp -- Hunchentoot on Gallop reads its requests from the core's
 ;;;; record and writes its response heads with Gallop's writer
-;;;; (src/hunchentoot/wire.lisp).  The heads must be the bytes stock
+;;;; (src/hunchentoot/heads.lisp).  The heads must be the bytes stock
 ;;;; Hunchentoot writes (but for Date), read strictly; the request a handler
 ;;;; sees must be the one the core parsed; and where Gallop differs on
 ;;;; purpose (header values on one line, method case, header names not

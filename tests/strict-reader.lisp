@@ -1,4 +1,4 @@
-;;;; wire.lisp -- a strict client-side reader of HTTP/1.1 responses, for the
+;;;; strict-reader.lisp -- a strict client-side reader of HTTP/1.1 responses, for the
 ;;;; tests that must show a server's answer is a valid message byte by byte.
 ;;;;
 ;;;; READ-RESPONSE in util.lisp is lenient on purpose (it finds the status in

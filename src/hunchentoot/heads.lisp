@@ -1,4 +1,4 @@
-;;;; wire.lisp -- Hunchentoot's requests read from Gallop's request record,
+;;;; heads.lisp -- Hunchentoot's requests read from Gallop's request record,
 ;;;; and its response heads written by Gallop's writer.
 ;;;;
 ;;;; Hunchentoot reads a request head through its stream a character at a
