@@ -123,6 +123,7 @@
                (:file "hunchentoot/pool")
                (:file "hunchentoot/taskmaster")
                (:file "hunchentoot/compat")
+               (:file "hunchentoot/stock")
                (:file "hunchentoot/lifecycle")
                (:file "hunchentoot/ssl")
                (:file "hunchentoot/tls")

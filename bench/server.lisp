@@ -36,6 +36,10 @@
 ;;;; GALLOP:EASY-SSL-ACCEPTOR, HUNCHENTOOT:EASY-SSL-ACCEPTOR with
 ;;;; GALLOP:TASKMASTER, and GALLOP:START with the certificate.
 ;;;;
+;;;; BENCH_BESIDE_GALLOP=PORT (stock only): the process also loads Gallop
+;;;; and runs a GALLOP:EASY-ACCEPTOR on PORT with the same handlers, so that
+;;;; tests/hunchentoot/stock.lisp can show the stock acceptor answers as it
+;;;; does in a process without Gallop.
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
@@ -102,8 +106,14 @@
         *sleep-ms* (parse-integer (third args))))
 
 ;; Stock Hunchentoot loads Hunchentoot alone: Gallop's methods on Hunchentoot's
-;; generic functions are not even present in that process.
+;; generic functions are not even present in that process (unless
+;; BENCH_BESIDE_GALLOP asks for a Gallop acceptor beside it).
+(defparameter *beside-port*
+  (let ((v (uiop:getenv "BENCH_BESIDE_GALLOP")))
+    (and v (plusp (length v)) (eq *kind* :stock) (parse-integer v))))
 (asdf:load-system (case *kind* (:stock "hunchentoot") (:native "gallop/native") (t "gallop")))
+(when *beside-port*
+  (asdf:load-system "gallop"))
 ;; This file names Hunchentoot's symbols, so the reader needs the package even
 ;; for the native server, which never starts an acceptor.
 (asdf:load-system "hunchentoot")
@@ -364,6 +374,11 @@ alike, then BENCH_GALLOP_OPTIONS."
                                                         :ssl-privatekey-file (second *tls*))))))
                   (funcall (find-symbol "START" "HUNCHENTOOT") *acceptor*))
   (error (e) (die "cannot start ~(~A~) on port ~D: ~A" *kind* *port* e)))
+
+(when *beside-port*
+  (handler-case (hunchentoot:start (apply #'make-instance (gallop-symbol "EASY-ACCEPTOR")
+                                         :address "127.0.0.1" :port *beside-port* *log-args*))
+    (error (e) (die "cannot start Gallop beside on port ~D: ~A" *beside-port* e))))
 
 (reply "READY ~D" (sb-unix:unix-getpid))
 

@@ -1,0 +1,104 @@
+;;;; stock.lisp -- loading Gallop leaves a stock acceptor stock: a
+;;;; HUNCHENTOOT:EASY-ACCEPTOR with Hunchentoot's own taskmaster, in a
+;;;; process where a GALLOP:EASY-ACCEPTOR serves too, answers every request
+;;;; with the octets it answers in a process without Gallop (the Date
+;;;; header's value aside).  Both are bench/server.lisp's stock server, in
+;;;; child processes loading the Hunchentoot this image loaded.
+
+(in-package #:gallop-tests)
+
+(in-suite taskmaster)
+
+(defun start-stock-child (port &key beside)
+  "bench/server.lisp's stock server on PORT in a child process, with a
+GALLOP:EASY-ACCEPTOR on BESIDE too when given.  The process, once READY."
+  (let* ((hunchentoot (asdf:system-source-directory "hunchentoot"))
+         (process (sb-ext:run-program
+                   "scripts/lisp.sh"
+                   (list "--eval" (format nil "(push ~S asdf:*central-registry*)"
+                                          (namestring hunchentoot))
+                         "--load" "bench/server.lisp"
+                         "--end-toplevel-options" "stock" (princ-to-string port) "0")
+                   :environment (append (and beside (list (format nil "BENCH_BESIDE_GALLOP=~D" beside)))
+                                        (sb-ext:posix-environ))
+                   :wait nil :input :stream :output :stream :error nil
+                   :directory (asdf:system-source-directory "gallop"))))
+    (let ((line (read-line (sb-ext:process-output process) nil "")))
+      (unless (eql 0 (search "READY" line))
+        (ignore-errors (sb-ext:process-kill process 9))
+        (error "The stock child on port ~D did not start: ~S" port line)))
+    process))
+
+(defun stop-stock-child (process)
+  (ignore-errors (write-line "quit" (sb-ext:process-input process))
+                 (finish-output (sb-ext:process-input process)))
+  (sb-ext:process-wait process)
+  (sb-ext:process-close process))
+
+(defparameter +stock-requests+
+  (list (crlf "GET /yo HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /yo?name=Ann HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "HEAD /yo HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /nowhere HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /yo HTTP/1.0")
+        (concatenate 'string (crlf "GET /yo?name=1 HTTP/1.1" "Host: x")
+                     (crlf "GET /yo?name=2 HTTP/1.1" "Host: x")
+                     (crlf "GET /yo?name=3 HTTP/1.1" "Host: x" "Connection: close"))
+        (concatenate 'string (crlf "POST /upload HTTP/1.1" "Host: x" "Content-Length: 11"
+                                   "Connection: close")
+                     "hello world")
+        (crlf "GET /error HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /big HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /stream HTTP/1.1" "Host: x" "Connection: close")
+        (crlf "GET /yo HTTP/1.1" "Host: x" "Accept-Encoding: gzip" "Cookie: a=b"
+              "Connection: close"))
+  "What each stock server is sent, one connection each, read to its end.
+\(Not a chunked upload: stock Hunchentoot 1.2.38 never answers /upload's.)")
+
+(defun without-dates (octets port)
+  "OCTETS as a string, each Date header's value left out and PORT (which
+Hunchentoot's error pages name) written PORT."
+  (let ((text (map 'string #'code-char octets)))
+    (loop for at = (search (princ-to-string port) text)
+          while at
+          do (setf text (concatenate 'string (subseq text 0 at) "PORT"
+                                     (subseq text (+ at (length (princ-to-string port)))))))
+    (with-output-to-string (out)
+      (loop with start = 0
+            for at = (search (format nil "~C~CDate: " #\Return #\Linefeed) text :start2 start)
+            do (write-string text out :start start :end (or at (length text)))
+               (unless at (return))
+               (let ((end (search (format nil "~C~C" #\Return #\Linefeed) text :start2 (+ at 2))))
+                 (write-string (format nil "~C~CDate: -" #\Return #\Linefeed) out)
+                 (setf start end))))))
+
+(defun stock-answer (port request)
+  (let ((socket (connect port)))
+    (unwind-protect
+         (progn (send socket request)
+                (read-to-eof (usocket:socket-stream socket)))
+      (usocket:socket-close socket))))
+
+(test a-stock-acceptor-answers-as-without-gallop
+  "A stock easy-acceptor beside a running GALLOP:EASY-ACCEPTOR answers each
+request with the octets of one in a process without Gallop."
+  (let* ((alone-port 19311) (stock-port 19312) (gallop-port 19313)
+         (alone (start-stock-child alone-port))
+         (beside (ignore-errors (start-stock-child stock-port :beside gallop-port))))
+    (unwind-protect
+         (progn
+           (is (not (null beside)) "the child with Gallop started")
+           (when beside
+             (let ((served (stock-answer gallop-port (first +stock-requests+))))
+               (is (search "Hey!" (map 'string #'code-char served))
+                   "Gallop serves beside: ~S" (map 'string #'code-char served)))
+             (dolist (request +stock-requests+)
+               (let ((expected (without-dates (stock-answer alone-port request) alone-port))
+                     (got (without-dates (stock-answer stock-port request) stock-port)))
+                 (is (plusp (length expected)))
+                 (is (string= expected got)
+                     "~S: without Gallop ~D octets, beside it ~D, first difference at ~S"
+                     (subseq request 0 (position #\Return request))
+                     (length expected) (length got) (mismatch expected got))))))
+      (stop-stock-child alone)
+      (when beside (stop-stock-child beside)))))
