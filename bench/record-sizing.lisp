@@ -14,10 +14,11 @@
 ;;;;
 ;;;; Writes tests/data/sizing/SCENARIO.sexp: one line per group and sample,
 ;;;; (GROUP IDLE HOLDERS ALLOWED THREADS SHARE IDLE-SAMPLES LOAD CPUS-IDLE
-;;;;  ROOM-FOR-PERMIT ROOM-FOR-THREAD BLOCKED SATURATED CONFIRMED
-;;;;  (BLOCKED-SAMPLES QUIET-LOOKS LOOK-IN SPARE-LOOKS) DECISION), the state
-;;;; the one before the decision and BLOCKED... NIL where the look was not
-;;;; taken.  Needs wrk (scripts/deps.sh wrk).
+;;;;  ROOM-FOR-PERMIT ROOM-FOR-THREAD LIMIT BLOCKED SATURATED
+;;;;  BLOCKED-TO-CONFIRM CONFIRMED (BLOCKED-SAMPLES QUIET-LOOKS LOOK-IN
+;;;;  SPARE-LOOKS) DECISION): LOAD exact (a ratio), the state the one before
+;;;; the decision, LIMIT... what the look was asked and found, NIL where it
+;;;; was not.  Needs wrk (scripts/deps.sh wrk).
 
 (require :asdf)
 (push (truename ".") asdf:*central-registry*)
@@ -67,11 +68,12 @@
                             (gallop.core::sample-allowed sample) (gallop.core::sample-threads sample)
                             (gallop.core::sample-share sample)
                             (gallop.core::sample-idle-samples sample)
-                            (/ (round (* 1000 (gallop.core::sample-load sample))) 1000)
+                            (rational (gallop.core::sample-load sample))
                             (and (gallop.core::sample-cpus-idle sample) t)
                             (and (gallop.core::sample-room-for-permit sample) t)
                             (and (gallop.core::sample-room-for-thread sample) t)
-                            (first seen) (and (second seen) t) (third seen)
+                            (first seen) (second seen) (and (third seen) t)
+                            (fourth seen) (fifth seen)
                             (list (gallop.core::sizing-blocked-samples before)
                                   (gallop.core::sizing-quiet-looks before)
                                   (gallop.core::sizing-look-in before)

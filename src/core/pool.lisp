@@ -545,8 +545,9 @@ decrement of its group's IDLE, which fences): wake the maker if it rests."
 (defvar *sizing-trace* nil
   "NIL, or a function the maker calls with each group's index, its
 SIZING-SAMPLE, its SIZING-STATE before, the decision and what the look
-found (a list: BLOCKED SATURATED CONFIRMED, NIL where not read): how
-tests/data/sizing/ was recorded (bench/record-sizing.lisp).")
+was asked and found (a list: LIMIT BLOCKED SATURATED BLOCKED-TO-CONFIRM
+CONFIRMED, NIL where not asked): how tests/data/sizing/ was recorded
+\(bench/record-sizing.lisp).")
 
 (defun resize-group (pool group load share stat-buffer found brief-waits cpus-idle)
   "Sample GROUP, ask the sizing policy (DECIDE-SIZE, sizing.lisp) and act on
@@ -554,7 +555,7 @@ its decision.  LOAD is the process's share of its CPUs over the last
 samples (NOTE-LOAD), SHARE the group's share of them; FOUND and BRIEF-WAITS
 are the maker's, for CONFIRMED-BLOCKED; CPUS-IDLE true when the CPUs were
 idle lately (cpus.lisp)."
-  (let* ((seen (list nil nil nil))
+  (let* ((seen (list nil nil nil nil nil))
          (sample (make-sizing-sample
                   :idle (group-idle group) :holders (group-holders group)
                   :allowed (group-allowed group) :threads (group-thread-count group)
@@ -565,10 +566,11 @@ idle lately (cpus.lisp)."
                   :look (lambda (limit)
                           (multiple-value-bind (blocked saturated)
                               (blocked-workers pool group limit share stat-buffer found cpus-idle)
-                            (setf (first seen) blocked (second seen) saturated)
+                            (setf (first seen) limit (second seen) blocked (third seen) saturated)
                             (values blocked saturated)))
                   :confirm (lambda (blocked)
-                             (setf (third seen)
+                             (setf (fourth seen) blocked
+                                   (fifth seen)
                                    (confirmed-blocked found blocked stat-buffer brief-waits
                                                       (now-ms))))))
          (before (group-sizing group)))
@@ -579,7 +581,9 @@ idle lately (cpus.lisp)."
       (ecase decision
         (:hold)
         (:add-permit
-         (add-permit group)
+         ;; (Threads read again: one may have left during the look.)
+         (when (>= (group-thread-count group) (group-allowed group))
+           (add-permit group))
          (when (< (group-thread-count group) (group-allowed group))
            (spawn-worker pool group)))
         (:add-thread (spawn-worker pool group))

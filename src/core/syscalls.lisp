@@ -33,7 +33,8 @@
 (defconstant +epoll-ctl-mod+ 3)
 
 #-(or x86-64 arm64)
-(error "Gallop knows the layout of struct epoll_event on x86-64 and arm64 only.")
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (error "Gallop knows the layout of struct epoll_event on x86-64 and arm64 only."))
 
 (defconstant +epoll-event-size+ #+x86-64 12 #-x86-64 16
   "sizeof (struct epoll_event): packed on x86-64, aligned on arm64.")

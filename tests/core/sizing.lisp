@@ -69,10 +69,13 @@ CPUs taken (saturated), or blocked workers not confirmed, grows nothing."
           (apply #'decide state (append (list :look (lambda (limit) (declare (ignore limit)) (values 0 t)))
                                         (busy-sample)))
         (is (eq :hold decision))
-        (setf state next))
+        (setf state next)))
+    ;; Blocked workers not confirmed, sample after sample: never blocked.
+    (dotimes (i 3)
       (multiple-value-bind (decision next)
           (apply #'decide state (append (list :confirm (constantly 0)) (busy-sample :blocked 2)))
         (is (eq :hold decision))
+        (is (zerop (gallop.core::sizing-blocked-samples next)))
         (setf state next)))))
 
 (test sizing-with-idle-cpus-one-blocked-worker-is-enough
@@ -166,7 +169,7 @@ gives one back; none goes below the share."
   "The samples bench/record-sizing.lisp recorded for SCENARIO."
   (with-open-file (in (merge-pathnames (format nil "tests/data/sizing/~A.sexp" scenario)
                                        (asdf:system-source-directory "gallop")))
-    (let ((*read-default-float-format* 'double-float))
+    (let ((*read-eval* nil))
       (loop for line = (read in nil) while line collect line))))
 
 (defun replay-sizing (scenario)
@@ -176,8 +179,9 @@ recorded, and the look taken exactly where it was.  The decisions, in order."
   (let ((states (make-hash-table)) (decisions '()) (mismatches 0))
     (dolist (record (sizing-trace scenario))
       (destructuring-bind (group idle holders allowed threads share idle-samples load cpus-idle
-                           room-for-permit room-for-thread blocked saturated confirmed
-                           (blocked-samples quiet-looks look-in spare-looks) decision)
+                           room-for-permit room-for-thread limit blocked saturated
+                           to-confirm confirmed (blocked-samples quiet-looks look-in spare-looks)
+                           decision)
           record
         (let* ((before (gallop.core::make-sizing-state
                         :blocked-samples blocked-samples :quiet-looks quiet-looks
@@ -188,15 +192,18 @@ recorded, and the look taken exactly where it was.  The decisions, in order."
                         :idle idle :holders holders :allowed allowed :threads threads
                         :share share :idle-samples idle-samples :load load :cpus-idle cpus-idle
                         :room-for-permit room-for-permit :room-for-thread room-for-thread
-                        :look (lambda (limit) (declare (ignore limit))
-                                (setf looked t) (values (or blocked 0) saturated))
-                        :confirm (lambda (n) (declare (ignore n))
-                                   (setf confirmed-asked t) (or confirmed 0)))))
+                        ;; Asked what the pool was asked, or the replay differs.
+                        :look (lambda (asked)
+                                (setf looked (eql asked limit))
+                                (values (or blocked 0) saturated))
+                        :confirm (lambda (n)
+                                   (setf confirmed-asked (eql n to-confirm))
+                                   (or confirmed 0)))))
           (unless (equalp state before)
             (incf mismatches))
           (multiple-value-bind (got next) (gallop.core::decide-size sample state)
-            (unless (and (eq got decision) (eq looked (and blocked t))
-                         (eq confirmed-asked (and confirmed t)))
+            (unless (and (eq got decision) (eq looked (and limit t))
+                         (eq confirmed-asked (and to-confirm t)))
               (incf mismatches))
             (setf (gethash group states) next)
             (push got decisions)))))

@@ -11,7 +11,9 @@
 
 (defun start-stock-child (port &key beside)
   "bench/server.lisp's stock server on PORT in a child process, with a
-GALLOP:EASY-ACCEPTOR on BESIDE too when given.  The process, once READY."
+GALLOP:EASY-ACCEPTOR on BESIDE too when given, and no other BENCH_
+setting of this process's.  The process, once READY (within 120 s); its
+standard error goes to /tmp/gallop-stock-PORT.err."
   (let* ((hunchentoot (asdf:system-source-directory "hunchentoot"))
          (process (sb-ext:run-program
                    "scripts/lisp.sh"
@@ -20,19 +22,29 @@ GALLOP:EASY-ACCEPTOR on BESIDE too when given.  The process, once READY."
                          "--load" "bench/server.lisp"
                          "--end-toplevel-options" "stock" (princ-to-string port) "0")
                    :environment (append (and beside (list (format nil "BENCH_BESIDE_GALLOP=~D" beside)))
-                                        (sb-ext:posix-environ))
-                   :wait nil :input :stream :output :stream :error nil
+                                        (remove-if (lambda (v) (eql 0 (search "BENCH_" v)))
+                                                   (sb-ext:posix-environ)))
+                   :wait nil :input :stream :output :stream
+                   :error (format nil "/tmp/gallop-stock-~D.err" port) :if-error-exists :supersede
                    :directory (asdf:system-source-directory "gallop"))))
-    (let ((line (read-line (sb-ext:process-output process) nil "")))
+    (let ((line (handler-case (sb-sys:with-deadline (:seconds 120)
+                                (read-line (sb-ext:process-output process) nil ""))
+                  (sb-sys:deadline-timeout () "(no READY in 120 s)"))))
       (unless (eql 0 (search "READY" line))
         (ignore-errors (sb-ext:process-kill process 9))
-        (error "The stock child on port ~D did not start: ~S" port line)))
+        (sb-ext:process-wait process)
+        (sb-ext:process-close process)
+        (error "The stock child on port ~D did not start: ~S (see /tmp/gallop-stock-~D.err)"
+               port line port)))
     process))
 
 (defun stop-stock-child (process)
   (ignore-errors (write-line "quit" (sb-ext:process-input process))
                  (finish-output (sb-ext:process-input process)))
-  (sb-ext:process-wait process)
+  (unless (handler-case (sb-sys:with-deadline (:seconds 30) (sb-ext:process-wait process) t)
+            (sb-sys:deadline-timeout () nil))
+    (ignore-errors (sb-ext:process-kill process 9))
+    (sb-ext:process-wait process))
   (sb-ext:process-close process))
 
 (defparameter +stock-requests+
@@ -82,12 +94,17 @@ Hunchentoot's error pages name) written PORT."
 (test a-stock-acceptor-answers-as-without-gallop
   "A stock easy-acceptor beside a running GALLOP:EASY-ACCEPTOR answers each
 request with the octets of one in a process without Gallop."
-  (let* ((alone-port 19311) (stock-port 19312) (gallop-port 19313)
+  (let* ((alone-port (free-port))        ; (tests/core/emfile.lisp)
+         (stock-port (free-port))
+         (gallop-port (free-port))
          (alone (start-stock-child alone-port))
          (beside (ignore-errors (start-stock-child stock-port :beside gallop-port))))
     (unwind-protect
          (progn
            (is (not (null beside)) "the child with Gallop started")
+           (let ((served (stock-answer alone-port (first +stock-requests+))))
+             (is (search "Hey!" (map 'string #'code-char served))
+                 "the stock server alone serves: ~S" (map 'string #'code-char served)))
            (when beside
              (let ((served (stock-answer gallop-port (first +stock-requests+))))
                (is (search "Hey!" (map 'string #'code-char served))
