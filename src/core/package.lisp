@@ -12,7 +12,7 @@
    ;; pool
    #:pool #:make-pool #:pool-start #:pool-stop
    #:pool-thread-count #:pool-idle-count #:pool-threads
-   #:pool-min-threads #:pool-max-threads
+   #:pool-standby-threads #:pool-max-threads
    ;; connections (a binary Gray stream)
    #:connection #:connection-fd #:connection-engine
    #:connection-remote-address #:connection-remote-port

@@ -35,8 +35,8 @@
 ;;;; back, down to the share, when the CPUs are saturated, the holders sat
 ;;;; idle a second, or the extra permits cover no blocked worker.  Only the
 ;;;; maker starts threads (SBCL starts them under one global mutex); a
-;;;; thread idle for IDLE-TIMEOUT-MS leaves while its group has more than its
-;;;; share of MIN-THREADS (at least one).
+;;;; thread idle for THREAD-IDLE-TIMEOUT-MS leaves while its group has more
+;;;; than its share of STANDBY-THREADS (at least one).
 ;;;;
 ;;;; RESTING.  After +STILL-SAMPLES-BEFORE-REST+ still samples the maker
 ;;;; sleeps up to a second at a time until a worker finds work.  Each side
@@ -102,7 +102,7 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (allowed 1 :type fixnum)
   (permits (sb-thread:make-semaphore :name "gallop run permits"))
   (thread-count 0 :type fixnum)         ; under the pool's LOCK
-  (min-threads 1 :type fixnum)
+  (standby-threads 1 :type fixnum)
   ;; The maker's: samples in a row with idle workers, and with none idle;
   ;; and the counters its sizing policy carries (sizing.lisp).
   (idle-samples 0 :type fixnum)
@@ -147,9 +147,9 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   (moved 0 :type sb-ext:word)          ; events the maker moved to another group (STEALING)
   (stolen 0 :type sb-ext:word)         ; items a worker took from another group's queue or set
   (maker-helps t)                      ; *MAKER-HELPS* when the pool started
-  (min-threads 4 :type (integer 1))
+  (standby-threads 4 :type (integer 1))
   (max-threads 100 :type (integer 1))
-  (idle-timeout-ms 10000 :type fixnum)
+  (thread-idle-timeout-ms 10000 :type fixnum)
   (lock (sb-thread:make-mutex :name "gallop pool"))
   (threads '() :type list)
   ;; The WORKER record of each thread in THREADS that has begun its loop
@@ -195,18 +195,19 @@ replacement starts at once when none of its group's workers is idle.  NIL
 outside a worker."
   (and *step-out* (funcall *step-out*)))
 
-(defun make-pool (&key (name "gallop") (min-threads 4) (max-threads 100)
-                    (idle-timeout 10) dispatch thread-starter log-error)
+(defun make-pool (&key (name "gallop") (standby-threads 4) (max-threads 100)
+                    (thread-idle-timeout 10) dispatch thread-starter log-error)
   "Make a stopped pool.  DISPATCH is called in a worker as (DISPATCH DATA
 FLAGS) for every epoll event on a connection registered in one of the pool's
 epoll sets.  THREAD-STARTER, when given, is called as (THREAD-STARTER THUNK
 NAME) and must return a new thread running THUNK.  LOG-ERROR is called as
-\(LOG-ERROR CONDITION) for errors that escape DISPATCH.  IDLE-TIMEOUT is in
-seconds."
-  (assert (<= 1 min-threads max-threads) (min-threads max-threads)
-          "Need 1 <= MIN-THREADS (~D) <= MAX-THREADS (~D)." min-threads max-threads)
-  (%make-pool :name name :min-threads min-threads :max-threads max-threads
-              :idle-timeout-ms (round (* 1000 idle-timeout))
+\(LOG-ERROR CONDITION) for errors that escape DISPATCH.  The pool's names
+are the settings' (STANDBY-THREAD-COUNT, MAX-THREAD-COUNT,
+THREAD-IDLE-TIMEOUT, in seconds)."
+  (assert (<= 1 standby-threads max-threads) (standby-threads max-threads)
+          "Need 1 <= STANDBY-THREADS (~D) <= MAX-THREADS (~D)." standby-threads max-threads)
+  (%make-pool :name name :standby-threads standby-threads :max-threads max-threads
+              :thread-idle-timeout-ms (round (* 1000 thread-idle-timeout))
               :dispatch dispatch :thread-starter thread-starter :log-error log-error))
 
 (defun pool-idle-count (pool)
@@ -247,7 +248,7 @@ worker from the maker or the housekeeper."
         (sb-thread:make-thread body :name name))))
 
 (defun pool-start (pool)
-  "Create the groups' epoll sets, the maker thread and MIN-THREADS workers
+  "Create the groups' epoll sets, the maker thread and STANDBY-THREADS workers
 \(at least one per group)."
   (let* ((cpus (usable-cpus))
          ;; No more groups than threads: each needs one.
@@ -265,10 +266,11 @@ worker from the maker or the housekeeper."
               (group-allowed group) share
               (group-permits group) (sb-thread:make-semaphore :name "gallop run permits"
                                                               :count share)
-              ;; MIN-THREADS shared out, but at least one each: a group
+              ;; STANDBY-THREADS shared out, but at least one each: a group
               ;; without a thread would leave its connections to stealing.
-              (group-min-threads group) (max 1 (+ (floor (pool-min-threads pool) count)
-                                                  (if (< i (mod (pool-min-threads pool) count)) 1 0))))
+              (group-standby-threads group)
+              (max 1 (+ (floor (pool-standby-threads pool) count)
+                        (if (< i (mod (pool-standby-threads pool) count)) 1 0))))
         ;; Level-triggered: once signalled (at stop), every waiter sees it.
         (epoll-ctl (group-epfd group) +epoll-ctl-add+ (pool-wake-fd pool) +epollin+ +wake-data+)
         ;; Edge-triggered: each nudge wakes one waiter.
@@ -280,7 +282,7 @@ worker from the maker or the housekeeper."
           (start-pool-thread pool (lambda () (maker-loop pool))
                              (format nil "~A-thread-maker" (pool-name pool)) "maker"))
     (loop for group across groups
-          do (dotimes (i (group-min-threads group))
+          do (dotimes (i (group-standby-threads group))
                (spawn-worker pool group))))
   pool)
 
@@ -717,23 +719,23 @@ be read counts, as its state said.  BUFFER is for THREAD-WAIT-KIND."
              (push self (pool-retired pool)))))))
 
 (defun try-retire (pool group)
-  "Leave the pool if GROUP has more than its share of MIN-THREADS workers.
+  "Leave the pool if GROUP has more than its share of STANDBY-THREADS workers.
 True if leaving."
   (sb-thread:with-mutex ((pool-lock pool))
-    (when (> (group-thread-count group) (group-min-threads group))
+    (when (> (group-thread-count group) (group-standby-threads group))
       (decf (pool-thread-count pool))
       (decf (group-thread-count group))
       t)))
 
 (defun acquire-permit (pool group)
   "Wait for a run permit of GROUP.  True with one; NIL when stopping, or
-:RETIRED when no permit came for IDLE-TIMEOUT-MS and this thread may leave
+:RETIRED when no permit came for THREAD-IDLE-TIMEOUT-MS and this thread may leave
 the pool (then it was counted out of THREAD-COUNT)."
   (loop
     (when (pool-stopping pool)
       (return nil))
     (cond ((sb-thread:wait-on-semaphore (group-permits group)
-                                        :timeout (/ (pool-idle-timeout-ms pool) 1000))
+                                        :timeout (/ (pool-thread-idle-timeout-ms pool) 1000))
            (when (pool-stopping pool)
              (sb-thread:signal-semaphore (group-permits group))
              (return nil))
@@ -763,7 +765,7 @@ permits than its ALLOWED."
         (ready (group-ready group))
         (nudge-fd (group-nudge-fd group))
         (dispatch (pool-dispatch pool))
-        (timeout (pool-idle-timeout-ms pool))
+        (timeout (pool-thread-idle-timeout-ms pool))
         (counted-out nil)
         (holding nil)
         (stepped-out nil)

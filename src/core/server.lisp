@@ -72,9 +72,9 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :log-error log-error)))
       (setf (engine-pool engine)
             (make-pool :name name
-                       :min-threads (max 1 (min standby-thread-count max-thread-count))
+                       :standby-threads (max 1 (min standby-thread-count max-thread-count))
                        :max-threads max-thread-count
-                       :idle-timeout thread-idle-timeout
+                       :thread-idle-timeout thread-idle-timeout
                        :thread-starter thread-starter
                        :dispatch (lambda (data flags)
                                    (dispatch-event engine data flags))
