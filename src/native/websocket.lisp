@@ -586,24 +586,34 @@ true when they fit (always, for a WebSocket with no socket: a test's)."
   (or (null (ws-socket ws))
       (gallop.core:connection-charge-upgraded (ws-connection ws) delta)))
 
+(defconstant +small-message-octets+ 65536
+  "A message buffer this large or smaller is kept between messages, and a
+copy handed to ON-MESSAGE this large or smaller is not counted in the body
+budget: each worker delivers one message at a time, so the copies not
+counted are bounded by the workers, and the budget's atomic counters stay
+off the path of ordinary messages.")
+
 (defun deliver (ws opcode octets end)
   "Give the message OCTETS[0,END) to ON-MESSAGE: text (OPCODE 1) as a
-string.  The copy handed over counts in the body budget until ON-MESSAGE
-returns (a string takes 4 octets a character): past the budget, 1013."
-  (let ((copy (if (= opcode 1) (* 4 end) end)))
-    (if (not (charge ws copy))
+string.  A copy handed over larger than +SMALL-MESSAGE-OCTETS+ counts in
+the body budget until ON-MESSAGE returns (a string takes 4 octets a
+character): past the budget, 1013."
+  (let* ((size (if (= opcode 1) (* 4 end) end))
+         (copy (if (> size +small-message-octets+) size 0)))
+    (if (not (or (zerop copy) (charge ws copy)))
         (ws-fail ws 1013 "no memory for more messages now")
         (unwind-protect
              (let ((message (if (= opcode 1)
                                 (sb-ext:octets-to-string octets :external-format :utf-8 :end end)
                                 (subseq octets 0 end))))
-               (when (> (length (ws-message ws)) 65536)
+               (when (> (length (ws-message ws)) +small-message-octets+)
                  ;; No large buffer kept between messages.
                  (charge ws (- (length (ws-message ws))))
                  (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))))
                (when (ws-on-message ws)
                  (ws-call ws (ws-on-message ws) ws message)))
-          (charge ws (- copy))))))
+          (unless (zerop copy)
+            (charge ws (- copy)))))))
 
 (defun deliver-inflated (ws opcode fill)
   "Inflate the compressed message in WS's first FILL octets (RFC 7692,
