@@ -41,9 +41,18 @@
     (format *protocol* "~?~%" control args)
     (finish-output *protocol*)))
 
-(defun free-port ()
-  (let ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t)))
-    (prog1 (usocket:get-local-port socket) (usocket:socket-close socket))))
+(defun free-ports (n)
+  "N distinct ports no socket listens on now: all held open while the
+kernel picks them, so that it cannot hand out one twice."
+  (let ((sockets (loop repeat n
+                       collect (usocket:socket-listen "127.0.0.1" 0 :reuse-address t))))
+    (prog1 (mapcar #'usocket:get-local-port sockets)
+      (mapc #'usocket:socket-close sockets))))
+
+(defvar *ports* (free-ports 4)
+  "The ports of the four servers below.  (Clack's server binds its port in
+a thread of its own, later: a port picked after CLACKUP returns could be
+the same one.)")
 
 ;;; websocket-driver, its README's echo app, and a chat
 
@@ -120,37 +129,37 @@
   (setf (hunchentoot:content-type*) "text/plain")
   "plain")
 
-(defvar *clack-port* (free-port))
+(defvar *clack-port* (first *ports*))
 (defvar *clack-thread*
   (clack:clackup #'clack-app :server :gallop :address "127.0.0.1" :port *clack-port*
                              :use-thread t :silent t :debug nil))
-
-(defvar *easy*
-  (hunchentoot:start (make-instance 'easy-websocket-acceptor
-                                    :address "127.0.0.1" :port (free-port)
-                                    :access-log-destination nil
-                                    :message-log-destination *error-output*)))
-
-(defvar *taskmaster*
-  (hunchentoot:start (make-instance 'hunchensocket:websocket-acceptor
-                                    :address "127.0.0.1" :port (free-port)
-                                    :taskmaster (make-instance 'gallop:taskmaster)
-                                    :access-log-destination nil
-                                    :message-log-destination *error-output*)))
-
-(defvar *capped*
-  (hunchentoot:start (make-instance 'easy-websocket-acceptor
-                                    :address "127.0.0.1" :port (free-port)
-                                    :taskmaster (make-instance 'gallop:taskmaster
-                                                               :max-switched-threads 2)
-                                    :access-log-destination nil
-                                    :message-log-destination *error-output*)))
 
 (defun port-open-p (port)
   (handler-case (progn (usocket:socket-close (usocket:socket-connect "127.0.0.1" port)) t)
     (error () nil)))
 
 (loop repeat 200 until (port-open-p *clack-port*) do (sleep 0.05))
+
+(defvar *easy*
+  (hunchentoot:start (make-instance 'easy-websocket-acceptor
+                                    :address "127.0.0.1" :port (second *ports*)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
+
+(defvar *taskmaster*
+  (hunchentoot:start (make-instance 'hunchensocket:websocket-acceptor
+                                    :address "127.0.0.1" :port (third *ports*)
+                                    :taskmaster (make-instance 'gallop:taskmaster)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
+
+(defvar *capped*
+  (hunchentoot:start (make-instance 'easy-websocket-acceptor
+                                    :address "127.0.0.1" :port (fourth *ports*)
+                                    :taskmaster (make-instance 'gallop:taskmaster
+                                                               :max-switched-threads 2)
+                                    :access-log-destination nil
+                                    :message-log-destination *error-output*)))
 
 (reply "READY ~D ~D ~D ~D" *clack-port* (hunchentoot:acceptor-port *easy*)
        (hunchentoot:acceptor-port *taskmaster*) (hunchentoot:acceptor-port *capped*))

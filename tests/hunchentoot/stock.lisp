@@ -91,31 +91,37 @@ Hunchentoot's error pages name) written PORT."
                 (read-to-eof (usocket:socket-stream socket)))
       (usocket:socket-close socket))))
 
+(defun distinct-free-ports (n)
+  "N distinct ports no socket listens on now, all held open while the
+kernel picks them, so that it cannot hand out one twice."
+  (let ((sockets (loop repeat n
+                       collect (usocket:socket-listen "127.0.0.1" 0 :reuse-address t))))
+    (prog1 (mapcar #'usocket:get-local-port sockets)
+      (mapc #'usocket:socket-close sockets))))
+
 (test a-stock-acceptor-answers-as-without-gallop
   "A stock easy-acceptor beside a running GALLOP:EASY-ACCEPTOR answers each
 request with the octets of one in a process without Gallop."
-  (let* ((alone-port (free-port))        ; (tests/core/emfile.lisp)
-         (stock-port (free-port))
-         (gallop-port (free-port))
-         (alone (start-stock-child alone-port))
-         (beside (ignore-errors (start-stock-child stock-port :beside gallop-port))))
-    (unwind-protect
-         (progn
-           (is (not (null beside)) "the child with Gallop started")
-           (let ((served (stock-answer alone-port (first +stock-requests+))))
-             (is (search "Hey!" (map 'string #'code-char served))
-                 "the stock server alone serves: ~S" (map 'string #'code-char served)))
-           (when beside
-             (let ((served (stock-answer gallop-port (first +stock-requests+))))
+  (destructuring-bind (alone-port stock-port gallop-port) (distinct-free-ports 3)
+    (let* ((alone (start-stock-child alone-port))
+           (beside (ignore-errors (start-stock-child stock-port :beside gallop-port))))
+      (unwind-protect
+           (progn
+             (is (not (null beside)) "the child with Gallop started")
+             (let ((served (stock-answer alone-port (first +stock-requests+))))
                (is (search "Hey!" (map 'string #'code-char served))
-                   "Gallop serves beside: ~S" (map 'string #'code-char served)))
-             (dolist (request +stock-requests+)
-               (let ((expected (without-dates (stock-answer alone-port request) alone-port))
-                     (got (without-dates (stock-answer stock-port request) stock-port)))
-                 (is (plusp (length expected)))
-                 (is (string= expected got)
-                     "~S: without Gallop ~D octets, beside it ~D, first difference at ~S"
-                     (subseq request 0 (position #\Return request))
-                     (length expected) (length got) (mismatch expected got))))))
-      (stop-stock-child alone)
-      (when beside (stop-stock-child beside)))))
+                   "the stock server alone serves: ~S" (map 'string #'code-char served)))
+             (when beside
+               (let ((served (stock-answer gallop-port (first +stock-requests+))))
+                 (is (search "Hey!" (map 'string #'code-char served))
+                     "Gallop serves beside: ~S" (map 'string #'code-char served)))
+               (dolist (request +stock-requests+)
+                 (let ((expected (without-dates (stock-answer alone-port request) alone-port))
+                       (got (without-dates (stock-answer stock-port request) stock-port)))
+                   (is (plusp (length expected)))
+                   (is (string= expected got)
+                       "~S: without Gallop ~D octets, beside it ~D, first difference at ~S"
+                       (subseq request 0 (position #\Return request))
+                       (length expected) (length got) (mismatch expected got))))))
+        (stop-stock-child alone)
+        (when beside (stop-stock-child beside))))))
