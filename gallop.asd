@@ -78,6 +78,7 @@
   :pathname "src/hunchentoot/"
   :serial t
   :components ((:file "package")
+               (:file "served")
                (:file "compat")
                (:file "errors")
                (:file "socket")

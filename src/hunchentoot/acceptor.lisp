@@ -8,7 +8,7 @@
 
 (in-package #:gallop)
 
-(defclass acceptor (hunchentoot:acceptor)
+(defclass acceptor (hunchentoot:acceptor served-acceptor)
   ()
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)

@@ -175,7 +175,7 @@ stream was made over), as it does inside cl+ssl's own calls."
                  'generic-function)
     (error "This Hunchentoot's ACCEPTOR-SHUTDOWN-P is not a generic function.")))
 
-(defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor hunchentoot:acceptor))
+(defmethod hunchentoot::acceptor-shutdown-p :around ((acceptor served-acceptor))
   ;; A request that arrived before a soft stop is served.
   (and (not (let ((c (request-connection)))
               (and c (gallop.core:connection-head-pending-p c))))

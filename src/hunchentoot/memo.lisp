@@ -29,8 +29,9 @@
 ;;;;    added charset comes in a fresh string.  (Not keyed by the format's
 ;;;;    name: the original asks for it only for a text type without a
 ;;;;    charset, and a reply's external format need not have one.)
-;;;; The wrappers apply to every acceptor in the image, stock ones too: what
-;;;; they return is the same.
+;;;; Off a Gallop worker (*CONNECTION* unbound: a stock acceptor's thread),
+;;;; each wrapper calls Hunchentoot's own function with its arguments and
+;;;; does nothing else.
 
 (in-package #:gallop)
 
@@ -101,7 +102,7 @@ holds them."
 
 (wrap-hunchentoot-function (hunchentoot-rfc-1123-date)
   (lambda (original &rest time)
-    (if time
+    (if (or time (null *connection*))
         (apply original time)
         (current-rfc-1123-date original))))
 
@@ -117,4 +118,6 @@ holds them."
 
 (wrap-hunchentoot-function (hunchentoot-maybe-add-charset)
   (lambda (original content-type external-format)
-    (content-type-with-charset original content-type external-format)))
+    (if *connection*
+        (content-type-with-charset original content-type external-format)
+        (funcall original content-type external-format))))

@@ -199,7 +199,7 @@ first.  The default method says NIL.")
              (gallop.core:setting-arguments setting-of)))))
 
 (defmethod hunchentoot:execute-acceptor ((tm taskmaster))
-  (let* ((acceptor (hunchentoot:taskmaster-acceptor tm))
+  (let* ((acceptor (serve-with-gallop (hunchentoot:taskmaster-acceptor tm)))
          (engine (make-taskmaster-engine tm acceptor)))
     (setf (slot-value tm 'engine) engine
           (taskmaster-soft-stop tm) nil)
@@ -252,7 +252,7 @@ first.  The default method says NIL.")
     (remhash (hunchentoot:taskmaster-acceptor tm) *taskmasters*))
   tm)
 
-(defmethod hunchentoot:stop :before ((acceptor hunchentoot:acceptor) &key soft)
+(defmethod hunchentoot:stop :before ((acceptor served-acceptor) &key soft)
   ;; SHUTDOWN is not told whether the stop is soft: note it for our taskmaster.
   (let ((tm (acceptor-gallop-taskmaster acceptor)))
     (when tm
@@ -262,7 +262,7 @@ first.  The default method says NIL.")
   (declare (ignore socket))
   nil)
 
-(defmethod hunchentoot:handle-request :around ((acceptor hunchentoot:acceptor) request)
+(defmethod hunchentoot:handle-request :around ((acceptor served-acceptor) request)
   ;; On a Gallop connection:
   ;;  - a response written while the server stops, or after which the
   ;;    connection must close (chunked HTTP/1.0 body, broken body framing),
@@ -311,7 +311,7 @@ consumed (see compat.lisp), so that Hunchentoot does not read it into memory."
                (null (slot-value request slot)))
       (setf (slot-value request slot) t))))
 
-(defmethod hunchentoot:acceptor-log-access :before ((acceptor hunchentoot:acceptor) &key return-code)
+(defmethod hunchentoot:acceptor-log-access :before ((acceptor served-acceptor) &key return-code)
   ;; Hunchentoot's SEND-RESPONSE calls this, then reads the body the handler
   ;; left unread into memory ("to clear the stream"): all of it, and a
   ;; chunked one with ADJUST-ARRAY 8 KiB at a time, copying what it has each
@@ -345,7 +345,7 @@ does)."
     (usocket:unknown-error
      (client-timeout-condition-p (usocket-real-error object)))))
 
-(defmethod hunchentoot:acceptor-log-message :around ((acceptor hunchentoot:acceptor) log-level
+(defmethod hunchentoot:acceptor-log-message :around ((acceptor served-acceptor) log-level
                                                      format-string &rest format-arguments)
   ;; On a Gallop connection:
   ;;  - a client that hung up mid-request or mid-response, which Hunchentoot
@@ -378,7 +378,7 @@ does)."
                  (call-next-method acceptor log-level "~A" text)
                  (call-next-method)))))))
 
-(defmethod hunchentoot:detach-socket :after ((acceptor hunchentoot:acceptor))
+(defmethod hunchentoot:detach-socket :after ((acceptor served-acceptor))
   ;; The handler keeps the stream (a WebSocket, a tunnel): Gallop stops
   ;; framing requests on it, so the handler reads what the client sends next.
   (let ((c (request-connection)))
@@ -399,9 +399,9 @@ Hunchentoot's SET-TIMEOUTS (compat.lisp), whose timeout C's reads use."
     (gallop.core:connection-switch c :timeout-stream timeouts)))
 
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
-;;; connection (*CONNECTION* is bound); for any other server they do nothing.
+;;; connection (*CONNECTION* is bound).
 
-(defmethod hunchentoot:initialize-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
+(defmethod hunchentoot:initialize-connection-stream :around ((acceptor served-acceptor) stream)
   (when (and *connection* (gallop.core:connection-tls-p *connection*))
     ;; The engine speaks TLS itself (ACCEPTOR-TLS-CONTEXT): Hunchentoot's
     ;; SSL-ACCEPTOR would wrap the plaintext in cl+ssl once more.
@@ -430,7 +430,7 @@ Hunchentoot's SET-TIMEOUTS (compat.lisp), whose timeout C's reads use."
       (call-with-ssl-bio-stream *connection* #'call-next-method)
       (call-next-method)))
 
-(defmethod hunchentoot:reset-connection-stream :around ((acceptor hunchentoot:acceptor) stream)
+(defmethod hunchentoot:reset-connection-stream :around ((acceptor served-acceptor) stream)
   (let ((result
           (if (and *connection* (typep stream 'chunga:chunked-stream))
               ;; Hunchentoot turns chunking off here, and chunga refuses to

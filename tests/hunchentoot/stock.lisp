@@ -47,7 +47,7 @@ standard error goes to /tmp/gallop-stock-PORT.err."
     (sb-ext:process-wait process))
   (sb-ext:process-close process))
 
-(defparameter +stock-requests+
+(defparameter *stock-requests*
   (list (crlf "GET /yo HTTP/1.1" "Host: x" "Connection: close")
         (crlf "GET /yo?name=Ann HTTP/1.1" "Host: x" "Connection: close")
         (crlf "HEAD /yo HTTP/1.1" "Host: x" "Connection: close")
@@ -108,14 +108,14 @@ request with the octets of one in a process without Gallop."
       (unwind-protect
            (progn
              (is (not (null beside)) "the child with Gallop started")
-             (let ((served (stock-answer alone-port (first +stock-requests+))))
+             (let ((served (stock-answer alone-port (first *stock-requests*))))
                (is (search "Hey!" (map 'string #'code-char served))
                    "the stock server alone serves: ~S" (map 'string #'code-char served)))
              (when beside
-               (let ((served (stock-answer gallop-port (first +stock-requests+))))
+               (let ((served (stock-answer gallop-port (first *stock-requests*))))
                  (is (search "Hey!" (map 'string #'code-char served))
                      "Gallop serves beside: ~S" (map 'string #'code-char served)))
-               (dolist (request +stock-requests+)
+               (dolist (request *stock-requests*)
                  (let ((expected (without-dates (stock-answer alone-port request) alone-port))
                        (got (without-dates (stock-answer stock-port request) stock-port)))
                    (is (plusp (length expected)))
@@ -125,3 +125,68 @@ request with the octets of one in a process without Gallop."
                        (length expected) (length got) (mismatch expected got))))))
         (stop-stock-child alone)
         (when beside (stop-stock-child beside))))))
+
+;;; Gallop's methods on the libraries' generic functions
+
+(defun gallop-definition-p (method)
+  "True if METHOD was defined in Gallop's source tree."
+  (let* ((source (ignore-errors (sb-introspect:find-definition-source method)))
+         (file (and source (sb-introspect:definition-source-pathname source))))
+    (and file
+         (eql 0 (search (namestring (asdf:system-source-directory "gallop"))
+                        (namestring (or (probe-file file) file)))))))
+
+(defun stock-classes ()
+  "Every class an object of a stock Hunchentoot server is an instance of:
+the class precedence lists of its acceptors, taskmasters, request and reply."
+  (remove-duplicates
+   (loop for name in '(hunchentoot:easy-acceptor hunchentoot:easy-ssl-acceptor
+                       hunchentoot:one-thread-per-connection-taskmaster
+                       hunchentoot:single-threaded-taskmaster
+                       hunchentoot:request hunchentoot:reply)
+         for class = (find-class name)
+         do (sb-mop:finalize-inheritance class)
+         append (sb-mop:class-precedence-list class))))
+
+(defun methods-on-stock-classes ()
+  "Gallop's methods, on the generic functions of Hunchentoot and the
+libraries it serves through, that a stock server's objects could select:
+each of their specializers is one of STOCK-CLASSES."
+  (let ((stock (stock-classes))
+        (found '()))
+    (dolist (package '("HUNCHENTOOT" "USOCKET" "CHUNGA" "FLEXI-STREAMS" "CL+SSL"
+                       "SB-GRAY" "COMMON-LISP"))
+      (do-symbols (symbol package)
+        (when (and (eq (symbol-package symbol) (find-package package))
+                   (fboundp symbol)
+                   (typep (fdefinition symbol) 'generic-function))
+          (dolist (method (sb-mop:generic-function-methods (fdefinition symbol)))
+            (when (and (every (lambda (s) (member s stock)) (sb-mop:method-specializers method))
+                       (gallop-definition-p method))
+              (pushnew method found))))))
+    found))
+
+(test gallop-methods-are-on-gallop-classes
+  "No method of Gallop's on Hunchentoot's (or usocket's, chunga's, cl+ssl's,
+the Gray streams') generic functions applies to a stock server's acceptor,
+taskmaster, request or reply: a stock acceptor runs Hunchentoot's methods."
+  (let ((found (methods-on-stock-classes)))
+    (is (null found) "Gallop's methods on stock classes: ~S" found)
+    ;; The check sees where a method was defined: Gallop's DETACH-SOCKET
+    ;; :AFTER is Gallop's.
+    (is (some #'gallop-definition-p
+              (sb-mop:generic-function-methods #'hunchentoot:detach-socket)))))
+
+(test a-stock-acceptor-with-gallop-taskmaster-is-served
+  "A stock acceptor started with a GALLOP:TASKMASTER becomes a served
+acceptor, still of its own class; other stock acceptors stay stock."
+  (let ((tm (make-instance 'gallop:taskmaster)))
+    (with-server (server 'hunchentoot:easy-acceptor :taskmaster tm)
+      (is (typep server 'gallop::served-acceptor))
+      (is (typep server 'hunchentoot:easy-acceptor))
+      (is (not (typep server 'gallop:acceptor)))
+      (is (string= "Hey!" (body-string (get-request (port-of server) "/yo" "Connection: close")))))
+    (is (typep tm 'gallop:taskmaster))
+    (let ((plain (make-instance 'hunchentoot:easy-acceptor :port 0)))
+      (is (eq (find-class 'hunchentoot:easy-acceptor) (class-of plain))
+          "a new stock acceptor is of the stock class"))))
