@@ -93,7 +93,15 @@ buffered (pipelining) waits its turn behind other ready connections
                 (cond ((plusp n)
                        (incf in-end n)
                        (setf ready (or raw (head-ready-p))))
-                      ((zerop n) (return (close-connection c)))
+                      ((zerop n)
+                       ;; End of file inside a head: a request line already
+                       ;; whole and refused is answered whether or not a read
+                       ;; saw it before the end; any other cut head ends
+                       ;; quietly.
+                       (let ((refusal (and (not raw) (check-partial-head c))))
+                         (return (if refusal
+                                     (reject c (error-response refusal))
+                                     (close-connection c)))))
                       ((= errno +eagain+)
                        (let ((refusal (and (not raw) (check-partial-head c))))
                          (when refusal

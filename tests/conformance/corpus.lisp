@@ -29,7 +29,8 @@
 ;;;;                      and half-closed): no answer, the server closes.  RFC
 ;;;;                      9112 section 8 allows an error answer here; Gallop
 ;;;;                      answers nothing, as it does for any head cut by end
-;;;;                      of file (doc/conformance.md says why).
+;;;;                      of file (doc/conformance.md says why), but for one
+;;;;                      whose request line is whole and refused (STATUS).
 ;;;;
 ;;;; Segments are strings with these escapes, so that every CR and LF in a
 ;;;; case is visible:
@@ -937,9 +938,11 @@
     ("cut-after-cr-of-empty-line" "9112 8"
      "GET / HTTP/1.1|Host: x|^r"
      :then :close)
+    ;; The request line is whole and refused (bare LF): 400 whether the end
+    ;; of file comes with it or after it.
     ("cut-bare-lf-head-unended" "9112 8"
      "GET / HTTP/1.1^nHost: x^n"
-     :then :close)
+     :then 400)
     ("cut-before-body" "9112 8"
      "POST /p HTTP/1.1|Host: x|Content-Length: 5||"
      :then :close)
