@@ -132,15 +132,17 @@ left to the GC (see NOTE-DROPPED)."
 
 (deftype octet-set () '(simple-bit-vector 256))
 
-(defun make-octet-set (predicate)
-  (let ((set (make-array 256 :element-type 'bit :initial-element 0)))
-    (dotimes (b 256 set)
-      (when (funcall predicate b) (setf (sbit set b) 1)))))
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun make-octet-set (predicate)
+    (let ((set (make-array 256 :element-type 'bit :initial-element 0)))
+      (dotimes (b 256 set)
+        (when (funcall predicate b) (setf (sbit set b) 1))))))
 
-(defparameter +tchars+
-  (make-octet-set (lambda (b)
-                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
-                        (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126)))))
+(sb-int:defconstant-eqx +tchars+
+    (make-octet-set (lambda (b)
+                      (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+                          (member b '(33 35 36 37 38 39 42 43 45 46 94 95 96 124 126)))))
+  #'equal
   "The token characters (RFC 9110, 5.6.2), as a bit per octet: one memory
 read per octet instead of a chain of comparisons.")
 

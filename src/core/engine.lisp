@@ -297,7 +297,7 @@ a second value when it was cut."
 ;;; Status codes and their reason phrases: the one table of them (the native
 ;;; writer's status lines come from it too).
 
-(defparameter +reason-phrases+
+(sb-int:defconstant-eqx +reason-phrases+
   '((100 . "Continue") (101 . "Switching Protocols") (200 . "OK") (201 . "Created")
     (202 . "Accepted") (203 . "Non-Authoritative Information") (204 . "No Content")
     (205 . "Reset Content") (206 . "Partial Content") (300 . "Multiple Choices")
@@ -313,48 +313,53 @@ a second value when it was cut."
     (431 . "Request Header Fields Too Large") (500 . "Internal Server Error")
     (501 . "Not Implemented") (502 . "Bad Gateway") (503 . "Service Unavailable")
     (504 . "Gateway Timeout") (505 . "HTTP Version Not Supported"))
+  #'equal
   "Status codes and their reason phrases (RFC 9110, section 15).")
 
-(defun reason-phrase (status)
-  "The reason phrase of STATUS, or \"Status\" for a code without one."
-  (or (cdr (assoc status +reason-phrases+)) "Status"))
+;; Evaluated when compiled too: the constants below are made from them.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun reason-phrase (status)
+    "The reason phrase of STATUS, or \"Status\" for a code without one."
+    (or (cdr (assoc status +reason-phrases+)) "Status"))
 
-;;; Pre-encoded responses the engine writes itself, without a handler.
+  ;; Pre-encoded responses the engine writes itself, without a handler.
 
-(defun encode-ascii (string)
-  (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
+  (defun encode-ascii (string)
+    (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
 
-(defun make-error-response (status &key retry-after)
-  "The complete answer STATUS (with Retry-After: RETRY-AFTER seconds, if
+  (defun make-error-response (status &key retry-after)
+    "The complete answer STATUS (with Retry-After: RETRY-AFTER seconds, if
 given) as octets: a short text body, its exact Content-Length, and
 Connection: close."
-  (let* ((crlf (coerce '(#\Return #\Linefeed) 'string))
-         (body (format nil "~D ~A~%" status (reason-phrase status))))
-    (encode-ascii
-     (concatenate 'string
-                  (format nil "HTTP/1.1 ~D ~A" status (reason-phrase status)) crlf
-                  "Content-Type: text/plain; charset=utf-8" crlf
-                  (format nil "Content-Length: ~D" (length body)) crlf
-                  "Connection: close" crlf
-                  (if retry-after (format nil "Retry-After: ~D~A" retry-after crlf) "")
-                  crlf
-                  body))))
+    (let* ((crlf (coerce '(#\Return #\Linefeed) 'string))
+           (body (format nil "~D ~A~%" status (reason-phrase status))))
+      (encode-ascii
+       (concatenate 'string
+                    (format nil "HTTP/1.1 ~D ~A" status (reason-phrase status)) crlf
+                    "Content-Type: text/plain; charset=utf-8" crlf
+                    (format nil "Content-Length: ~D" (length body)) crlf
+                    "Connection: close" crlf
+                    (if retry-after (format nil "Retry-After: ~D~A" retry-after crlf) "")
+                    crlf
+                    body)))))
 
-(defparameter +response-400+ (make-error-response 400))
-(defparameter +response-408+ (make-error-response 408))
-(defparameter +response-413+ (make-error-response 413))
-(defparameter +response-414+ (make-error-response 414))
-(defparameter +response-501+ (make-error-response 501))
-(defparameter +response-505+ (make-error-response 505))
-(defparameter +response-431+ (make-error-response 431))
+(sb-int:defconstant-eqx +response-400+ (make-error-response 400) #'equalp)
+(sb-int:defconstant-eqx +response-408+ (make-error-response 408) #'equalp)
+(sb-int:defconstant-eqx +response-413+ (make-error-response 413) #'equalp)
+(sb-int:defconstant-eqx +response-414+ (make-error-response 414) #'equalp)
+(sb-int:defconstant-eqx +response-501+ (make-error-response 501) #'equalp)
+(sb-int:defconstant-eqx +response-505+ (make-error-response 505) #'equalp)
+(sb-int:defconstant-eqx +response-431+ (make-error-response 431) #'equalp)
 
 (defun error-response (status)
   (ecase status
     (400 +response-400+) (413 +response-413+) (414 +response-414+)
     (431 +response-431+) (501 +response-501+) (505 +response-505+)))
 
-(defparameter +response-100+ (encode-ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
-                                                   #\Return #\Linefeed #\Return #\Linefeed))
+(sb-int:defconstant-eqx +response-100+
+    (encode-ascii (format nil "HTTP/1.1 100 Continue~C~C~C~C"
+                          #\Return #\Linefeed #\Return #\Linefeed))
+  #'equalp
   "The interim answer to Expect: 100-continue.")
 
 (defun response-503 (engine)

@@ -109,11 +109,12 @@ the request target."
                     (1+ method-end) (1- i))
             (values 505 0))))))
 
-(defparameter +reg-name-octets+
-  (make-octet-set (lambda (b)
-                    (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
-                        ;; unreserved, sub-delims (RFC 3986 2.3, 2.2)
-                        (member b '(45 46 95 126 33 36 38 39 40 41 42 43 44 59 61)))))
+(sb-int:defconstant-eqx +reg-name-octets+
+    (make-octet-set (lambda (b)
+                      (or (<= 97 b 122) (<= 65 b 90) (<= 48 b 57)
+                          ;; unreserved, sub-delims (RFC 3986 2.3, 2.2)
+                          (member b '(45 46 95 126 33 36 38 39 40 41 42 43 44 59 61)))))
+  #'equal
   "The octets of a reg-name but for pct-encoded (RFC 3986 3.2.2).")
 
 (defun host-value-p (buffer start end)

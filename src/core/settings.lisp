@@ -10,7 +10,7 @@
 (in-package #:gallop.core)
 
 (eval-when (:compile-toplevel :load-toplevel :execute)
-  (defparameter +settings+
+  (sb-int:defconstant-eqx +settings+
     '((max-thread-count 100
        "The most worker threads the pool grows to.")
       (standby-thread-count 4
@@ -89,6 +89,7 @@ gets 408 or is closed.  NIL: no minimum.")
 head sent, no worker free) before new ones get an immediate 503 with
 Retry-After.  Connections that sent nothing or part of a head do not
 count."))
+    #'equal
     "Each user setting: (NAME DEFAULT-FORM DOCUMENTATION).  Times in seconds,
 sizes in octets."))
 

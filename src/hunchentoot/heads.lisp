@@ -115,7 +115,7 @@ through ORIGINAL, Hunchentoot's own."
 
 ;;; Writing: SEND-RESPONSE's head through the connection's buffer
 
-(defparameter +crlf-octets+ (coerce '(13 10) 'octets)
+(sb-int:defconstant-eqx +crlf-octets+ (coerce '(13 10) 'octets) #'equalp
   "CR LF (not through CONNECTION-WRITE-LATIN1, which makes controls spaces).")
 
 (defvar *status-lines* (make-array 600 :initial-element nil)

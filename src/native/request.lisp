@@ -16,7 +16,7 @@
     s))
 
 (eval-when (:compile-toplevel :load-toplevel :execute)
-  (defparameter +common-header-names+
+  (sb-int:defconstant-eqx +common-header-names+
     '("host" "user-agent" "accept" "accept-encoding" "accept-language" "accept-charset"
       "connection" "keep-alive" "content-type" "content-length" "cookie" "referer"
       "cache-control" "pragma" "origin" "upgrade-insecure-requests" "authorization"
@@ -24,6 +24,7 @@
       "x-forwarded-for" "x-forwarded-proto" "x-forwarded-host" "x-real-ip"
       "transfer-encoding" "expect" "te" "dnt" "upgrade" "sec-fetch-site" "sec-fetch-mode"
       "sec-fetch-dest" "sec-fetch-user")
+    #'equal
     "Lower-case header names common enough to be matched against literals
 \(OCTETS-CASE) when a request's head is read: the native API shares one
 string for each, the Hunchentoot layer names each by its keyword (heads.lisp)."))

@@ -7,30 +7,43 @@
 
 (deftype octets () '(simple-array (unsigned-byte 8) (*)))
 
-(defun ascii (string)
-  "STRING as octets; characters above 255 become ?."
-  (let ((v (make-array (length string) :element-type '(unsigned-byte 8))))
-    (dotimes (i (length string) v)
-      (let ((code (char-code (char string i))))
-        (setf (aref v i) (if (< code 256) code 63))))))
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun ascii (string)
+    "STRING as octets; characters above 255 become ?."
+    (let ((v (make-array (length string) :element-type '(unsigned-byte 8))))
+      (dotimes (i (length string) v)
+        (let ((code (char-code (char string i))))
+          (setf (aref v i) (if (< code 256) code 63)))))))
 
-(defparameter +status-lines+
-  (let ((lines (make-array 600 :initial-element nil)))
-    (loop for code from 100 below 600
-          do (setf (svref lines code)
-                   (ascii (format nil "HTTP/1.1 ~D ~A~C~C" code
-                                  (gallop.core:reason-phrase code)
-                                  #\Return #\Linefeed))))
-    lines)
+(sb-int:defconstant-eqx +status-lines+
+    (let ((lines (make-array 600 :initial-element nil)))
+      (loop for code from 100 below 600
+            do (setf (svref lines code)
+                     (ascii (format nil "HTTP/1.1 ~D ~A~C~C" code
+                                    (gallop.core:reason-phrase code)
+                                    #\Return #\Linefeed))))
+      lines)
+  #'equalp
   "Status line octets for each code, encoded once.")
 
-(defparameter +crlf+ (ascii (format nil "~C~C" #\Return #\Linefeed)))
-(defparameter +colon-space+ (ascii ": "))
-(defparameter +content-length-prefix+ (ascii (format nil "Content-Length: ")))
-(defparameter +chunked-line+ (ascii (format nil "Transfer-Encoding: chunked~C~C" #\Return #\Linefeed)))
-(defparameter +connection-close-line+ (ascii (format nil "Connection: close~C~C" #\Return #\Linefeed)))
-(defparameter +keep-alive-line+ (ascii (format nil "Connection: keep-alive~C~C" #\Return #\Linefeed)))
-(defparameter +last-chunk+ (ascii (format nil "0~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)))
+(sb-int:defconstant-eqx +crlf+
+    (ascii (format nil "~C~C" #\Return #\Linefeed))
+  #'equalp)
+(sb-int:defconstant-eqx +content-length-prefix+
+    (ascii (format nil "Content-Length: "))
+  #'equalp)
+(sb-int:defconstant-eqx +chunked-line+
+    (ascii (format nil "Transfer-Encoding: chunked~C~C" #\Return #\Linefeed))
+  #'equalp)
+(sb-int:defconstant-eqx +connection-close-line+
+    (ascii (format nil "Connection: close~C~C" #\Return #\Linefeed))
+  #'equalp)
+(sb-int:defconstant-eqx +keep-alive-line+
+    (ascii (format nil "Connection: keep-alive~C~C" #\Return #\Linefeed))
+  #'equalp)
+(sb-int:defconstant-eqx +last-chunk+
+    (ascii (format nil "0~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed))
+  #'equalp)
 
 (declaim (inline status-line))
 (defun status-line (code)

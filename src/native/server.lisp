@@ -255,7 +255,7 @@ answer (the rest of an unread body skipped, or the connection closed)."
               (error ()
                 (setf (exchange-keep-alive ex) nil))))))))
 
-(defparameter +empty-body+ (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
+(defvar *empty-body* (make-octet-input-stream (make-array 0 :element-type '(unsigned-byte 8)))
   "The :RAW-BODY of every request without a body: always at end of file, so
 threads can share it.")
 
@@ -272,7 +272,7 @@ write its response, and tell the engine what to do with C next."
       ;; In front: no walk down the property list.
       (setf env (list* :raw-body (if (gallop.core:connection-body-pending-p c)
                                      (gallop.core:make-body-stream c :continue expect-continue)
-                                     +empty-body+)
+                                     *empty-body*)
                        :clack.io ex     ; the connection as a socket (socket.lisp)
                        env))
       (let ((response (handler-case (funcall (server-app server) env)

@@ -77,8 +77,9 @@
             do (loop for k below 4 do (setf (aref digest (+ i k)) (ldb (byte 8 (- 24 (* 8 k))) h))))
       digest)))
 
-(defparameter +base64-alphabet+
-  "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+(sb-int:defconstant-eqx +base64-alphabet+
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+  #'string=)
 
 (defun base64-encode (octets)
   "OCTETS in base64 (RFC 4648, with padding)."

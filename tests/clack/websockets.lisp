@@ -60,13 +60,13 @@ start compiles Clack, websocket-driver and Hunchentoot: up to minutes."
 
 ;;; A client, byte by byte
 
-(defparameter +rfc-key+ "dGhlIHNhbXBsZSBub25jZQ=="
+(defparameter *rfc-key* "dGhlIHNhbXBsZSBub25jZQ=="
   "The Sec-WebSocket-Key of RFC 6455, 1.3; its accept value is +RFC-ACCEPT+.")
-(defparameter +rfc-accept+ "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+(defparameter *rfc-accept* "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
 
 (defun ws-handshake (path &rest extra)
   (apply #'crlf (format nil "GET ~A HTTP/1.1" path) "Host: 127.0.0.1" "Upgrade: websocket"
-         "Connection: Upgrade" (format nil "Sec-WebSocket-Key: ~A" +rfc-key+)
+         "Connection: Upgrade" (format nil "Sec-WebSocket-Key: ~A" *rfc-key*)
          "Sec-WebSocket-Version: 13" extra))
 
 (defun server-frame (opcode payload)
@@ -103,7 +103,7 @@ value of +RFC-KEY+."
     (send socket (apply #'ws-handshake path extra))
     (multiple-value-bind (status fields) (read-ws-head socket)
       (is (eql 101 status))
-      (is (equal +rfc-accept+ (field fields "Sec-WebSocket-Accept")))
+      (is (equal *rfc-accept* (field fields "Sec-WebSocket-Accept")))
       (values socket fields))))
 
 (defun expect-octets (socket expected what)
@@ -130,7 +130,7 @@ byte for byte."
            (ws-send socket (octets (ws-handshake "/echo")) :one-by-one one-by-one)
            (expect-octets socket (octets (crlf "HTTP/1.1 101 Switching Protocols"
                                                "Upgrade: websocket" "Connection: Upgrade"
-                                               (format nil "Sec-WebSocket-Accept: ~A" +rfc-accept+)))
+                                               (format nil "Sec-WebSocket-Accept: ~A" *rfc-accept*)))
                           "the handshake")
            ;; text, binary, and a binary with a 16-bit length
            (ws-send socket (ws-frame 1 (octets "hello")) :one-by-one one-by-one)

@@ -92,12 +92,12 @@ what the case expects."
 ;;; Gallop, whole and one octet at a time, so that Gallop's transport
 ;;; changes nothing of what a library does.
 
-(defparameter +websocket-driver-answers+
+(defparameter *websocket-driver-answers*
   '(("7.1.1" "close 1000")                ; a close without code answered with 1000
     ("7.5.1" "end"))                      ; a bad UTF-8 reason ends the connection
   "Where websocket-driver on Clack :gallop answers otherwise than RFC 6455 says.")
 
-(defparameter +hunchensocket-answers+
+(defparameter *hunchensocket-answers*
   `(("1.1.6" "close 1009")                ; its 64 KiB fragment limit
     ,@(loop for id in '("1.2.1" "1.2.2" "1.2.3" "1.2.4" "5.5" "6.9" "9.1")
             collect (list id "close 1003")) ; binary refused by default
@@ -137,9 +137,9 @@ front ends answer every case as recorded, whole and one octet at a time."
   (with-ws-child ()
     (destructuring-bind (clack easy taskmaster capped) *ws-ports*
       (declare (ignore capped))
-      (check-answers (run-ws-corpus clack "/echo" :library t) +websocket-driver-answers+
+      (check-answers (run-ws-corpus clack "/echo" :library t) *websocket-driver-answers*
                      "websocket-driver")
-      (check-answers (run-ws-corpus easy "/echo" :library t) +hunchensocket-answers+
+      (check-answers (run-ws-corpus easy "/echo" :library t) *hunchensocket-answers*
                      "hunchensocket on the easy-acceptor")
-      (check-answers (run-ws-corpus taskmaster "/echo" :library t) +hunchensocket-answers+
+      (check-answers (run-ws-corpus taskmaster "/echo" :library t) *hunchensocket-answers*
                      "hunchensocket with gallop:taskmaster"))))

@@ -239,7 +239,7 @@ tests for the limits themselves).")
 (test error-answers-are-valid-http-native (check-error-answers :native))
 (test error-answers-are-valid-http-easy-acceptor (check-error-answers :easy))
 
-(defparameter +continue-octets+ (octets (format nil "HTTP/1.1 100 Continue~C~C~C~C"
+(defparameter *continue-octets* (octets (format nil "HTTP/1.1 100 Continue~C~C~C~C"
                                                  #\Return #\Linefeed #\Return #\Linefeed)))
 
 (defun check-continue (kind)
@@ -261,7 +261,7 @@ the body is sent, then the final answer; with Content-Length and chunked."
                       (send socket head)
                       (let ((interim (read-wire-or-error socket)))
                         (cond ((wire-response-p interim)
-                               (is (equalp +continue-octets+ (wire-head interim))
+                               (is (equalp *continue-octets* (wire-head interim))
                                    "~A: ~S" what (latin1 (wire-head interim)))
                                (is (zerop (length (wire-body interim)))))
                               (t (fail "~A: ~A" what interim))))

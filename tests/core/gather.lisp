@@ -289,9 +289,9 @@ lower case, one with an extension), then the last chunk and a trailer."
            (let ((stream (usocket:socket-stream socket)))
              (send socket (crlf "POST /gather-echo HTTP/1.1" "Host: x" "Content-Length: 20000"
                                 "Expect: 100-continue"))
-             (let ((interim (make-array (length +continue-octets+) :element-type '(unsigned-byte 8))))
+             (let ((interim (make-array (length *continue-octets*) :element-type '(unsigned-byte 8))))
                (is (= (length interim) (read-sequence interim stream)))
-               (is (equalp +continue-octets+ interim) "~(~A~): ~S" kind (latin1 interim)))
+               (is (equalp *continue-octets* interim) "~(~A~): ~S" kind (latin1 interim)))
              (send-octets socket body)
              (check-echo (format nil "~(~A~): after 100 Continue" kind)
                          (read-wire-or-error socket :persistent t) body))

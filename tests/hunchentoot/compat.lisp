@@ -7,7 +7,7 @@
 
 (in-suite taskmaster)
 
-(defparameter +internal-packages+ '("HUNCHENTOOT" "USOCKET" "CL+SSL"))
+(defparameter *internal-packages* '("HUNCHENTOOT" "USOCKET" "CL+SSL"))
 
 (defun internal-status (name package)
   "True when NAME is an internal symbol of PACKAGE (a name in
@@ -32,7 +32,7 @@ left unread when FILE's package is not loaded here."
   (let ((found '()) (*package* (find-package :cl-user)))
     (labels ((note-string (string)
                (when (stringp string)
-                 (dolist (package +internal-packages+)
+                 (dolist (package *internal-packages*)
                    (when (internal-status string package)
                      (pushnew (list package string) found :test #'equal)))))
              (walk (form)
@@ -53,7 +53,7 @@ left unread when FILE's package is not loaded here."
                  (symbol
                   (let ((home (symbol-package form)))
                     (when home
-                      (let ((package (find (package-name home) +internal-packages+ :test #'string=)))
+                      (let ((package (find (package-name home) *internal-packages* :test #'string=)))
                         (when (and package (internal-status (symbol-name form) package))
                           (pushnew (list package (symbol-name form)) found :test #'equal)))))))))
       (with-open-file (in file)
@@ -70,7 +70,7 @@ left unread when FILE's package is not loaded here."
   "The (PACKAGE NAME) pairs TEXT names as PACKAGE::NAME, or as (FIND-SYMBOL
 \"NAME\" '#:PACKAGE), upper-cased: for sources the reader cannot read here."
   (let ((found '()))
-    (dolist (package +internal-packages+ found)
+    (dolist (package *internal-packages* found)
       (let ((prefix (format nil "~(~A~)::" package)))
         (loop for at = (search prefix text :test #'char-equal)
                 then (search prefix text :start2 (1+ at) :test #'char-equal)

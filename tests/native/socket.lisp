@@ -9,7 +9,7 @@
 
 (in-suite native)
 
-(defparameter +switching+
+(defparameter *switching*
   (crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: echo" "Connection: Upgrade"))
 
 (defvar *socket-events* nil
@@ -37,7 +37,7 @@
                       (progn (gallop:socket-write socket "ciao")
                              (gallop:socket-close socket))
                       (gallop:socket-write socket (subseq octets start end))))))
-        (gallop:socket-write socket +switching+)
+        (gallop:socket-write socket *switching*)
         (lambda (responder) (declare (ignore responder))))
       '(200 (:content-type "text/plain") ("plain"))))
 
@@ -69,8 +69,8 @@ connection; the close callback runs once; the server keeps serving HTTP."
       (unwind-protect
            (progn
              (send socket (upgrade-request "/echo" "early"))
-             (is (string= (concatenate 'string +switching+ "early")
-                          (read-exact-octets socket (+ (length +switching+) 5))))
+             (is (string= (concatenate 'string *switching* "early")
+                          (read-exact-octets socket (+ (length *switching*) 5))))
              (send socket "hello")
              (is (string= "hello" (read-exact-octets socket 5)))
              (is (= 1 (stat server :upgraded)))
@@ -95,7 +95,7 @@ the socket: its close callback runs, its fd is closed."
       (unwind-protect
            (progn
              (send socket (upgrade-request "/echo"))
-             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (string= *switching* (read-exact-octets socket (length *switching*))))
              (let ((taken *last-socket*)
                    (done (sb-thread:make-semaphore)))
                (gallop:after 0.01 (lambda ()
@@ -125,7 +125,7 @@ connection is closed (counted as a slow client)."
       (unwind-protect
            (progn
              (send socket (upgrade-request "/echo"))
-             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (string= *switching* (read-exact-octets socket (length *switching*))))
              (let* ((taken *last-socket*)
                     (answers (loop repeat 2000
                                    for pending = (gallop:socket-write taken chunk)
@@ -148,7 +148,7 @@ it, it is not (checked past the same time)."
       (unwind-protect
            (progn
              (send socket (upgrade-request "/echo"))
-             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (string= *switching* (read-exact-octets socket (length *switching*))))
              (is (closed-by-peer-p socket :timeout 5))
              (is (wait-until (lambda () (= 1 (socket-event-count :closed))))))
         (usocket:socket-close socket))))
@@ -157,7 +157,7 @@ it, it is not (checked past the same time)."
       (unwind-protect
            (progn
              (send socket (upgrade-request "/echo"))
-             (is (string= +switching+ (read-exact-octets socket (length +switching+))))
+             (is (string= *switching* (read-exact-octets socket (length *switching*))))
              (is (not (closed-by-peer-p socket :timeout 2.5)))
              (send socket "still")
              (is (string= "still" (read-exact-octets socket 5))))

@@ -88,7 +88,7 @@ ping.  Messages over 1,000,000 octets close with 1009."
 
 (defun exact-101 (&optional protocol)
   (octets (apply #'crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: websocket"
-                 "Connection: Upgrade" (format nil "Sec-WebSocket-Accept: ~A" +rfc-accept+)
+                 "Connection: Upgrade" (format nil "Sec-WebSocket-Accept: ~A" *rfc-accept*)
                  (and protocol (list (format nil "Sec-WebSocket-Protocol: ~A" protocol))))))
 
 (defun native-ws (port &key one-by-one (extra '()))
@@ -113,15 +113,15 @@ handshakes get 400, or 426 with the version served."
                (values (response-status response) response))))
       (multiple-value-bind (status response)
           (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
-                  (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 8")
+                  (format nil "Sec-WebSocket-Key: ~A" *rfc-key*) "Sec-WebSocket-Version: 8")
         (is (= 426 status))
         (is (equal "13" (header response "Sec-WebSocket-Version"))))
       (is (= 400 (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
                          "Sec-WebSocket-Key: short" "Sec-WebSocket-Version: 13")))
       (is (= 400 (status "GET /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: keep-alive"
-                         (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 13")))
+                         (format nil "Sec-WebSocket-Key: ~A" *rfc-key*) "Sec-WebSocket-Version: 13")))
       (is (= 400 (status "POST /echo HTTP/1.1" "Host: x" "Upgrade: websocket" "Connection: Upgrade"
-                         (format nil "Sec-WebSocket-Key: ~A" +rfc-key+) "Sec-WebSocket-Version: 13"
+                         (format nil "Sec-WebSocket-Key: ~A" *rfc-key*) "Sec-WebSocket-Version: 13"
                          "Content-Length: 0"))))))
 
 (defun check-native-echo (port one-by-one)
@@ -183,7 +183,7 @@ thread arrives; none after the close."
       (is (closed-by-peer-p s))
       (is (wait-until (lambda () (equal '((4001 "asked")) *ws-closes*)))))))
 
-(defparameter +protocol-errors+
+(defparameter *protocol-errors*
   `(("an unmasked frame" 1002 ,(ws-frame 1 (octets "a") :mask nil))
     ("RSV1 set" 1002 ,(let ((f (ws-frame 1 (octets "a")))) (setf (aref f 0) #xC1) f))
     ("opcode 3" 1002 ,(ws-frame 3 (octets "a")))
@@ -210,7 +210,7 @@ thread arrives; none after the close."
   "Each protocol error closes with its code (then the connection), whole and
 one octet at a time; the server keeps serving."
   (with-native-ws (port)
-    (loop for (what code frame) in +protocol-errors+
+    (loop for (what code frame) in *protocol-errors*
           do (dolist (one-by-one '(nil t))
                (with-native-socket (s port)
                  (ws-send s (coerce frame 'octets-vector) :one-by-one one-by-one)
@@ -337,16 +337,16 @@ Compressing gives what inflates back, and nothing that would not shrink."
       (dotimes (i 1000) (setf (aref noise i) (random 256 state))))
     (is (null (gallop::deflate-message noise 15)))))
 
-(defparameter +deflate-offer+ "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits")
+(defparameter *deflate-offer* "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits")
 
 (defun deflate-ws (port &key one-by-one)
   "A connection to PORT's /echo with permessage-deflate agreed, the 101 exact."
   (let ((socket (connect port)))
-    (ws-send socket (octets (ws-handshake "/echo" +deflate-offer+)) :one-by-one one-by-one)
+    (ws-send socket (octets (ws-handshake "/echo" *deflate-offer*)) :one-by-one one-by-one)
     (expect-octets socket
                    (octets (crlf "HTTP/1.1 101 Switching Protocols" "Upgrade: websocket"
                                  "Connection: Upgrade"
-                                 (format nil "Sec-WebSocket-Accept: ~A" +rfc-accept+)
+                                 (format nil "Sec-WebSocket-Accept: ~A" *rfc-accept*)
                                  (format nil "Sec-WebSocket-Extensions: permessage-deflate; ~
                                               server_no_context_takeover; ~
                                               client_no_context_takeover")))
