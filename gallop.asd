@@ -18,37 +18,34 @@
   :license "BSD-2-Clause"
   :depends-on ("sb-concurrency" "sb-bsd-sockets")
   :pathname "src/core/"
-  ;; Each file names what it is built on.  Calls against these edges (a
-  ;; file calling a function of one it is not built on) are few and listed:
-  ;; connection -> lifecycle (CLOSE-CONNECTION, PARK, UNCHARGE-HEAD),
-  ;; lifecycle and serve -> upgrade (NOTE-UPGRADE-ENDED, SERVE-UPGRADED),
-  ;; body -> lifecycle (UNCHARGE-HEAD), tls -> handler (ARM- and
-  ;; DISARM-HANDLER-DEADLINE).
+  ;; Each file names what it is built on, and calls only functions of the
+  ;; files it is built on.
   :components ((:file "package")
                (:file "syscalls" :depends-on ("package"))
                (:file "cpus" :depends-on ("syscalls"))
                (:file "buffers" :depends-on ("syscalls"))
+               (:file "openssl" :depends-on ("syscalls"))
                (:file "sizing" :depends-on ("package"))
                (:file "pool" :depends-on ("cpus" "buffers" "sizing"))
-               (:file "timers" :depends-on ("pool"))
-               (:file "engine" :depends-on ("pool" "timers"))
+               (:file "engine" :depends-on ("pool"))
                (:file "settings" :depends-on ("engine"))
                (:file "chunks" :depends-on ("buffers"))
                (:file "spool" :depends-on ("engine"))
                (:file "request" :depends-on ("chunks" "spool"))
-               (:file "openssl" :depends-on ("syscalls"))
                (:file "connection" :depends-on ("engine" "buffers" "request" "openssl"))
-               (:file "wheel" :depends-on ("connection"))
                (:file "head" :depends-on ("connection"))
                (:file "body" :depends-on ("connection" "head" "chunks" "spool"))
+               (:file "tls" :depends-on ("body"))
+               (:file "timers" :depends-on ("pool"))
+               (:file "wheel" :depends-on ("connection"))
                (:file "lifecycle" :depends-on ("connection" "wheel"))
                (:file "accept" :depends-on ("lifecycle"))
                (:file "handler" :depends-on ("lifecycle"))
-               (:file "serve" :depends-on ("handler" "head" "body"))
-               (:file "upgrade" :depends-on ("serve"))
-               (:file "tls" :depends-on ("body"))
-               (:file "housekeeper" :depends-on ("accept" "serve" "upgrade" "timers"))
-               (:file "server" :depends-on ("housekeeper" "tls" "settings" "timers"))))
+               (:file "stream" :depends-on ("handler" "tls"))
+               (:file "upgrade" :depends-on ("handler" "body"))
+               (:file "serve" :depends-on ("upgrade" "head" "body"))
+               (:file "housekeeper" :depends-on ("accept" "serve" "timers"))
+               (:file "server" :depends-on ("housekeeper" "stream" "settings"))))
 
 (defsystem "gallop/native"
   :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."
