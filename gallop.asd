@@ -18,37 +18,39 @@
   :license "BSD-2-Clause"
   :depends-on ("sb-concurrency" "sb-bsd-sockets")
   :pathname "src/core/"
-  ;; Each file names what it is built on.  Calls against these edges (a
-  ;; file calling a function of one it is not built on) are few and listed:
-  ;; connection -> lifecycle (CLOSE-CONNECTION, PARK, UNCHARGE-HEAD),
-  ;; lifecycle and serve -> upgrade (NOTE-UPGRADE-ENDED, SERVE-UPGRADED),
-  ;; body -> lifecycle (UNCHARGE-HEAD), tls -> handler (ARM- and
-  ;; DISARM-HANDLER-DEADLINE).
+  ;; The folders are the core's layers (doc/layout.md), each built on those
+  ;; it names; a file calls only functions of the files it is built on.
   :components ((:file "package")
-               (:file "syscalls" :depends-on ("package"))
-               (:file "cpus" :depends-on ("syscalls"))
-               (:file "buffers" :depends-on ("syscalls"))
-               (:file "sizing" :depends-on ("package"))
-               (:file "pool" :depends-on ("cpus" "buffers" "sizing"))
-               (:file "timers" :depends-on ("pool"))
-               (:file "engine" :depends-on ("pool" "timers"))
+               (:module "os" :depends-on ("package")
+                :components ((:file "syscalls")
+                             (:file "cpus" :depends-on ("syscalls"))
+                             (:file "buffers" :depends-on ("syscalls"))
+                             (:file "openssl" :depends-on ("syscalls"))))
+               (:module "pool" :depends-on ("os")
+                :components ((:file "sizing")
+                             (:file "pool" :depends-on ("sizing"))))
+               (:file "engine" :depends-on ("pool"))
                (:file "settings" :depends-on ("engine"))
-               (:file "chunks" :depends-on ("buffers"))
-               (:file "spool" :depends-on ("engine"))
-               (:file "request" :depends-on ("chunks" "spool"))
-               (:file "openssl" :depends-on ("syscalls"))
-               (:file "connection" :depends-on ("engine" "buffers" "request" "openssl"))
-               (:file "wheel" :depends-on ("connection"))
-               (:file "head" :depends-on ("connection"))
-               (:file "body" :depends-on ("connection" "head" "chunks" "spool"))
-               (:file "lifecycle" :depends-on ("connection" "wheel"))
-               (:file "accept" :depends-on ("lifecycle"))
-               (:file "handler" :depends-on ("lifecycle"))
-               (:file "serve" :depends-on ("handler" "head" "body"))
-               (:file "upgrade" :depends-on ("serve"))
-               (:file "tls" :depends-on ("body"))
-               (:file "housekeeper" :depends-on ("accept" "serve" "upgrade" "timers"))
-               (:file "server" :depends-on ("housekeeper" "tls" "settings" "timers"))))
+               (:module "http" :depends-on ("engine")
+                :components ((:file "chunks")
+                             (:file "spool")
+                             (:file "request" :depends-on ("chunks" "spool"))
+                             (:file "connection" :depends-on ("request"))
+                             (:file "head" :depends-on ("connection"))
+                             (:file "body" :depends-on ("head"))
+                             (:file "tls" :depends-on ("body"))))
+               (:module "timers" :depends-on ("http")
+                :components ((:file "timers")
+                             (:file "wheel")))
+               (:module "loop" :depends-on ("timers")
+                :components ((:file "lifecycle")
+                             (:file "accept" :depends-on ("lifecycle"))
+                             (:file "handler" :depends-on ("lifecycle"))
+                             (:file "stream" :depends-on ("handler"))
+                             (:file "upgrade" :depends-on ("handler"))
+                             (:file "serve" :depends-on ("upgrade"))
+                             (:file "housekeeper" :depends-on ("accept" "serve"))))
+               (:file "server" :depends-on ("loop" "settings"))))
 
 (defsystem "gallop/native"
   :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."

@@ -7,11 +7,12 @@
 ;;;; request head it sends on each before it stops, and a connection keeps
 ;;;; what it received (8 KiB, up to :MAX-HEAD-BYTES for a long head).  Gallop
 ;;;; counts those buffers against a global head budget (a quarter of SBCL's
-;;;; dynamic space, see CHARGE-HEAD in src/core/server.lisp); past it a
-;;;; connection gets 503 instead of a bigger buffer.  This measures that: many
-;;;; connections each holding a head just short of the limit must leave the
-;;;; server up, its heap bounded, answering well-formed 503s, serving a fresh
-;;;; GET, and giving every octet of the budget back once they close.
+;;;; dynamic space, see CHARGE-HEAD in src/core/http/connection.lisp); past
+;;;; it a connection gets 503 instead of a bigger buffer.  This measures
+;;;; that: many connections each holding a head just short of the limit must
+;;;; leave the server up, its heap bounded, answering well-formed 503s,
+;;;; serving a fresh GET, and giving every octet of the budget back once
+;;;; they close.
 ;;;;
 ;;;; What it does, for each server kind of bench/server.lisp (`native`,
 ;;;; GALLOP:START, then `gallop`, GALLOP:EASY-ACCEPTOR), and each case below,

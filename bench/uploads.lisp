@@ -5,7 +5,7 @@
 ;;;;
 ;;;; Why: Gallop reads a request body before its handler runs, in epoll,
 ;;;; keeping at most :BODY-BUFFER-BYTES of it in memory and the rest in a
-;;;; temporary file (src/core/spool.lisp), whatever the client's framing.
+;;;; temporary file (src/core/http/spool.lisp), whatever the client's framing.
 ;;;; This measures that claim from outside: the resident memory of a server
 ;;;; process while many clients upload large bodies at once.
 ;;;;

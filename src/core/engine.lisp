@@ -113,7 +113,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-switched 0 :type fixnum)
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 0 :type fixnum)
-  (head-budget 0 :type fixnum) ; see lifecycle.lisp (the head budget)
+  (head-budget 0 :type fixnum) ; see connection.lisp (the head budget)
   ;; request bodies the engine gathers before the handler (spool.lisp)
   (body-buffer-bytes 0 :type fixnum) ; per request, in memory
   (body-budget 0 :type fixnum)       ; all requests, in memory
@@ -366,75 +366,3 @@ Connection: close."
   (or (engine-response-503 engine)
       (setf (engine-response-503 engine)
             (make-error-response 503 :retry-after (engine-retry-after engine)))))
-
-(defun engine-stats (engine)
-  "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
-epoll), :ACTIVE (owned by a worker or by a handler that detached them),
-:IN-FLIGHT requests, :PENDING (whole request heads waiting for a worker,
-see ENGINE-OVERLOADED-P), totals :ACCEPTED,
-:CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
-:HEAD-BYTES (input buffers counted against the head budget: those of
-connections parked with a partial head, and those grown for a long head),
-:REJECTED (400/408/414/431), :WRITING (connections parked in epoll until
-the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
-(their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
-the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
-connection while a handler read or answered), :SUSPENDED (requests an app
-answers later from another thread, waiting for it: counted in :IN-FLIGHT
-too), :ABANDONED (such requests whose client went away before the answer:
-freed at once), :UPGRADED and :UPGRADES (connections that switched
-protocols, a WebSocket, see upgrade.lisp: open now, and in all),
-:SWITCHED (connections that switched protocols under a handler that keeps
-its thread, hunchensocket's WebSockets, see CONNECTION-SWITCH: open now), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
-reading or holds for their handlers, in memory and in temporary files, see
-spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
-:SLOW-CLIENTS (connections ended for sending or reading under the minimum
-data rate; counted in :TIMEOUTS too), :TIMERS (application timers pending,
-see timers.lisp), and
-the pool's :THREADS,
-:IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
-\(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
-served for another group whose workers were all busy), see pool.lisp."
-  (declare (notinline connection-state connection-unsent-bytes)) ; defined in connection.lisp, later
-  (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
-        (table (engine-table engine)))
-    (loop for c across table
-          when c
-            do (incf open)
-               (case (connection-state c)
-                 (:waiting (incf idle))
-                 (:parked (incf idle)
-                  (let ((n (connection-unsent-bytes c)))
-                    (when (plusp n) (incf writing) (incf unsent n))))
-                 ((:active :dirty :detached) (incf active))))
-    (let ((pool (engine-pool engine)))
-      (list :open open :idle idle :active active
-            :in-flight (engine-in-flight engine)
-            :pending (engine-pending engine)
-            :head-bytes (engine-head-bytes engine)
-            :body-bytes (engine-body-bytes engine)
-            :disk-bytes (engine-disk-bytes engine)
-            :body-files (engine-body-files engine)
-            :slow-clients (engine-slow-clients engine)
-            :accepted (engine-accepted engine)
-            :closed (engine-closed engine)
-            :requests (engine-requests engine)
-            :shed (engine-shed engine)
-            :rejected (engine-rejected engine)
-            :writing writing
-            :unsent-bytes unsent
-            :timeouts (engine-timeouts engine)
-            :write-timeouts (engine-write-timeouts engine)
-            :aborted (engine-aborted engine)
-            :suspended (engine-suspended engine)
-            :abandoned (engine-abandoned engine)
-            :upgraded (engine-upgraded engine)
-            :upgrades (engine-upgrades engine)
-            :switched (engine-switched engine)
-            :timers (timers-pending-count (and pool (pool-timers pool)))
-            :threads (if pool (pool-thread-count pool) 0)
-            :idle-threads (if pool (pool-idle-count pool) 0)
-            :run-permits (if pool (pool-run-permits pool) 0)
-            :epoll-sets (if pool (length (pool-groups pool)) 0)
-            :moved (if pool (pool-moved pool) 0)
-            :stolen (if pool (pool-stolen pool) 0)))))

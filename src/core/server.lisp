@@ -1,4 +1,4 @@
-;;;; server.lisp -- making, starting and stopping an engine.
+;;;; server.lisp -- making, starting and stopping an engine; its stats.
 ;;;;
 ;;;; Who runs what:
 ;;;;  - the housekeeper thread (housekeeper.lisp) accepts (or the layer above
@@ -7,7 +7,8 @@
 ;;;;    connections whose deadline passed;
 ;;;;  - a worker of the pool (pool.lisp) that takes a connection's event
 ;;;;    serves it (serve.lisp), running the engine's handler (handler.lisp);
-;;;;  - a connection's states and the head budget: lifecycle.lisp.
+;;;;  - a connection's states: lifecycle.lisp; the head budget:
+;;;;    connection.lisp.
 
 (in-package #:gallop.core)
 
@@ -209,3 +210,76 @@ belongs to the caller, who closes it afterwards."
           (engine-listen-fd engine) -1
           (engine-state engine) :stopped))
   engine)
+
+;;; Stats
+
+(defun engine-stats (engine)
+  "A property list describing ENGINE now: :OPEN connections, :IDLE (parked in
+epoll), :ACTIVE (owned by a worker or by a handler that detached them),
+:IN-FLIGHT requests, :PENDING (whole request heads waiting for a worker,
+see ENGINE-OVERLOADED-P), totals :ACCEPTED,
+:CLOSED, :REQUESTS, :SHED (503: queue full, or head budget spent),
+:HEAD-BYTES (input buffers counted against the head budget: those of
+connections parked with a partial head, and those grown for a long head),
+:REJECTED (400/408/414/431), :WRITING (connections parked in epoll until
+the client reads their unsent output: counted in :IDLE too), :UNSENT-BYTES
+(their output, in all), :TIMEOUTS, :WRITE-TIMEOUTS (connections closed because
+the client read nothing for the write timeout; counted in :TIMEOUTS too), :ABORTED (requests the client gave up on: it closed or reset the
+connection while a handler read or answered), :SUSPENDED (requests an app
+answers later from another thread, waiting for it: counted in :IN-FLIGHT
+too), :ABANDONED (such requests whose client went away before the answer:
+freed at once), :UPGRADED and :UPGRADES (connections that switched
+protocols, a WebSocket, see upgrade.lisp: open now, and in all),
+:SWITCHED (connections that switched protocols under a handler that keeps
+its thread, hunchensocket's WebSockets, see CONNECTION-SWITCH: open now), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
+reading or holds for their handlers, in memory and in temporary files, see
+spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
+:SLOW-CLIENTS (connections ended for sending or reading under the minimum
+data rate; counted in :TIMEOUTS too), :TIMERS (application timers pending,
+see timers.lisp), and
+the pool's :THREADS,
+:IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
+\(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
+served for another group whose workers were all busy), see pool.lisp."
+  (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
+        (table (engine-table engine)))
+    (loop for c across table
+          when c
+            do (incf open)
+               (case (connection-state c)
+                 (:waiting (incf idle))
+                 (:parked (incf idle)
+                  (let ((n (connection-unsent-bytes c)))
+                    (when (plusp n) (incf writing) (incf unsent n))))
+                 ((:active :dirty :detached) (incf active))))
+    (let ((pool (engine-pool engine)))
+      (list :open open :idle idle :active active
+            :in-flight (engine-in-flight engine)
+            :pending (engine-pending engine)
+            :head-bytes (engine-head-bytes engine)
+            :body-bytes (engine-body-bytes engine)
+            :disk-bytes (engine-disk-bytes engine)
+            :body-files (engine-body-files engine)
+            :slow-clients (engine-slow-clients engine)
+            :accepted (engine-accepted engine)
+            :closed (engine-closed engine)
+            :requests (engine-requests engine)
+            :shed (engine-shed engine)
+            :rejected (engine-rejected engine)
+            :writing writing
+            :unsent-bytes unsent
+            :timeouts (engine-timeouts engine)
+            :write-timeouts (engine-write-timeouts engine)
+            :aborted (engine-aborted engine)
+            :suspended (engine-suspended engine)
+            :abandoned (engine-abandoned engine)
+            :upgraded (engine-upgraded engine)
+            :upgrades (engine-upgrades engine)
+            :switched (engine-switched engine)
+            :timers (timers-pending-count (and pool (pool-timers pool)))
+            :threads (if pool (pool-thread-count pool) 0)
+            :idle-threads (if pool (pool-idle-count pool) 0)
+            :run-permits (if pool (pool-run-permits pool) 0)
+            :epoll-sets (if pool (length (pool-groups pool)) 0)
+            :moved (if pool (pool-moved pool) 0)
+            :stolen (if pool (pool-stolen pool) 0)))))

@@ -44,7 +44,7 @@ Gallop connection: call FUNCTION with HUNCHENTOOT:*ACCEPTOR* bound to
 ACCEPTOR while ACCEPTOR counts the request in progress."
   (let ((hunchentoot:*acceptor* acceptor))
     ;; Counted once and uncounted once, whatever interrupt comes (a handler
-    ;; past its deadline is interrupted, src/core/handler.lisp).
+    ;; past its deadline is interrupted, src/core/loop/handler.lisp).
     (sb-sys:without-interrupts
       (unwind-protect
            (progn (add-requests-in-progress acceptor 1)

@@ -1,6 +1,6 @@
 ;;;; gather.lisp -- request bodies read in epoll before the handler runs
-;;;; (src/core/spool.lisp, body.lisp's GATHER-BODY), and the minimum data
-;;;; rate of heads, bodies and answers, on both front ends.
+;;;; (src/core/http/spool.lisp, serve.lisp's GATHER-BODY), and the minimum
+;;;; data rate of heads, bodies and answers, on both front ends.
 ;;;;
 ;;;; Pure tests on the spool first (memory, then a temporary file, under
 ;;;; their budgets), then tests over sockets: a slow body holds no worker

@@ -1,4 +1,4 @@
-;;;; sizing.lisp -- the pool's sizing policy (src/core/sizing.lisp), a pure
+;;;; sizing.lisp -- the pool's sizing policy (src/core/pool/sizing.lisp), a pure
 ;;;; function: each rule on made-up samples, then samples recorded under
 ;;;; real loads (bench/record-sizing.lisp: beside a CPU hog, handlers that
 ;;;; block 1 ms then an idle pool, bursts) replayed, decision by decision.

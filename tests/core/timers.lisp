@@ -1,6 +1,6 @@
-;;;; timers.lisp -- the application timers' heap (src/core/timers.lisp), on
-;;;; its own: due timers come out in deadline order, each once; cancelled
-;;;; ones never.
+;;;; timers.lisp -- the application timers' heap
+;;;; (src/core/timers/timers.lisp), on its own: due timers come out in
+;;;; deadline order, each once; cancelled ones never.
 
 (in-package #:gallop-tests)
 

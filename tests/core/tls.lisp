@@ -1,4 +1,4 @@
-;;;; tls.lisp -- TLS on the engine's event loop (src/core/openssl.lisp), on
+;;;; tls.lisp -- TLS on the engine's event loop (src/core/os/openssl.lisp), on
 ;;;; both front ends: GALLOP:START with a certificate, and
 ;;;; GALLOP:EASY-SSL-ACCEPTOR.  Through hunchentoot/tls.lisp's client (cl+ssl
 ;;;; over a real socket to 127.0.0.1), answers read strictly:
@@ -311,8 +311,8 @@ fd is left, nothing is logged, and the server serves on."
 
 ;;; An acceptor that does TLS itself, in INITIALIZE-CONNECTION-STREAM, and is
 ;;; not a HUNCHENTOOT:SSL-ACCEPTOR: Gallop cannot know its TLS, so its engine
-;;; is raw and the requests are read through that stream (src/core/tls.lisp),
-;;; with the same checks.
+;;; is raw and the requests are read through that stream
+;;; (src/core/http/tls.lisp), with the same checks.
 
 (defclass stream-tls-acceptor (gallop:easy-acceptor)
   ((certificate :initarg :certificate :reader stream-tls-certificate)

@@ -1,5 +1,5 @@
 ;;;; socket.lisp -- the connection taken as a socket (src/native/socket.lisp,
-;;;; src/core/upgrade.lisp): an app that switches protocols writes its own
+;;;; src/core/loop/upgrade.lisp): an app that switches protocols writes its own
 ;;;; 101 and then octets as it likes, from any thread, and is given what the
 ;;;; client sends on a worker.  Checked over a real socket, byte by byte,
 ;;;; with a toy protocol (echo), and the WebSocket frame assembly on octet

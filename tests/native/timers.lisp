@@ -1,7 +1,7 @@
-;;;; timers.lisp -- GALLOP:AFTER and GALLOP:CANCEL-TIMER (src/core/timers.lisp):
-;;;; requests answered later by a timer hold no thread; a cancelled timer
-;;;; never runs; timers are usable from a Hunchentoot handler and from any
-;;;; thread with :SERVER.
+;;;; timers.lisp -- GALLOP:AFTER and GALLOP:CANCEL-TIMER
+;;;; (src/core/timers/timers.lisp): requests answered later by a timer hold
+;;;; no thread; a cancelled timer never runs; timers are usable from a
+;;;; Hunchentoot handler and from any thread with :SERVER.
 
 (in-package #:gallop-tests)
 

@@ -4,7 +4,7 @@
 ;;;; A client chooses how fast it sends its body; a worker waiting for it
 ;;;; would be a worker held by the client.  So the engine reads bodies as
 ;;;; they arrive, between epoll events, into a SPOOL, and runs the handler
-;;;; once the whole body is here (body.lisp, GATHER-BODY); the handler reads
+;;;; once the whole body is here (serve.lisp, GATHER-BODY); the handler reads
 ;;;; the spool and never waits for the client.  This is nginx's request
 ;;;; buffering (client_body_buffer_size, client_body_temp_path), with two
 ;;;; budgets nginx lacks (doc/design.md, "A slow body holds no worker"):

@@ -27,7 +27,8 @@
 ;;;; Between requests the layer above calls CONNECTION-MARK-BOUNDARY; the next
 ;;;; read then answers end-of-file unless a complete request head is already
 ;;;; buffered, and records that the connection should be parked, so the
-;;;; request loop of the layer above ends and the worker returns to the pool.
+;;;; request loop of the layer above ends and the worker returns to the pool
+;;;; (the stream's input methods and CLOSE: stream.lisp).
 
 (in-package #:gallop.core)
 
@@ -65,6 +66,28 @@ engine's HANDLER-TIMEOUT, or still ran when a hard stop gave up waiting for
 it.  It is a SERIOUS-CONDITION, not an ERROR, so that handlers that catch
 every ERROR (IGNORE-ERRORS, HANDLER-CASE on ERROR) still unwind; their
 UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
+
+;;; What a connection that switched protocols holds in its UPGRADE slot
+;;; (upgrade.lisp).
+
+(defstruct (upgrade (:constructor make-upgrade (on-read on-close idle-ms send-limit))
+                    (:copier nil) (:predicate nil))
+  "What a connection that switched protocols does with what it receives."
+  (on-read nil :type (or null function))  ; (OCTETS START END), on a worker
+  (on-close nil :type (or null function)) ; (), once, when the connection ends
+  (idle-ms 0 :type fixnum)                ; 0: no idle timeout
+  (send-limit 0 :type fixnum)
+  (mailbox nil :type list)                ; segments from other threads, newest first
+  (mailbox-bytes 0 :type sb-ext:word)
+  (reader nil)                            ; the thread running ON-READ
+  (closing nil :type (member nil :close :abort))
+  (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
+  (charged 0 :type sb-ext:word)           ; octets counted in the body budget
+  (ended nil)                             ; ON-CLOSE is called (or due)
+  (entered nil))                          ; the handler returned: read from epoll
+
+(defmethod print-object ((u upgrade) stream)
+  (print-unreadable-object (u stream :type t :identity t)))
 
 (defclass connection (sb-gray:fundamental-binary-input-stream
                       sb-gray:fundamental-binary-output-stream)
@@ -377,6 +400,38 @@ buffer held, see CHARGE-HEAD)."
     (when (and outbuf (zerop out-fill))
       (release-buffer outbuf)
       (setf outbuf nil))))
+
+;;; The head budget.  A connection parked with part of a request head holds
+;;; its input buffer (8 KiB, or up to MAX-HEAD-BYTES when the head is long)
+;;; while no worker serves it, and clients choose how many such connections
+;;; there are.  The engine counts those buffers in HEAD-BYTES and keeps them
+;;; under HEAD-BUDGET (a quarter of the heap by default), so that heads can
+;;; never exhaust the heap: past it, a connection is answered 503 instead of
+;;; being parked, and no buffer grows.  A buffer grown for a long head is
+;;; counted from the moment it grows (CHARGE-GROWTH), whether parked or being
+;;; read, and a counted buffer stays counted until the connection gives it
+;;; back (RELEASE-BUFFERS) or closes.  Invariant: HEAD-BYTES is the sum of
+;;; the BUDGETED octets of every connection, and BUDGETED is 0 or the length
+;;; of the connection's input buffer.
+
+(defun charge-head (c)
+  "Count C's input buffer against the head budget if C is about to park with
+a partial request in it.  NIL when that would exceed the budget."
+  (with-connection-slots (inbuf in-start in-end budgeted engine) c
+    (or (null inbuf) (= in-start in-end) (plusp budgeted)
+        (let ((n (length (the octets inbuf))))
+          (if (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
+                 (engine-head-budget engine))
+              (progn (sb-ext:atomic-decf (engine-head-bytes engine) n) nil)
+              (progn (setf budgeted n) t))))))
+
+(defun uncharge-head (c)
+  "C gives its input buffer up (rejected or closed): give its share of the
+budget back."
+  (with-connection-slots (budgeted engine) c
+    (when (plusp budgeted)
+      (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+      (setf budgeted 0))))
 
 (defun charge-growth (c size)
   "Before C's input buffer grows to SIZE octets, count SIZE against the
@@ -731,87 +786,69 @@ timeout) until some arrives.  Returns NIL at end of file."
                  (client-went-away c errno "read"))
                 (t (wait-for-fd c +pollin+ (read-wait-ms c) "read"))))))))
 
-(defun leave-boundary (c)
-  "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
-request may be read now on this stream; NIL (end of file for the reader)
-when the connection should instead go back to the engine, which parks it,
-serves the next buffered request, or (when stopping, or when this request
-must be the last) closes it.  The plaintext side of TLS reads its next
-request itself (PLAIN-LEAVE-BOUNDARY)."
-  (with-connection-slots (park-requested engine boundary) c
-    (cond ((conn-slot c detaching)
-           ;; Detached: the stream is the handler's, requests are over.
-           (setf boundary nil)
-           t)
-          ((conn-slot c source) (plain-leave-boundary c))
-          ((or (not (engine-running-p engine))
-               (conn-slot c interrupted)
-               (conn-slot c close-after)
-               (conn-slot c framing-broken))
-           nil)
-          (t
-           (setf park-requested t)
-           nil))))
+;;; The plaintext side of TLS through a library above the engine (tls.lisp)
+;;; reads and writes its SOURCE, the library's TLS stream, instead of the
+;;; socket: FILL-INPUT reads through FILL-FROM-SOURCE, SEND-ALL writes
+;;; through SEND-TO-SOURCE.
 
-;;; Gray stream methods
+(defun source-want (c)
+  "How many octets C can read from its TLS stream without waiting for more
+than the client must send: what is left of a Content-Length body or of a
+chunk's data; else 1 (a head, or chunk framing, may end at any octet)."
+  (with-connection-slots (message head-left body-mode body-left chunk-decoder) c
+    (cond ((or (not message) (plusp head-left)) 1)
+          ((eq body-mode :length) (max 1 body-left))
+          ((and (eq body-mode :chunked) (eq (chunk-decoder-state chunk-decoder) :data))
+           (chunk-decoder-left chunk-decoder))
+          (t 1))))
 
-(defmethod stream-element-type ((c connection))
-  '(unsigned-byte 8))
+(defun fill-from-source (c)
+  "Read into C's empty input buffer from its TLS stream, blocking (bounded by
+the cipher connection's read timeout or deadline): at most SOURCE-WANT
+octets, since the TLS stream only returns when it has all it was asked for
+\(and LISTEN on it may block inside cl+ssl's Lisp BIO).  NIL at end of
+file, or when the TLS stream failed otherwise (the client went away:
+nobody to answer).  Signals HANDLER-TIMEOUT or CONNECTION-TIMEOUT-ERROR when
+that is what happened under the TLS library."
+  (with-connection-slots (inbuf in-start in-end scan source) c
+    (let ((buffer (ensure-inbuf c)))
+      (declare (type octets buffer))
+      (when (= in-start in-end)
+        (setf in-start 0 in-end 0 scan 0))
+      (let ((want (min (source-want c) (- (length buffer) in-end))))
+        (and (plusp want)
+             (handler-case
+                 (let ((end (read-sequence buffer source :start in-end :end (+ in-end want))))
+                   (when (> end in-end)
+                     (setf in-end end)
+                     t))
+               (error ()
+                 ;; The TLS library turned our own condition, raised while it
+                 ;; read through the cipher connection, into an error of its
+                 ;; own: give the handler-deadline interrupt and the read
+                 ;; timeout back their meaning (503 / a quiet close), as on a
+                 ;; plain connection.  Anything else: the client is gone.
+                 (let ((cipher (conn-slot c cipher)))
+                   (cond ((conn-slot cipher interrupted)
+                          (let ((ms (engine-handler-timeout-ms (connection-engine c))))
+                            (error 'handler-timeout :seconds (and (plusp ms) (/ ms 1000.0)))))
+                         ((conn-slot cipher timed-out)
+                          (setf (conn-slot cipher timed-out) nil)
+                          (error 'connection-timeout-error :stream c :operation "TLS read"))
+                         (t nil))))))))))
 
-(defmethod open-stream-p ((c connection))
-  (and (member (connection-state c) '(:active :dirty :detached))
-       (not (conn-slot c close-requested))))
-
-(defmethod sb-gray:stream-read-byte ((c connection))
-  (with-connection-slots (inbuf in-start in-end boundary raw) c
-    (when (and boundary (not (leave-boundary c)))
-      (return-from sb-gray:stream-read-byte :eof))
-    (cond ((not raw)
-           ;; The request being served, and no further (body.lisp).
-           (when (and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c)))
-             (return-from sb-gray:stream-read-byte :eof))
-           (if (and (plusp (conn-slot c head-left)) (< in-start in-end))
-               (prog1 (aref (the octets inbuf) in-start) ; the head: in the buffer
-                 (incf in-start)
-                 (decf (conn-slot c head-left)))
-               (let ((octet (or (conn-slot c synth-octet)
-                                (setf (conn-slot c synth-octet)
-                                      (make-array 1 :element-type '(unsigned-byte 8))))))
-                 (if (= 1 (read-message c octet 0 1))
-                     (aref (the octets octet) 0)
-                     :eof))))
-          ((or (< in-start in-end) (fill-input c))
-           (prog1 (aref (the octets inbuf) in-start)
-             (incf in-start)))
-          (t :eof))))
-
-(defmethod sb-gray:stream-listen ((c connection))
-  (with-connection-slots (in-start in-end head-left body-mode raw) c
-    (if (and (eq body-mode :spool) (zerop head-left))
-        (plusp (conn-slot c body-left))
-        (and (< in-start in-end)
-             (or raw (plusp head-left) (and body-mode t))))))
-
-(defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
-  (with-connection-slots (inbuf in-start in-end boundary raw) c
-    (let ((end (or end (length sequence))))
-      (when (and boundary (< start end) (not (leave-boundary c)))
-        (return-from sb-gray:stream-read-sequence start))
-      (unless raw
-        (return-from sb-gray:stream-read-sequence
-          (if (and (conn-slot c source) (not (conn-slot c message)) (< start end)
-                   (not (read-next-head c)))
-              start
-              (read-message c sequence start end))))
-      (loop while (< start end)
-            do (when (and (= in-start in-end) (not (fill-input c)))
-                 (return))
-               (let ((n (min (- end start) (- in-end in-start))))
-                 (replace sequence (the octets inbuf)
-                          :start1 start :end1 (+ start n) :start2 in-start)
-                 (incf start n)
-                 (incf in-start n)))
-      start)))
+(defun send-to-source (c buffer start end)
+  "Write BUFFER[START,END) through C's TLS stream."
+  (when (conn-slot c gone)
+    (return-from send-to-source))
+  (handler-case
+      (let ((source (conn-slot c source)))
+        (write-sequence buffer source :start start :end end)
+        (force-output source)
+        (incf (the fixnum (conn-slot c sent)) (- end start)))
+    (error (e)
+      (setf (conn-slot c gone) t)
+      (error 'connection-error :stream c :operation (format nil "TLS write (~A)" e)))))
 
 ;;; Output.  Writes go to the connection's output buffer, and from there to
 ;;; the socket without waiting: what the socket does not take now (the client
@@ -1119,29 +1156,6 @@ next write takes a fresh one)."
 (defmethod sb-gray:stream-clear-output ((c connection))
   (setf (conn-slot c out-fill) 0)
   nil)
-
-(defmethod close ((c connection) &key abort)
-  "While a worker serves C this only records that the layer above is done
-with it; the worker then parks or closes it.  A detached connection is closed
-at once."
-  (case (connection-state c)
-    ((:active :dirty)
-     (unless (conn-slot c close-requested)
-       (if abort
-           (setf (conn-slot c out-fill) 0)
-           (ignore-errors (flush-output c)))
-       (setf (conn-slot c close-requested) t)
-       (when (conn-slot c source)
-         ;; The plaintext side of TLS: closing the TLS stream ends the
-         ;; session and closes the cipher connection under it.
-         (release-buffers c)
-         (uncharge-head c)              ; a buffer still holding input
-         (ignore-errors (close (conn-slot c source) :abort abort)))))
-    (:detached
-     (unless abort (ignore-errors (flush-output c)))
-     (setf (conn-slot c out-fill) 0)
-     (close-connection c)))
-  t)
 
 ;;; The octet interface the native layer uses: no generic dispatch.
 

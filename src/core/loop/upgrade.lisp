@@ -15,27 +15,13 @@
 ;;;; input is waiting hands it to the pool instead.  The octets waiting (the
 ;;;; mailbox and the output queue) are what a sender sees of backpressure,
 ;;;; and SEND-LIMIT bounds them: a client that does not read is closed.
+;;;;
+;;;; The UPGRADE record is kept beside the connection that holds it
+;;;; (connection.lisp), and closing a connection ends it (NOTE-UPGRADE-ENDED,
+;;;; lifecycle.lisp).  A handler that keeps its thread for the new protocol
+;;;; switches instead (CONNECTION-SWITCH, at the end of this file).
 
 (in-package #:gallop.core)
-
-(defstruct (upgrade (:constructor make-upgrade (on-read on-close idle-ms send-limit))
-                    (:copier nil) (:predicate nil))
-  "What a connection that switched protocols does with what it receives."
-  (on-read nil :type (or null function))  ; (OCTETS START END), on a worker
-  (on-close nil :type (or null function)) ; (), once, when the connection ends
-  (idle-ms 0 :type fixnum)                ; 0: no idle timeout
-  (send-limit 0 :type fixnum)
-  (mailbox nil :type list)                ; segments from other threads, newest first
-  (mailbox-bytes 0 :type sb-ext:word)
-  (reader nil)                            ; the thread running ON-READ
-  (closing nil :type (member nil :close :abort))
-  (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
-  (charged 0 :type sb-ext:word)           ; octets counted in the body budget
-  (ended nil)                             ; ON-CLOSE is called (or due)
-  (entered nil))                          ; the handler returned: read from epoll
-
-(defmethod print-object ((u upgrade) stream)
-  (print-unreadable-object (u stream :type t :identity t)))
 
 (defconstant +upgraded-turn-octets+ (* 64 1024)
   "Octets a worker reads from one upgraded connection before it lets others
@@ -218,25 +204,6 @@ left it: gracefully, after its output, or at once."
       ;; Shut the write side, read and drop for a while, then close.
       (reject-connection c nil)))
 
-(defun note-upgrade-ended (c)
-  "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
-worker (a timer due now), or in this thread when the engine is stopping."
-  (let ((u (conn-slot c upgrade)))
-    (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
-      (let ((engine (connection-engine c))
-            (on-close (upgrade-on-close u)))
-        (when (upgrade-entered u)
-          (sb-ext:atomic-decf (engine-upgraded engine)))
-        (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
-        (when on-close
-          (flet ((call ()
-                   (handler-case (funcall on-close)
-                     (serious-condition (e)
-                       (log-engine-error engine "Error closing ~A: ~A" c e)))))
-            (if (engine-running-p engine)
-                (pool-submit (engine-pool engine) #'call)
-                (call))))))))
-
 (defun read-upgraded (c u)
   "Read what the client sent and give it to U's ON-READ.  :EOF when the
 client closed its side, :ERROR when the connection failed, :TURN when this
@@ -333,3 +300,50 @@ worker (the read callback runs only on workers)."
     (connection-error ()
       (note-client-abort (connection-engine c))
       (close-connection c))))
+
+;;; Switching under a handler that keeps its thread (hunchensocket): the
+;;; connection leaves the engine's epoll set and the worker leaves the pool.
+
+(defun connection-switch (c &key timeout-stream)
+  "C switched protocols under a handler that keeps its thread and reads the
+new protocol from C's stream (Hunchentoot's WebSocket libraries do): reads
+and writes pass through from now on (CONNECTION-DETACH), and C still closes
+when the handler is done with it.  The worker steps out of the pool
+\(POOL-STEP-OUT): holding C for as long as its client likes costs the pool
+none of its workers, as a thread per connection would.  TIMEOUT-STREAM, a
+bufferless SB-SYS:FD-STREAM that the layer above lets the handler set a
+timeout on (Hunchentoot's SET-TIMEOUTS), gives C's reads their timeout
+once set (else the engine's READ-TIMEOUT)."
+  (connection-detach c)
+  (unless (conn-slot c switched)        ; counted by CONNECTION-MAY-SWITCH-P
+    (sb-ext:atomic-incf (engine-switched (connection-engine c))))
+  (setf (conn-slot c switched) t
+        (conn-slot c timeout-stream) timeout-stream)
+  ;; Its handler's reads wait in poll(2): an event would only wake a worker
+  ;; to mark C :DIRTY.
+  (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
+  ;; The handler deadline bounds a request, not the protocol after it; and
+  ;; no deadline of the housekeeper's is due while the handler reads.
+  (disarm-handler-deadline c)
+  (schedule c (+ (now-ms) (* 60 60 1000)))   ; an hour: nothing is due
+  (unless (engine-running-p (connection-engine c))
+    ;; A stop began before the switch: it shut the switched ones already.
+    (shutdown-fd (connection-fd c) +shut-rdwr+))
+  (pool-step-out)
+  c)
+
+(defun connection-switched-p (c)
+  "True once C switched protocols under its handler (CONNECTION-SWITCH)."
+  (eq (conn-slot c switched) t))
+
+(defun connection-may-switch-p (c)
+  "True when C may switch protocols under its handler, and then counted among
+the engine's switched connections (each holding a thread) at once, so that
+handshakes at the same moment cannot pass MAX-SWITCHED-THREADS together."
+  (let ((engine (connection-engine c)))
+    (cond ((conn-slot c switched) t)
+          ((< (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
+           (setf (conn-slot c switched) :counted)
+           t)
+          (t (sb-ext:atomic-decf (engine-switched engine))
+             nil))))

@@ -1,12 +1,12 @@
 ;;;; serve.lisp -- a worker serving a connection: the event, the request
-;;;; heads read until complete, the handler run (handler.lisp), then park,
-;;;; close, or leave the connection (detached) as the handler's use of the
-;;;; stream decided.  An answer the socket did not take whole parks the
-;;;; connection for EPOLLOUT first; the worker that takes that event sends the
-;;;; rest, then goes on (AFTER-WRITE: the next request, or the close).  A
-;;;; further pipelined request waits its turn (YIELD-TURN).  A request
-;;;; answered later from another thread changes hands (CONNECTION-SUSPEND ...
-;;;; CONNECTION-RESUME).
+;;;; heads read until complete, a body read before its handler (GATHER-BODY),
+;;;; the handler run (handler.lisp), then park, close, or leave the
+;;;; connection (detached) as the handler's use of the stream decided.  An
+;;;; answer the socket did not take whole parks the connection for EPOLLOUT
+;;;; first; the worker that takes that event sends the rest, then goes on
+;;;; (AFTER-WRITE: the next request, or the close).  A further pipelined
+;;;; request waits its turn (YIELD-TURN).  A request answered later from
+;;;; another thread changes hands (CONNECTION-SUSPEND ... CONNECTION-RESUME).
 
 (in-package #:gallop.core)
 
@@ -146,6 +146,62 @@ buffered (pipelining) waits its turn behind other ready connections
                ;; (CONNECTION-ACQUIRE).
                (return (connection-release c))))))))))
 
+(defun gather-body (c)
+  "Read C's request body, as far as it has arrived, into its spool, without
+waiting.  True once all of it is here: BODY-MODE is :SPOOL, and the handler
+may run.  NIL when C was parked to wait for more (its deadline set by PARK),
+or rejected (400 or 413 for the body, 503 when it cannot be held) or closed
+\(the client went away): the caller lets go of C."
+  (let ((engine (connection-engine c)))
+    (with-connection-slots (inbuf in-start in-end head-left body-mode body-left spool) c
+      (handler-case
+          (loop
+            (let ((base (+ in-start head-left)))
+              (declare (type fixnum base))
+              (when (< base in-end)
+                (let ((used (spool-input c base in-end)))
+                  (unless used
+                    (sb-ext:atomic-incf (engine-shed engine))
+                    (reject-connection c (response-503 engine))
+                    (return nil))
+                  ;; What follows the body (a next request) stays after the head.
+                  (replace inbuf inbuf :start1 base :start2 used :end2 in-end)
+                  (setf in-end (+ base (- in-end used)))))
+              (when (body-gathered-p c)
+                (setf (conn-slot c gathering) nil
+                      (conn-slot c rate-start) 0
+                      body-mode :spool
+                      body-left (spool-fill spool))
+                (return t))
+              (unless (room-after-head c)
+                (sb-ext:atomic-incf (engine-shed engine))
+                (reject-connection c (response-503 engine))
+                (return nil))
+              (let ((buffer inbuf))
+                (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
+                  (declare (type fixnum n))
+                  (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+                  (cond ((plusp n)
+                         (incf in-end n)
+                         (incf (conn-slot c rate-octets) n)
+                         (setf (conn-slot c progress) (now-ms)))
+                        ((zerop n)
+                         ;; The client ended its side in the middle of its
+                         ;; request: there is nothing to answer.
+                         (close-connection c)
+                         (return nil))
+                        ((= errno +eagain+)
+                         (when (park c)
+                           (return nil)))
+                        (t (close-connection c)
+                           (return nil)))))))
+        (request-body-error (e)
+          (reject c (error-response (request-body-error-status e)))
+          nil)
+        (connection-error ()
+          (close-connection c)
+          nil)))))
+
 (defun park-if-quiet (c)
   "After an answer, with nothing buffered: park C without trying another read,
 and return true.  Most clients send their next request only after this
@@ -261,10 +317,6 @@ takes C back at its next CONNECTION-ACQUIRE."
   (unless (output-parked-p c)
     (park-suspended c))
   nil)
-
-(defconstant +suspended-check-ms+ (* 60 60 1000)
-  "How often the housekeeper looks at a suspended request's parked
-connection: never closes it (the app answers when it answers), so rarely.")
 
 (defun park-suspended (c)
   "Park C, whose request waits for its answer from another thread (the

@@ -7,10 +7,11 @@
 ;;;; them.  So the layer above wraps the TLS stream once more, in a second
 ;;;; CONNECTION made by MAKE-PLAIN-CONNECTION, whose SOURCE is the TLS
 ;;;; stream: its input buffer fills from the TLS stream instead of recv(2),
-;;;; its output goes to the TLS stream instead of send(2), and everything
-;;;; else is the plain code: SCAN-HEAD with its limits (414, 431), CHECK-HEAD
-;;;; (400, 413, 501, 505), BEGIN-MESSAGE and the body framing of body.lisp,
-;;;; FINISH-MESSAGE between requests.  A refused head is answered through
+;;;; its output goes to the TLS stream instead of send(2) (FILL-FROM-SOURCE
+;;;; and SEND-TO-SOURCE, connection.lisp), and everything else is the plain
+;;;; code: SCAN-HEAD with its limits (414, 431), CHECK-HEAD (400, 413, 501,
+;;;; 505), BEGIN-MESSAGE and the body framing of body.lisp, FINISH-MESSAGE
+;;;; between requests (PLAIN-LEAVE-BOUNDARY, stream.lisp).  A refused head is answered through
 ;;;; the TLS stream, and the connection closes after it.
 ;;;;
 ;;;; The differences are in who waits: a plain connection waits in epoll
@@ -45,65 +46,6 @@ read yet (SSL_pending)."
           (conn-slot c pending) pending
           (conn-slot c fresh) nil)
     c))
-
-(defun source-want (c)
-  "How many octets C can read from its TLS stream without waiting for more
-than the client must send: what is left of a Content-Length body or of a
-chunk's data; else 1 (a head, or chunk framing, may end at any octet)."
-  (with-connection-slots (message head-left body-mode body-left chunk-decoder) c
-    (cond ((or (not message) (plusp head-left)) 1)
-          ((eq body-mode :length) (max 1 body-left))
-          ((and (eq body-mode :chunked) (eq (chunk-decoder-state chunk-decoder) :data))
-           (chunk-decoder-left chunk-decoder))
-          (t 1))))
-
-(defun fill-from-source (c)
-  "Read into C's empty input buffer from its TLS stream, blocking (bounded by
-the cipher connection's read timeout or deadline): at most SOURCE-WANT
-octets, since the TLS stream only returns when it has all it was asked for
-\(and LISTEN on it may block inside cl+ssl's Lisp BIO).  NIL at end of
-file, or when the TLS stream failed otherwise (the client went away:
-nobody to answer).  Signals HANDLER-TIMEOUT or CONNECTION-TIMEOUT-ERROR when
-that is what happened under the TLS library."
-  (with-connection-slots (inbuf in-start in-end scan source) c
-    (let ((buffer (ensure-inbuf c)))
-      (declare (type octets buffer))
-      (when (= in-start in-end)
-        (setf in-start 0 in-end 0 scan 0))
-      (let ((want (min (source-want c) (- (length buffer) in-end))))
-        (and (plusp want)
-             (handler-case
-                 (let ((end (read-sequence buffer source :start in-end :end (+ in-end want))))
-                   (when (> end in-end)
-                     (setf in-end end)
-                     t))
-               (error ()
-                 ;; The TLS library turned our own condition, raised while it
-                 ;; read through the cipher connection, into an error of its
-                 ;; own: give the handler-deadline interrupt and the read
-                 ;; timeout back their meaning (503 / a quiet close), as on a
-                 ;; plain connection.  Anything else: the client is gone.
-                 (let ((cipher (conn-slot c cipher)))
-                   (cond ((conn-slot cipher interrupted)
-                          (let ((ms (engine-handler-timeout-ms (connection-engine c))))
-                            (error 'handler-timeout :seconds (and (plusp ms) (/ ms 1000.0)))))
-                         ((conn-slot cipher timed-out)
-                          (setf (conn-slot cipher timed-out) nil)
-                          (error 'connection-timeout-error :stream c :operation "TLS read"))
-                         (t nil))))))))))
-
-(defun send-to-source (c buffer start end)
-  "Write BUFFER[START,END) through C's TLS stream."
-  (when (conn-slot c gone)
-    (return-from send-to-source))
-  (handler-case
-      (let ((source (conn-slot c source)))
-        (write-sequence buffer source :start start :end end)
-        (force-output source)
-        (incf (the fixnum (conn-slot c sent)) (- end start)))
-    (error (e)
-      (setf (conn-slot c gone) t)
-      (error 'connection-error :stream c :operation (format nil "TLS write (~A)" e)))))
 
 (defun answer-through-source (c response)
   "Answer the refused request on C with RESPONSE (one of the engine's own
@@ -165,39 +107,3 @@ complete and checked, then begin its message: true.  NIL when there is none
                     (sb-ext:atomic-incf (engine-timeouts engine))
                     (answer-through-source c +response-408+))
                   (return nil))))))))))
-
-(defun plain-leave-boundary (c)
-  "LEAVE-BOUNDARY for the plain connection C: skip what the handler left of
-its request, then wait for the next one (bounded by the idle timeout, and
-given up when the engine stops).  True when a request may be read now."
-  (let* ((cipher (conn-slot c cipher))
-         (engine (connection-engine c)))
-    (setf (conn-slot c message) nil
-          (conn-slot c boundary) nil)
-    (release-buffers c)                 ; an empty (grown) input buffer, and its budget
-    (when (or (not (finish-message c))
-              (conn-slot c close-after)
-              (conn-slot cipher interrupted) ; the handler ran past its deadline
-              (not (engine-running-p engine)))
-      (return-from plain-leave-boundary nil))
-    (when (and (= (conn-slot c in-start) (conn-slot c in-end))
-               ;; Ciphertext already read from the socket, or plaintext
-               ;; the TLS library decrypted and holds: a pipelined request
-               ;; is there, and no event will say so.
-               (= (conn-slot cipher in-start) (conn-slot cipher in-end))
-               (not (let ((pending (conn-slot c pending)))
-                      (and pending (ignore-errors (funcall pending))))))
-      ;; Nothing here: wait for the next request without counting as in
-      ;; flight (a soft stop does not wait for an idle TLS client).
-      (sb-sys:without-interrupts
-        (disarm-handler-deadline cipher)
-        (end-in-flight cipher))
-      (let ((ready (unwind-protect
-                        (poll-fds (connection-fd c) +pollin+ (engine-stop-fd engine)
-                                  (engine-idle-timeout-ms engine))
-                     (begin-in-flight cipher))))
-        (unless (eq ready :ready)
-          (return-from plain-leave-boundary nil))))
-    ;; The next request on this TLS connection gets a deadline of its own.
-    (arm-handler-deadline cipher)
-    (engine-running-p engine)))

@@ -1,5 +1,5 @@
 ;;;; lifecycle.lisp -- a connection's states: registered, parked in epoll,
-;;;; rejected, closed; and the engine's head budget.
+;;;; rejected, closed.
 ;;;;
 ;;;; A connection is :PARKED (in epoll, no thread), :WAITING (fresh, and
 ;;;; silent while no worker was free: in the housekeeper's epoll set until it
@@ -43,6 +43,10 @@ kept).")
   "Set C's deadline and make sure the housekeeper looks at C by then."
   (setf (connection-deadline c) deadline)
   (wheel-schedule (engine-wheel (connection-engine c)) c deadline))
+
+(defconstant +suspended-check-ms+ (* 60 60 1000)
+  "How often the housekeeper looks at a suspended request's parked
+connection: never closes it (the app answers when it answers), so rarely.")
 
 (defun unfresh (c)
   "A worker serves C (or C closes): it is no longer fresh, nor queued."
@@ -101,6 +105,25 @@ kept).")
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
 
+(defun note-upgrade-ended (c)
+  "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
+worker (a timer due now), or in this thread when the engine is stopping."
+  (let ((u (conn-slot c upgrade)))
+    (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
+      (let ((engine (connection-engine c))
+            (on-close (upgrade-on-close u)))
+        (when (upgrade-entered u)
+          (sb-ext:atomic-decf (engine-upgraded engine)))
+        (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
+        (when on-close
+          (flet ((call ()
+                   (handler-case (funcall on-close)
+                     (serious-condition (e)
+                       (log-engine-error engine "Error closing ~A: ~A" c e)))))
+            (if (engine-running-p engine)
+                (pool-submit (engine-pool engine) #'call)
+                (call))))))))
+
 (defun register-for-output (c)
   "Make C's epoll registration include EPOLLOUT, once and for good:
 edge-triggered, EPOLLOUT raises an event only when the socket drains after
@@ -157,38 +180,6 @@ caller still owns C and must read (or send) again."
         (:dirty (setf (connection-state c) :active)
          nil)
         (t (error "PARK: ~A is not owned by this worker" c))))))
-
-;;; The head budget.  A connection parked with part of a request head holds
-;;; its input buffer (8 KiB, or up to MAX-HEAD-BYTES when the head is long)
-;;; while no worker serves it, and clients choose how many such connections
-;;; there are.  The engine counts those buffers in HEAD-BYTES and keeps them
-;;; under HEAD-BUDGET (a quarter of the heap by default), so that heads can
-;;; never exhaust the heap: past it, a connection is answered 503 instead of
-;;; being parked, and no buffer grows.  A buffer grown for a long head is
-;;; counted from the moment it grows (CHARGE-GROWTH), whether parked or being
-;;; read, and a counted buffer stays counted until the connection gives it
-;;; back (RELEASE-BUFFERS) or closes.  Invariant: HEAD-BYTES is the sum of
-;;; the BUDGETED octets of every connection, and BUDGETED is 0 or the length
-;;; of the connection's input buffer.
-
-(defun charge-head (c)
-  "Count C's input buffer against the head budget if C is about to park with
-a partial request in it.  NIL when that would exceed the budget."
-  (with-connection-slots (inbuf in-start in-end budgeted engine) c
-    (or (null inbuf) (= in-start in-end) (plusp budgeted)
-        (let ((n (length (the octets inbuf))))
-          (if (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
-                 (engine-head-budget engine))
-              (progn (sb-ext:atomic-decf (engine-head-bytes engine) n) nil)
-              (progn (setf budgeted n) t))))))
-
-(defun uncharge-head (c)
-  "C gives its input buffer up (rejected or closed): give its share of the
-budget back."
-  (with-connection-slots (budgeted engine) c
-    (when (plusp budgeted)
-      (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
-      (setf budgeted 0))))
 
 (defun reject-connection (c response &key (registered t))
   "Send RESPONSE (an error the engine writes itself; NIL: nothing more), shut

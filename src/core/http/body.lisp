@@ -3,11 +3,12 @@
 ;;;;
 ;;;; Once CHECK-HEAD passed, BEGIN-MESSAGE records the request's framing in
 ;;;; the connection's REQUEST record.  A body not all buffered yet is then
-;;;; read by the engine, in epoll, before the handler runs (GATHER-BODY, at
-;;;; the end of this file), into a spool (spool.lisp); the handler reads it
-;;;; from there (BODY-MODE :SPOOL) and never waits for the client.  A body
-;;;; the application streams (the engine's STREAMED-BODIES) is read from the
-;;;; connection as the handler asks for it.  From then on:
+;;;; read by the engine, in epoll, before the handler runs (GATHER-BODY,
+;;;; serve.lisp, with the steps at the end of this file), into a spool
+;;;; (spool.lisp); the handler reads it from there (BODY-MODE :SPOOL) and
+;;;; never waits for the client.  A body the application streams (the
+;;;; engine's STREAMED-BODIES) is read from the connection as the handler
+;;;; asks for it.  From then on:
 ;;;;  - The native layer reads the head from the record (see request.lisp),
 ;;;;    drops it (CONNECTION-CONSUME-HEAD) and reads the decoded body with
 ;;;;    CONNECTION-READ-BODY, usually through a BODY-STREAM.
@@ -75,25 +76,6 @@ serves: record its framing."
   (with-connection-slots (in-start scan head-left) c
     (setf in-start scan head-left 0)))
 
-(defun connection-take-head (c)
-  "For a layer above that reads request heads from the record instead of
-through the stream: C's request record, with the head consumed (the stream
-now reads the body), when the next read would start a checked head.  :EOF
-when that read would answer end of file instead (no further request now:
-the same steps as a read, see LEAVE-BOUNDARY).  NIL when the head can only
-be read through the stream (part of it was read already, or C is raw)."
-  (with-connection-slots (boundary raw head-left in-start request) c
-    (cond ((or raw (conn-slot c detaching)) nil)
-          ((and boundary (not (leave-boundary c))) :eof)
-          ((and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c))) :eof)
-          ((and (plusp head-left)
-                (= in-start (request-start request))
-                (= head-left (- (request-end request) (request-start request))))
-           (setf in-start (request-end request)
-                 head-left 0)
-           request)
-          (t nil))))
-
 (defun connection-write-continue (c)
   "Send 100 Continue on C now, as an interim answer: it does not count as
 the start of the response."
@@ -119,50 +101,6 @@ buffer no longer counts against the head budget."
     (release-spool c)
     (uncharge-head c)
     c))
-
-(defun connection-switch (c &key timeout-stream)
-  "C switched protocols under a handler that keeps its thread and reads the
-new protocol from C's stream (Hunchentoot's WebSocket libraries do): reads
-and writes pass through from now on (CONNECTION-DETACH), and C still closes
-when the handler is done with it.  The worker steps out of the pool
-\(POOL-STEP-OUT): holding C for as long as its client likes costs the pool
-none of its workers, as a thread per connection would.  TIMEOUT-STREAM, a
-bufferless SB-SYS:FD-STREAM that the layer above lets the handler set a
-timeout on (Hunchentoot's SET-TIMEOUTS), gives C's reads their timeout
-once set (else the engine's READ-TIMEOUT)."
-  (connection-detach c)
-  (unless (conn-slot c switched)        ; counted by CONNECTION-MAY-SWITCH-P
-    (sb-ext:atomic-incf (engine-switched (connection-engine c))))
-  (setf (conn-slot c switched) t
-        (conn-slot c timeout-stream) timeout-stream)
-  ;; Its handler's reads wait in poll(2): an event would only wake a worker
-  ;; to mark C :DIRTY.
-  (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
-  ;; The handler deadline bounds a request, not the protocol after it; and
-  ;; no deadline of the housekeeper's is due while the handler reads.
-  (disarm-handler-deadline c)
-  (schedule c (+ (now-ms) (* 60 60 1000)))   ; an hour: nothing is due
-  (unless (engine-running-p (connection-engine c))
-    ;; A stop began before the switch: it shut the switched ones already.
-    (shutdown-fd (connection-fd c) +shut-rdwr+))
-  (pool-step-out)
-  c)
-
-(defun connection-switched-p (c)
-  "True once C switched protocols under its handler (CONNECTION-SWITCH)."
-  (eq (conn-slot c switched) t))
-
-(defun connection-may-switch-p (c)
-  "True when C may switch protocols under its handler, and then counted among
-the engine's switched connections (each holding a thread) at once, so that
-handshakes at the same moment cannot pass MAX-SWITCHED-THREADS together."
-  (let ((engine (connection-engine c)))
-    (cond ((conn-slot c switched) t)
-          ((< (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
-           (setf (conn-slot c switched) :counted)
-           t)
-          (t (sb-ext:atomic-decf (engine-switched engine))
-             nil))))
 
 (defun connection-detached-p (c)
   "True once the layer above kept C's stream (CONNECTION-DETACH)."
@@ -478,7 +416,8 @@ sends 100 Continue first (RFC 9110, 10.1.1: only once the body is wanted)."
 ;;; to the spool from there; what follows the body (a pipelined request)
 ;;; stays after the head, where FINISH-MESSAGE finds it.  Its deadline is the
 ;;; read timeout from the last octets, or sooner under the minimum data
-;;; rate (PARK); past it, 408.
+;;; rate (PARK); past it, 408.  The worker's side, which reads, parks and
+;;; rejects, is GATHER-BODY (serve.lisp).
 
 (defconstant +gather-room+ 4096
   "The least room after the head in the input buffer to read a body into;
@@ -597,59 +536,3 @@ grow the buffer.  True when there is some room."
                   (setf inbuf bigger)
                   t)
                 (< in-end (length buffer))))))))
-
-(defun gather-body (c)
-  "Read C's request body, as far as it has arrived, into its spool, without
-waiting.  True once all of it is here: BODY-MODE is :SPOOL, and the handler
-may run.  NIL when C was parked to wait for more (its deadline set by PARK),
-or rejected (400 or 413 for the body, 503 when it cannot be held) or closed
-\(the client went away): the caller lets go of C."
-  (let ((engine (connection-engine c)))
-    (with-connection-slots (inbuf in-start in-end head-left body-mode body-left spool) c
-      (handler-case
-          (loop
-            (let ((base (+ in-start head-left)))
-              (declare (type fixnum base))
-              (when (< base in-end)
-                (let ((used (spool-input c base in-end)))
-                  (unless used
-                    (sb-ext:atomic-incf (engine-shed engine))
-                    (reject-connection c (response-503 engine))
-                    (return nil))
-                  ;; What follows the body (a next request) stays after the head.
-                  (replace inbuf inbuf :start1 base :start2 used :end2 in-end)
-                  (setf in-end (+ base (- in-end used)))))
-              (when (body-gathered-p c)
-                (setf (conn-slot c gathering) nil
-                      (conn-slot c rate-start) 0
-                      body-mode :spool
-                      body-left (spool-fill spool))
-                (return t))
-              (unless (room-after-head c)
-                (sb-ext:atomic-incf (engine-shed engine))
-                (reject-connection c (response-503 engine))
-                (return nil))
-              (let ((buffer inbuf))
-                (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
-                  (declare (type fixnum n))
-                  (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
-                  (cond ((plusp n)
-                         (incf in-end n)
-                         (incf (conn-slot c rate-octets) n)
-                         (setf (conn-slot c progress) (now-ms)))
-                        ((zerop n)
-                         ;; The client ended its side in the middle of its
-                         ;; request: there is nothing to answer.
-                         (close-connection c)
-                         (return nil))
-                        ((= errno +eagain+)
-                         (when (park c)
-                           (return nil)))
-                        (t (close-connection c)
-                           (return nil)))))))
-        (request-body-error (e)
-          (reject c (error-response (request-body-error-status e)))
-          nil)
-        (connection-error ()
-          (close-connection c)
-          nil)))))
