@@ -11,10 +11,11 @@
 ;;;; GALLOP:ACCEPTOR and its variants inherit it.  A stock acceptor given a
 ;;;; GALLOP:TASKMASTER becomes one when the taskmaster starts it: its class
 ;;;; is changed to a subclass of its own class and this one (SERVE-WITH-
-;;;; GALLOP), which it keeps.  This class comes last among Hunchentoot's
-;;;; acceptor classes in either case, so that the user's methods and
-;;;; Hunchentoot's run inside Gallop's :AROUND methods, as they would around
-;;;; any method of HUNCHENTOOT:ACCEPTOR.
+;;;; GALLOP), which it keeps.  In either case this class comes right after
+;;;; HUNCHENTOOT:ACCEPTOR in the precedence list, where Gallop's methods
+;;;; would be if they were on HUNCHENTOOT:ACCEPTOR: the methods of the
+;;;; user's classes and Hunchentoot's before it run inside Gallop's :AROUND
+;;;; methods, those of mixins after it outside.
 
 (in-package #:gallop)
 
@@ -24,27 +25,56 @@
 Gallop's methods on Hunchentoot's acceptor protocol apply to it (see
 served.lisp)."))
 
+(defvar *connection* nil
+  "The Gallop connection the current worker is serving, if any.")
+
+(defun request-connection ()
+  "The Gallop connection Hunchentoot reads the current request through,
+whose state says where that request is (head or body left, close after):
+*CONNECTION* itself, or on TLS the plaintext connection over its TLS stream
+\(see gallop.core's tls.lisp), since *CONNECTION* carries only ciphertext."
+  (let ((owner (and *connection* (connection-owner-stream *connection*))))
+    (if (typep owner 'gallop.core:connection) owner *connection*)))
+
 (defvar *served-classes* (make-hash-table :test 'eq :weakness :key :synchronized t)
   "Each stock acceptor class a GALLOP:TASKMASTER started an instance of -> the
 subclass of it and SERVED-ACCEPTOR that instance was changed to.")
 
+(defun served-superclasses (class)
+  "The direct superclasses of CLASS's served subclass: CLASS's precedence list
+up to STANDARD-OBJECT, with SERVED-ACCEPTOR right after HUNCHENTOOT:ACCEPTOR.
+Named in full so that a mixin the user listed after a Hunchentoot class
+still comes after SERVED-ACCEPTOR, as it does on a GALLOP:ACCEPTOR."
+  (sb-mop:finalize-inheritance class)
+  (let ((base (sb-mop:class-precedence-list (find-class 'standard-object))))
+    (loop for super in (sb-mop:class-precedence-list class)
+          until (member super base)
+          collect super
+          when (eq super (find-class 'hunchentoot:acceptor))
+            collect (find-class 'served-acceptor))))
+
 (defun served-class (class)
   "The subclass of CLASS (a Hunchentoot acceptor class) and SERVED-ACCEPTOR,
-made once per class, with CLASS's metaclass."
-  (or (gethash class *served-classes*)
-      (setf (gethash class *served-classes*)
-            (let ((served (make-instance (class-of class)
-                                         :name (make-symbol (format nil "~A (SERVED BY GALLOP)"
-                                                                    (class-name class)))
-                                         :direct-superclasses
-                                         (list class (find-class 'served-acceptor)))))
-              (sb-mop:finalize-inheritance served)
-              served))))
+made once per class with CLASS's metaclass, and named GALLOP::|SERVED
+package:name|."
+  (sb-ext:with-locked-hash-table (*served-classes*)
+    (or (gethash class *served-classes*)
+        (setf (gethash class *served-classes*)
+              (let* ((name (intern (format nil "SERVED ~A"
+                                           (let ((*package* (find-package :keyword)))
+                                             (prin1-to-string (class-name class))))
+                                   '#:gallop))
+                     (served (make-instance (class-of class)
+                                            :name name
+                                            :direct-superclasses (served-superclasses class))))
+                (sb-mop:finalize-inheritance served)
+                (setf (find-class name) served))))))
 
 (defun serve-with-gallop (acceptor)
   "Make ACCEPTOR a SERVED-ACCEPTOR, if it is not one yet: its class becomes
 \(SERVED-CLASS of its class).  Called before any of its connections is
-served, so that no other thread is using it."
+served, so that no other thread is using it.  (CHANGE-CLASS runs the
+acceptor's SHARED-INITIALIZE methods again, with no initargs.)"
   (unless (typep acceptor 'served-acceptor)
     (change-class acceptor (served-class (class-of acceptor))))
   acceptor)

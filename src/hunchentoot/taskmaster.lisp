@@ -20,17 +20,6 @@
 (defconstant +minimum-backlog+ 1024
   "The listen backlog GALLOP:TASKMASTER gives a stock acceptor's socket.")
 
-(defvar *connection* nil
-  "The Gallop connection the current worker is serving, if any.")
-
-(defun request-connection ()
-  "The Gallop connection Hunchentoot reads the current request through,
-whose state says where that request is (head or body left, close after):
-*CONNECTION* itself, or on TLS the plaintext connection over its TLS stream
-\(see gallop.core's tls.lisp), since *CONNECTION* carries only ciphertext."
-  (let ((owner (and *connection* (connection-owner-stream *connection*))))
-    (if (typep owner 'gallop.core:connection) owner *connection*)))
-
 (defvar *taskmasters* (make-hash-table :test 'eq :weakness :key :synchronized t)
   "Each running acceptor's GALLOP:TASKMASTER.  Hunchentoot exports no way from
 an acceptor to its taskmaster.")

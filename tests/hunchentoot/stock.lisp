@@ -190,3 +190,24 @@ acceptor, still of its own class; other stock acceptors stay stock."
     (let ((plain (make-instance 'hunchentoot:easy-acceptor :port 0)))
       (is (eq (find-class 'hunchentoot:easy-acceptor) (class-of plain))
           "a new stock acceptor is of the stock class"))))
+
+(defclass trailing-mixin () ()
+  (:documentation "A mixin listed after an acceptor class."))
+(defclass stock-with-mixin (hunchentoot:easy-acceptor trailing-mixin) ())
+(defclass gallop-with-mixin (gallop:easy-acceptor trailing-mixin) ())
+
+(test served-acceptor-comes-right-after-hunchentoot-acceptor
+  "On a served stock class as on a Gallop one, SERVED-ACCEPTOR follows
+HUNCHENTOOT:ACCEPTOR at once, before a mixin listed after the acceptor
+class; the served class has a name FIND-CLASS knows."
+  (let ((served (gallop::served-class (find-class 'stock-with-mixin))))
+    (is (eq served (gallop::served-class (find-class 'stock-with-mixin))) "made once")
+    (is (eq served (find-class (class-name served))))
+    (dolist (class (list served (find-class 'gallop-with-mixin)))
+      (sb-mop:finalize-inheritance class)
+      (let* ((cpl (sb-mop:class-precedence-list class))
+             (acceptor (position (find-class 'hunchentoot:acceptor) cpl))
+             (mixin (position (find-class 'trailing-mixin) cpl))
+             (gallop (position (find-class 'gallop::served-acceptor) cpl)))
+        (is (eql gallop (1+ acceptor)) "~S: ~S" class cpl)
+        (is (< gallop mixin) "~S: ~S" class cpl)))))
