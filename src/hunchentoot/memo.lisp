@@ -29,7 +29,7 @@
 ;;;;    added charset comes in a fresh string.  (Not keyed by the format's
 ;;;;    name: the original asks for it only for a text type without a
 ;;;;    charset, and a reply's external format need not have one.)
-;;;; Off a Gallop worker (*CONNECTION* unbound: a stock acceptor's thread),
+;;;; Off a Gallop worker (*CONNECTION* is NIL: a stock acceptor's thread),
 ;;;; each wrapper calls Hunchentoot's own function with its arguments and
 ;;;; does nothing else.
 
