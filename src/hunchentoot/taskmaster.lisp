@@ -388,7 +388,7 @@ Hunchentoot's SET-TIMEOUTS (compat.lisp), whose timeout C's reads use."
     (gallop.core:connection-switch c :timeout-stream timeouts)))
 
 ;;; Request boundaries.  These methods act only while a Gallop worker serves a
-;;; connection (*CONNECTION* is bound).
+;;; connection (*CONNECTION* is not NIL).
 
 (defmethod hunchentoot:initialize-connection-stream :around ((acceptor served-acceptor) stream)
   (when (and *connection* (gallop.core:connection-tls-p *connection*))
