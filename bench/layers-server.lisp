@@ -49,7 +49,7 @@
   (gallop.core:connection-consume-head c)
   (gallop.core:connection-write-octets c +answer+)
   (gallop.core:connection-flush c)
-  (gallop.core:connection-finish c t))
+  :keep-alive)
 
 (defun handler (c)
   (ecase *layers*
@@ -63,7 +63,7 @@
     (:respond (gallop.core:connection-consume-head c)
      (gallop::respond (gallop::make-exchange c *server* t nil nil)
                       200 '(:content-type "text/plain") (list "Hey!"))
-     (gallop.core:connection-finish c t))
+     :keep-alive)
     (:native (gallop::serve-request *server* c))))
 
 ;;; In globals: an SB-BSD-SOCKETS socket that becomes garbage is closed by

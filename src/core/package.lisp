@@ -33,7 +33,7 @@
    #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
    #:put-latin1 #:put-decimal
    #:connection-flush #:connection-send-file
-   #:connection-finish #:connection-suspend #:connection-unsuspend
+   #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error
    #:connection-timeout-error #:handler-timeout #:handler-timeout-seconds
    #:request-body-error #:request-body-error-status

@@ -22,7 +22,9 @@ engine's own event loop: the handshake, request heads and idle keep-alive
 connections wait in epoll as plain ones do, and the handler reads and writes
 plaintext.  It reads the request from the
 connection stream, writes the response, calls CONNECTION-MARK-BOUNDARY between
-requests and CLOSE when done.  Timeouts are in seconds: HEADER-TIMEOUT for a
+requests, and returns what becomes of the connection: :KEEP-ALIVE (done with
+this request: a read after the boundary answered end of file), :CLOSE,
+:DETACHED (it keeps the stream) or :SUSPENDED (see RUN-HANDLER).  Timeouts are in seconds: HEADER-TIMEOUT for a
 whole request head, IDLE-TIMEOUT between keep-alive requests, READ-TIMEOUT and
 WRITE-TIMEOUT for progress while a worker reads a body or writes a response.
 HANDLER-TIMEOUT, when given, is a deadline for the handler's whole run on one

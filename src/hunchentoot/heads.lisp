@@ -251,7 +251,11 @@ else ORIGINAL, Hunchentoot's own."
 ;;; Wrapping Hunchentoot's two functions (compat.lisp checks them).
 
 (wrap-hunchentoot-function (hunchentoot-get-request-data)
-  (lambda (original stream) (read-request-data original stream)))
+  (lambda (original stream)
+    (multiple-value-bind (headers method uri protocol) (read-request-data original stream)
+      (when (and (null method) *connection*)
+        (setf *requests-ended* t))
+      (values headers method uri protocol))))
 
 (wrap-hunchentoot-function (hunchentoot-send-response)
   (lambda (original &rest args) (apply #'write-response original args)))

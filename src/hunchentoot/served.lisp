@@ -28,6 +28,11 @@ served.lisp)."))
 (defvar *connection* nil
   "The Gallop connection the current worker is serving, if any.")
 
+(defvar *requests-ended* nil
+  "Bound to NIL for each run of Hunchentoot's request loop on a Gallop
+connection (PROCESS-GALLOP-CONNECTION); true once GET-REQUEST-DATA found no
+further request there, the way the loop ends when the connection is kept.")
+
 (defun request-connection ()
   "The Gallop connection Hunchentoot reads the current request through,
 whose state says where that request is (head or body left, close after):

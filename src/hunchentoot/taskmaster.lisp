@@ -111,21 +111,35 @@ gets a CONNECTION-USOCKET (socket.lisp), also for a socket Hunchentoot's own
 ACCEPT-CONNECTIONS accepted: the peer's address is the one accept gave, so
 no getpeername(2) can fail for a client that already reset (Hunchentoot
 1.3.x asks for it before the UNWIND-PROTECT that closes its stream).
-Whatever way PROCESS-CONNECTION returns, the connection is closed unless a
-handler kept it (HUNCHENTOOT:DETACH-SOCKET): otherwise the engine would take
-it for detached and keep it open for good.  One that switched protocols (a
-WebSocket read in the handler's loop, see SWITCH-PROTOCOLS) is closed too."
+Returns what becomes of the connection (see GALLOP.CORE:MAKE-ENGINE), all
+decided here:
+ - :SUSPENDED: a request is answered later (defer.lisp);
+ - :DETACHED: a handler kept the stream (HUNCHENTOOT:DETACH-SOCKET), but
+   not one that switched protocols and read the new one in the handler's
+   loop (SWITCH-PROTOCOLS): that one is done;
+ - :KEEP-ALIVE: the loop ended because no further request was there
+   (*REQUESTS-ENDED*), on the connection itself (with TLS through a library
+   above the engine the loop read every request of the connection);
+ - :CLOSE otherwise: the loop ended on Connection: close, a stop, an error.
+Unless detached or suspended, the stream is closed here too, whichever way
+PROCESS-CONNECTION returned."
   (let ((*connection* connection)
+        (*requests-ended* nil)
         (socket (or (connection-user-data connection)
                     (setf (connection-user-data connection)
                           (make-connection-usocket connection)))))
-    (unwind-protect (hunchentoot:process-connection acceptor socket)
-      (unless (or (usocket-deferred socket)
-                  (and (gallop.core:connection-detached-p connection)
-                       (not (gallop.core:connection-switched-p connection))))
-        (close connection :abort t)))
-    ;; A request answered later (defer.lisp): the engine lets go of it.
-    (and (usocket-deferred socket) :suspended)))
+    (flet ((outcome ()
+             (cond ((usocket-deferred socket) :suspended)
+                   ((gallop.core:connection-switched-p connection) :close)
+                   ((gallop.core:connection-detached-p connection) :detached)
+                   ((and *requests-ended* (eq (request-connection) connection)) :keep-alive)
+                   (t :close))))
+      (let ((outcome nil))
+        (unwind-protect (progn (hunchentoot:process-connection acceptor socket)
+                               (setf outcome (outcome)))
+          (unless (member (or outcome (outcome)) '(:suspended :detached))
+            (close connection :abort t)))
+        outcome))))
 
 (defun acceptor-tls-context (acceptor)
   "A TLS context for ACCEPTOR when it is a HUNCHENTOOT:SSL-ACCEPTOR (its

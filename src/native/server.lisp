@@ -261,7 +261,8 @@ threads can share it.")
 
 (defun serve-request (server c)
   "The engine's handler: build the environment, read the body, run the app,
-write its response, and tell the engine what to do with C next."
+write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
+:SUSPENDED, see GALLOP.CORE:MAKE-ENGINE)."
   (multiple-value-bind (env keep-alive http-1.0 expect-continue) (make-env server c)
     (let ((ex (make-exchange c server keep-alive http-1.0
                              (eq (gallop.core:request-method (gallop.core:connection-request c))
@@ -306,7 +307,7 @@ write its response, and tell the engine what to do with C next."
         (case (exchange-state ex)
           (:done
            ;; Answered (the common case): nothing to hand over.
-           (return (gallop.core:connection-finish c (exchange-keep-alive ex))))
+           (return (if (exchange-keep-alive ex) :keep-alive :close)))
           (:responding
            ;; Another thread writes in place (CLAIM): not in mid-write.
            (sb-thread:thread-yield))
@@ -315,7 +316,7 @@ write its response, and tell the engine what to do with C next."
              ;; The app took the connection as a socket (socket.lisp): it is
              ;; the engine's from here on (upgrade.lisp), not HTTP.
              (setf (exchange-state ex) :done)
-             (return (gallop.core:connection-finish c t)))
+             (return :keep-alive))
            ;; Still open: the app answers later from another thread.
            (gallop.core:connection-suspend c)
            (when (eq :open (sb-ext:compare-and-swap (exchange-state ex) :open :suspended))

@@ -8,12 +8,13 @@
 
 (defun answer-request-lines (connection &optional before-answer)
   "Answer every request on CONNECTION with 200 and its request line as the
-body; BEFORE-ANSWER, if given, is called with the request line first."
+body; BEFORE-ANSWER, if given, is called with the request line first.
+:KEEP-ALIVE once a read after the boundary answers end of file."
   (loop
     (let ((first-line nil) (line '()))
       (loop
         (let ((byte (read-byte connection nil nil)))
-          (cond ((null byte) (close connection) (return-from answer-request-lines))
+          (cond ((null byte) (close connection) (return-from answer-request-lines :keep-alive))
                 ((= byte 10)
                  (when (null line) (return))
                  (unless first-line (setf first-line (coerce (nreverse line) 'string)))
@@ -37,9 +38,9 @@ body; BEFORE-ANSWER, if given, is called with the request line first."
 (defmacro with-engine ((engine port &rest options) &body body)
   (let ((socket (gensym "SOCKET")))
     `(let* ((,socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp))
-            (,engine (gallop.core:make-engine :handler #'hello-handler
-                                              :log-error (lambda (&rest args) (declare (ignore args)))
-                                              ,@options)))
+            (,engine (gallop.core:make-engine ,@options ; first: they may name the handler
+                                              :handler #'hello-handler
+                                              :log-error (lambda (&rest args) (declare (ignore args))))))
        (setf (sb-bsd-sockets:sockopt-reuse-address ,socket) t)
        (sb-bsd-sockets:socket-bind ,socket #(127 0 0 1) 0)
        (sb-bsd-sockets:socket-listen ,socket 128)
@@ -66,6 +67,51 @@ body; BEFORE-ANSWER, if given, is called with the request line first."
                (send socket (crlf "GET /b HTTP/1.1" "Host: x"))
                (is (string= "GET /b HTTP/1.1" (body-string (read-response socket))))))
         (mapc #'usocket:socket-close sockets)))))
+
+(defun returning-handler (outcome)
+  "A handler that answers one request \"ok\" and returns OUTCOME."
+  (lambda (connection)
+    (loop with previous = nil
+          for byte = (read-byte connection)
+          until (and (eql byte 10) (eql previous 10))
+          unless (eql byte 13) do (setf previous byte))
+    (write-sequence (octets (concatenate 'string (crlf "HTTP/1.1 200 OK" "Content-Length: 2") "ok"))
+                    connection)
+    (finish-output connection)
+    (gallop.core:connection-mark-boundary connection)
+    outcome))
+
+(test the-handler-says-what-becomes-of-the-connection
+  "The value the handler returns decides: :KEEP-ALIVE serves the next request
+on the same connection, :CLOSE closes it after the answer, and anything else
+is logged and closes it too."
+  (let ((answer (concatenate 'string (crlf "HTTP/1.1 200 OK" "Content-Length: 2") "ok")))
+    (with-engine (engine port :handler (returning-handler :keep-alive))
+      (let ((socket (connect port)))
+        (unwind-protect
+             (dotimes (i 2)
+               (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+               (is (string= "ok" (body-string (read-response socket)))))
+          (usocket:socket-close socket))))
+    (with-engine (engine port :handler (returning-handler :close))
+      (let ((socket (connect port)))
+        (unwind-protect
+             (progn (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+                    (is (string= answer (map 'string #'code-char
+                                             (read-to-eof (usocket:socket-stream socket))))))
+          (usocket:socket-close socket))))
+    (let ((logged '()))
+      (with-engine (engine port :handler (returning-handler 42)
+                                :log-error (lambda (control &rest args)
+                                             (push (apply #'format nil control args) logged)))
+        (let ((socket (connect port)))
+          (unwind-protect
+               (progn (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+                      (is (string= answer (map 'string #'code-char
+                                               (read-to-eof (usocket:socket-stream socket))))))
+            (usocket:socket-close socket))))
+      (is (= 1 (length logged)))
+      (is (search "returned 42, not :KEEP-ALIVE" (first logged)) "~S" logged))))
 
 (test request-line-too-long-gets-414
   (with-engine (engine port :max-request-line-bytes 1000 :max-head-bytes 4000)

@@ -143,8 +143,9 @@ first read.")
             :documentation "The request being served: its head as PARSE-HEAD read it
 and the state of reading its body (request.lisp).")
    (boundary :initform nil)
-   (park-requested :initform nil)
-   (close-requested :initform nil)
+   (stream-closed :initform nil
+                  :documentation "True once the layer above closed C's stream for the
+request being served (CLOSE): no more reads or writes through it.")
    (sent :initform 0 :type fixnum
          :documentation "Bytes of the current response sent so far (0: none).")
    (handler-thread :initform nil
@@ -1242,12 +1243,6 @@ duplicate of FILE-FD, so the caller may close FILE-FD when this returns."
                         (wait-for-fd c +pollout+ timeout "sendfile")))
                      ((zerop n) (error 'connection-error :stream c :operation "sendfile (file shrank)"))
                      (t (client-went-away c errno "sendfile")))))))
-
-(defun connection-finish (c keep-alive)
-  "The request is answered: park C for the next request when KEEP-ALIVE, else
-close it.  Called by the handler, in its worker."
-  (setf (conn-slot c close-requested) t
-        (conn-slot c park-requested) keep-alive))
 
 (declaim (inline latin1-octet))
 (defun latin1-octet (char)

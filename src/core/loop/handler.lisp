@@ -1,7 +1,7 @@
 ;;;; handler.lisp -- running the engine's handler on a request: its
 ;;;; deadline (HANDLER-TIMEOUT, an interrupt in its thread), the 503 when it
-;;;; was cut short before answering, and what its use of the connection
-;;;; stream means (park, close, detached, suspended).  Nothing a handler
+;;;; was cut short before answering, and what it says becomes of the
+;;;; connection (keep-alive, close, detached, suspended).  Nothing a handler
 ;;;; signals reaches the worker's loop.
 
 (in-package #:gallop.core)
@@ -57,63 +57,70 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
       (ignore-errors (send-all c response 0 (length response) :reference)))))
 
 (defun run-handler (engine c)
-  "Run the engine's handler on C.  Any serious condition the handler lets
-escape (an error, or SBCL's control stack exhaustion, which is a
+  "Run the engine's handler on C, which returns what becomes of C:
+:KEEP-ALIVE (done with this request; C may serve another), :CLOSE,
+:DETACHED (it kept the stream) or :SUSPENDED (it called CONNECTION-SUSPEND:
+another thread will finish the request).  Any serious condition the handler
+lets escape (an error, or SBCL's control stack exhaustion, which is a
 STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
 the worker's thread, where it would kill the process or park the thread in
 the debugger.  A handler cut short by its deadline closes C too, after a 503
-if it had not answered.  Returns :PARK (the handler is done with this request
-and the connection may serve another), :CLOSE, :DETACHED (the handler kept
-the stream) or :SUSPENDED (the handler returned :SUSPENDED after
-CONNECTION-SUSPEND: another thread will finish the request)."
-  (with-connection-slots (boundary park-requested close-requested head-started sent interrupted) c
-    (setf boundary nil park-requested nil close-requested nil head-started nil
+if it had not answered.  Returns :PARK (C may be parked: SERVE-CONNECTION
+still checks that the engine runs and the request ended cleanly), :CLOSE,
+:DETACHED or :SUSPENDED."
+  (with-connection-slots (boundary stream-closed head-started sent interrupted) c
+    (setf boundary nil stream-closed nil head-started nil
           sent 0 interrupted nil (conn-slot c body-given) nil)
     (sb-ext:atomic-incf (tally-requests (connection-tally c)))
     (begin-in-flight c)
     (arm-handler-deadline c)
-    (let ((result
+    (let ((outcome
             (unwind-protect
                  (handler-case (let ((*handler-connection* c))
                                  (funcall (the function (engine-handler engine)) c))
                    (handler-timeout (e)
                      (answer-interrupted-handler engine c e)
                      (setf interrupted :answered)
-                     nil)
+                     :close)
                    (connection-error (e)
                      ;; The client went away or stalled (timeouts are
                      ;; counted where they happen): close, quietly.
                      (unless (typep e 'connection-timeout-error)
                        (note-client-abort engine))
-                     (setf close-requested t park-requested nil)
-                     nil)
+                     :close)
                    (serious-condition (e)
                      (log-engine-error engine "Error serving ~A: ~A" c e)
-                     (setf close-requested t park-requested nil)
-                     nil))
+                     :close))
               (disarm-handler-deadline c)
               (end-in-flight c))))
-      (when (eq result :suspended)
+      (when (eq outcome :suspended)
         ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
-        (return-from run-handler :suspended)))
-    (when interrupted
-      (unless (eq interrupted :answered)
-        ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
-        ;; PROCESS-CONNECTION makes it an error it logs): still answer.
-        (answer-interrupted-handler engine c nil))
-      (setf close-requested t park-requested nil))
-    (cond ((not close-requested)
-           ;; The handler kept the stream: it is an ordinary stream from now
-           ;; on, with no more events.  Unregister before anyone else may
-           ;; close it (and the fd number be reused by a new connection).
-           (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
-           (setf boundary nil park-requested nil
-                 (connection-state c) :detached)
-           ;; Its owner writes with blocking sends from now on: what is
-           ;; queued (the answer that switched protocols) goes first.
-           (when (conn-slot c unsent)
-             (handler-case (finish-unsent c)
-               (connection-error () (discard-unsent c))))
-           :detached)
-          (park-requested :park)
-          (t :close))))
+        (return-from run-handler :suspended))
+      (when interrupted
+        (unless (eq interrupted :answered)
+          ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
+          ;; PROCESS-CONNECTION makes it an error it logs): still answer.
+          (answer-interrupted-handler engine c nil))
+        (setf outcome :close))
+      (case outcome
+        (:keep-alive :park)
+        (:close :close)
+        (:detached
+         ;; The handler kept the stream: it is an ordinary stream from now
+         ;; on, with no more events.  Unregister before anyone else may
+         ;; close it (and the fd number be reused by a new connection).
+         (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
+         (setf boundary nil
+               (connection-state c) :detached)
+         ;; Its owner writes with blocking sends from now on: what is
+         ;; queued (the answer that switched protocols) goes first.
+         (when (conn-slot c unsent)
+           (handler-case (finish-unsent c)
+             (connection-error () (discard-unsent c))))
+         :detached)
+        (t
+         (log-engine-error engine "The handler of ~A returned ~A, not :KEEP-ALIVE, ~
+                                   :CLOSE, :DETACHED or :SUSPENDED." c
+                           (let ((*print-length* 4) (*print-level* 2) (*print-readably* nil))
+                             (prin1-to-string outcome)))
+         :close)))))

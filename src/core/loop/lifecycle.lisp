@@ -140,8 +140,8 @@ caller owns C.  Returns true, or NIL when an event came while C was busy
 (input arrived, or with OUTPUT the socket drained) and marked it :DIRTY: the
 caller still owns C and must read (or send) again."
   (let ((engine (connection-engine c)))
-    (with-connection-slots (in-start in-end head-started boundary park-requested close-requested) c
-      (setf boundary nil park-requested nil close-requested nil)
+    (with-connection-slots (in-start in-end head-started boundary stream-closed) c
+      (setf boundary nil stream-closed nil)
       (let ((now (now-ms)))
         (cond (output
                ;; The write timeout, from the last time the client read, or

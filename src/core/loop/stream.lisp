@@ -19,24 +19,18 @@
 (defun leave-boundary (c)
   "Called on the first read after CONNECTION-MARK-BOUNDARY.  True when a new
 request may be read now on this stream; NIL (end of file for the reader)
-when the connection should instead go back to the engine, which parks it,
-serves the next buffered request, or (when stopping, or when this request
-must be the last) closes it.  The plaintext side of TLS reads its next
-request itself (PLAIN-LEAVE-BOUNDARY)."
-  (with-connection-slots (park-requested engine boundary) c
+when the connection goes back to the engine instead: the request loop above
+ends and its handler returns :KEEP-ALIVE, and the engine decides whether C
+parks, serves its next buffered request, or closes (RUN-HANDLER,
+SERVE-CONNECTION).  The plaintext side of TLS reads its next request itself
+\(PLAIN-LEAVE-BOUNDARY)."
+  (with-connection-slots (boundary) c
     (cond ((conn-slot c detaching)
            ;; Detached: the stream is the handler's, requests are over.
            (setf boundary nil)
            t)
           ((conn-slot c source) (plain-leave-boundary c))
-          ((or (not (engine-running-p engine))
-               (conn-slot c interrupted)
-               (conn-slot c close-after)
-               (conn-slot c framing-broken))
-           nil)
-          (t
-           (setf park-requested t)
-           nil))))
+          (t nil))))
 
 (defun plain-leave-boundary (c)
   "LEAVE-BOUNDARY for the plain connection C: skip what the handler left of
@@ -100,7 +94,7 @@ be read through the stream (part of it was read already, or C is raw)."
 
 (defmethod open-stream-p ((c connection))
   (and (member (connection-state c) '(:active :dirty :detached))
-       (not (conn-slot c close-requested))))
+       (not (conn-slot c stream-closed))))
 
 (defmethod sb-gray:stream-read-byte ((c connection))
   (with-connection-slots (inbuf in-start in-end boundary raw) c
@@ -159,11 +153,11 @@ with it; the worker then parks or closes it.  A detached connection is closed
 at once."
   (case (connection-state c)
     ((:active :dirty)
-     (unless (conn-slot c close-requested)
+     (unless (conn-slot c stream-closed)
        (if abort
            (setf (conn-slot c out-fill) 0)
            (ignore-errors (flush-output c)))
-       (setf (conn-slot c close-requested) t)
+       (setf (conn-slot c stream-closed) t)
        (when (conn-slot c source)
          ;; The plaintext side of TLS: closing the TLS stream ends the
          ;; session and closes the cipher connection under it.
