@@ -4,7 +4,7 @@
 # does to throughput on a machine whose speed moves from run to run.
 #
 #   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
-#     [SETUP=shared] [HOG=1] [POST_BYTES=N] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#     [SETUP=shared] [HOG=1] [POST_BYTES=N] [CLOSE=1] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
 #
 # Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
 # easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
@@ -22,7 +22,8 @@
 # the last CPU for the whole run, as in `make bench`'s -hog scenarios (in
 # the shared setup only).  POST_BYTES=N: every request POSTs an N-octet
 # form body (a=b&a=b...), keep-alive, to the servers' /upload (which reads
-# it) and to nginx's /yo (which discards it).  Ports 19001-19003.  Needs wrk and nginx
+# it) and to nginx's /yo (which discards it).  CLOSE=1: every request asks
+# Connection: close (a connection per request, as make bench's close rows).  Ports 19001-19003.  Needs wrk and nginx
 # (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -77,6 +78,10 @@ if [ "${POST_BYTES:-0}" -gt 0 ]; then
     $(( POST_BYTES / 4 )) > "$TMP/post.lua"
   WRK_S=(-s "$TMP/post.lua")
   echo "POST_BYTES=$POST_BYTES: POST a form to /upload (nginx: /yo)"
+fi
+if [ "${CLOSE:-0}" = 1 ]; then
+  WRK_S+=(-H "Connection: close")
+  echo "CLOSE=1: every request asks Connection: close"
 fi
 for i in 0 1 2; do "${WRK[@]}" -c400 -d1s "http://127.0.0.1:${PORTS[$i]}/yo" > /dev/null; done
 for c in $CONNS_LIST; do
