@@ -81,6 +81,14 @@ body; BEFORE-ANSWER, if given, is called with the request line first.
     (gallop.core:connection-mark-boundary connection)
     outcome))
 
+(defun answer-to-eof (port)
+  "What the server on PORT sends, as a string, to one GET until it closes."
+  (let ((socket (connect port)))
+    (unwind-protect
+         (progn (send socket (crlf "GET / HTTP/1.1" "Host: x"))
+                (map 'string #'code-char (read-to-eof (usocket:socket-stream socket))))
+      (usocket:socket-close socket))))
+
 (test the-handler-says-what-becomes-of-the-connection
   "The value the handler returns decides: :KEEP-ALIVE serves the next request
 on the same connection, :CLOSE closes it after the answer, and anything else
@@ -94,22 +102,12 @@ is logged and closes it too."
                (is (string= "ok" (body-string (read-response socket)))))
           (usocket:socket-close socket))))
     (with-engine (engine port :handler (returning-handler :close))
-      (let ((socket (connect port)))
-        (unwind-protect
-             (progn (send socket (crlf "GET / HTTP/1.1" "Host: x"))
-                    (is (string= answer (map 'string #'code-char
-                                             (read-to-eof (usocket:socket-stream socket))))))
-          (usocket:socket-close socket))))
+      (is (string= answer (answer-to-eof port))))
     (let ((logged '()))
       (with-engine (engine port :handler (returning-handler 42)
                                 :log-error (lambda (control &rest args)
                                              (push (apply #'format nil control args) logged)))
-        (let ((socket (connect port)))
-          (unwind-protect
-               (progn (send socket (crlf "GET / HTTP/1.1" "Host: x"))
-                      (is (string= answer (map 'string #'code-char
-                                               (read-to-eof (usocket:socket-stream socket))))))
-            (usocket:socket-close socket))))
+        (is (string= answer (answer-to-eof port))))
       (is (= 1 (length logged)))
       (is (search "returned 42, not :KEEP-ALIVE" (first logged)) "~S" logged))))
 
