@@ -75,7 +75,7 @@
   :description "A drop-in, event-driven upgrade for Hunchentoot."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "hunchentoot" "chunga" "usocket" "cl+ssl" "bordeaux-threads"
+  :depends-on ("gallop/native" "hunchentoot" "chunga" "cl-ppcre" "usocket" "cl+ssl" "bordeaux-threads"
                "sb-introspect")
   :pathname "src/hunchentoot/"
   :serial t
@@ -86,8 +86,9 @@
                (:file "socket")
                (:file "heads")
                (:file "memo")
-               (:file "taskmaster")
                (:file "in-progress")
+               (:file "request-loop")
+               (:file "taskmaster")
                (:file "defer")
                (:file "acceptor"))
   :in-order-to ((test-op (test-op "gallop/tests"))))

@@ -8,7 +8,9 @@
 
 (in-package #:gallop)
 
-(defclass acceptor (hunchentoot:acceptor served-acceptor)
+;;; Each class lists SERVED-REQUEST-LOOP after its Hunchentoot class, so that
+;;; it comes right before HUNCHENTOOT:ACCEPTOR (served.lisp).
+(defclass acceptor (served-request-loop hunchentoot:acceptor served-acceptor)
   ()
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
@@ -18,12 +20,12 @@
   (:documentation "A Hunchentoot acceptor served by Gallop: an elastic pool of
 workers serves requests, and idle connections wait in epoll."))
 
-(defclass easy-acceptor (acceptor hunchentoot:easy-acceptor)
+(defclass easy-acceptor (acceptor hunchentoot:easy-acceptor served-request-loop)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-ACCEPTOR: DEFINE-EASY-HANDLER
 handlers and the static file dispatcher, served by Gallop."))
 
-(defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor)
+(defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor served-request-loop)
   ()
   (:documentation "Gallop's HUNCHENTOOT:SSL-ACCEPTOR: the same initargs
 \(:SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE, :SSL-PRIVATEKEY-PASSWORD).
@@ -32,7 +34,8 @@ handshake, request heads and idle keep-alive connections wait in epoll and
 hold no thread, as on a plain socket, and handlers read and write
 plaintext."))
 
-(defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
+(defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor
+                             served-request-loop)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-SSL-ACCEPTOR."))
 
@@ -86,19 +89,3 @@ away or timed out."
                        (hunchentoot:abort-request-handler)))
                    (error #'hunchentoot:maybe-invoke-debugger))
       (hunchentoot:acceptor-dispatch-request hunchentoot:*acceptor* hunchentoot:*request*))))
-
-(defmethod hunchentoot:process-connection ((acceptor acceptor) socket)
-  ;; A client that hangs up after its answer was written into the buffer
-  ;; makes Hunchentoot's final FINISH-OUTPUT fail outside any request; the
-  ;; error would reach the log wrapped in usocket conditions.  Count it
-  ;; instead (GALLOP:STATS :ABORTED), like the errors inside a request (see
-  ;; ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).
-  (declare (ignore socket))
-  (block serve
-    (handler-bind ((gallop.core:connection-error
-                     (lambda (condition)
-                       (when (and *connection* (client-abort-condition-p condition))
-                         (gallop.core:note-client-abort
-                          (gallop.core:connection-engine *connection*))
-                         (return-from serve nil)))))
-      (call-next-method))))

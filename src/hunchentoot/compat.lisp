@@ -24,37 +24,38 @@
     ("HUNCHENTOOT" "RAW-POST-DATA" :slot
      "a body nobody read is marked consumed, not read into memory" "taskmaster.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-P" :generic-function
-     "a soft stop serves requests that arrived; read after a request" "this file, in-progress.lisp, taskmaster.lisp")
+     "a soft stop serves requests that arrived; read after a request" "this file, request-loop.lisp, in-progress.lisp, taskmaster.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-LOCK" :accessor
      "a soft STOP waits on it for requests in progress" "in-progress.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-QUEUE" :accessor
      "the same" "in-progress.lisp")
     ("HUNCHENTOOT" "GET-REQUEST-DATA" :function
-     "wrapped: a request head comes from the core's record" "heads.lisp")
+     "a head the core's record cannot give (*HEADER-STREAM* set, part read)"
+     "request-loop.lisp")
     ("HUNCHENTOOT" "SEND-RESPONSE" :function
      "wrapped: a response head goes straight to the connection" "heads.lisp")
     ("HUNCHENTOOT" "STRINGIFY-COOKIE" :generic-function
      "Set-Cookie values as SEND-RESPONSE writes them" "heads.lisp")
     ("HUNCHENTOOT" "START-OUTPUT" :function
      "a deferred answer is written by Hunchentoot's own code" "defer.lisp")
-    ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special "bound again for a deferred answer" "defer.lisp")
+    ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special
+     "bound by the request loop, and again for a deferred answer" "request-loop.lisp, defer.lisp")
     ("HUNCHENTOOT" "*HEADERS-SENT*" :special "the same; and for HANDLER-DONE" "defer.lisp, acceptor.lisp")
-    ("HUNCHENTOOT" "*FINISH-PROCESSING-SOCKET*" :special "the same" "defer.lisp, acceptor.lisp")
-    ("HUNCHENTOOT" "*CLOSE-HUNCHENTOOT-STREAM*" :special "the same" "defer.lisp")
+    ("HUNCHENTOOT" "*FINISH-PROCESSING-SOCKET*" :special "the same"
+     "request-loop.lisp, defer.lisp, acceptor.lisp")
+    ("HUNCHENTOOT" "*CLOSE-HUNCHENTOOT-STREAM*" :special "the same" "request-loop.lisp, defer.lisp")
     ("HUNCHENTOOT" "REQUEST-PROCESSED" :catch-tag
      "START-OUTPUT throws to it for a HEAD request" "defer.lisp")
     ("HUNCHENTOOT" "HANDLER-DONE" :catch-tag
      "a handler's error ends it as Hunchentoot's HANDLE-REQUEST does" "acceptor.lisp")
     ("HUNCHENTOOT" "GET-PEER-ADDRESS-AND-PORT" :function
-     "wrapped: the peer's address, known once a connection" "memo.lisp")
+     "the peer's address string for a request, made once a connection" "request-loop.lisp")
     ("HUNCHENTOOT" "GET-LOCAL-ADDRESS-AND-PORT" :function
-     "wrapped: the local address, known once a connection" "memo.lisp")
+     "the local address string, the same" "request-loop.lisp")
     ("HUNCHENTOOT" "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER" :function
      "wrapped: remembered per content type" "memo.lisp")
-    ("HUNCHENTOOT" "DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED" :function
-     "wrapped: requests in progress counted without a lock" "in-progress.lisp")
     ("HUNCHENTOOT" "REQUESTS-IN-PROGRESS" :slot
-     "that count" "in-progress.lisp")
+     "requests in progress, counted without a lock" "in-progress.lisp")
     ("USOCKET" "REAL-ERROR" :slot
      "the condition in the UNKNOWN-ERROR Hunchentoot makes of every one" "taskmaster.lisp")
     ("CL+SSL" "SSL-STREAM" :class "telling a cl+ssl stream" "taskmaster.lisp")
@@ -164,11 +165,11 @@ stream was made over), as it does inside cl+ssl's own calls."
     (funcall function)))
 
 ;;; ACCEPTOR-SHUTDOWN-P (internal accessor, same in 1.2.38 and 1.3.x):
-;;; PROCESS-CONNECTION checks it before reading each request and returns
-;;; when it is true.  During a soft stop Gallop still serves the requests
-;;; that had already arrived (engine-stop :soft), so for a connection whose
-;;; checked request head Hunchentoot has not read yet, it answers NIL (the
-;;; method below).  Elsewhere (counting requests in progress, STOP) it is
+;;; the request loop (Hunchentoot's, or Gallop's in request-loop.lisp)
+;;; checks it before reading each request and returns when it is true.
+;;; During a soft stop Gallop still serves the requests that had already
+;;; arrived (engine-stop :soft), so for a connection whose checked request
+;;; head the loop has not read yet, it answers NIL (the method below).  Elsewhere (counting requests in progress, STOP) it is
 ;;; untouched.
 (eval-when (:compile-toplevel :load-toplevel :execute)
   (unless (typep (fdefinition (find-symbol "ACCEPTOR-SHUTDOWN-P" '#:hunchentoot))
@@ -192,19 +193,22 @@ progress, as Hunchentoot does after each request."
     (bt:condition-notify (hunchentoot::acceptor-shutdown-queue acceptor))))
 ;;; GET-REQUEST-DATA and SEND-RESPONSE (internal functions, the same in
 ;;; 1.2.38 and 1.3.x): Hunchentoot reads every request head and writes every
-;;; response head through them.  heads.lisp wraps them (SB-INT:ENCAPSULATE)
-;;; so that on a Gallop connection the head comes from the request record
-;;; the core already parsed, and the response head goes straight into the
+;;; response head through them.  On a Gallop connection the request loop
+;;; (request-loop.lisp) takes the head from the request record the core
+;;; already parsed, and calls GET-REQUEST-DATA only where that record cannot
+;;; serve; heads.lisp wraps SEND-RESPONSE (SB-INT:ENCAPSULATE), which
+;;; START-OUTPUT calls, so that the response head goes straight into the
 ;;; connection's buffer: the speed of Gallop's Hunchentoot acceptors.  Their
-;;; lambda lists are checked here, since the wrappers take and give the same
-;;; arguments and values.  STRINGIFY-COOKIE (internal generic function) is
-;;; what SEND-RESPONSE writes a Set-Cookie header with.
+;;; lambda lists are checked here, since Gallop calls the one and the wrapper
+;;; of the other takes and gives the same arguments and values.
+;;; STRINGIFY-COOKIE (internal generic function) is what SEND-RESPONSE
+;;; writes a Set-Cookie header with.
 (defun check-internal-function (name lambda-list)
   (let ((symbol (find-symbol name '#:hunchentoot)))
     (unless (and symbol (fboundp symbol)
                  (equal (mapcar #'symbol-name (sb-introspect:function-lambda-list symbol))
                         lambda-list))
-      (error "This Hunchentoot's ~A is not a function of ~S: Gallop's heads.lisp needs it."
+      (error "This Hunchentoot's ~A is not a function of ~S: Gallop needs it."
              name lambda-list))
     symbol))
 
@@ -256,6 +260,31 @@ PROCESS-REQUEST bind them for a request on STREAM, before its answer."
        (list ,stream nil t t)
      ,@body))
 
+(defmacro with-hunchentoot-connection-specials (&body body)
+  "BODY with the specials Hunchentoot's PROCESS-CONNECTION binds for a
+connection: its stream (read and set as %HUNCHENTOOT-STREAM), NIL until
+set, and whether to close it at the end (%CLOSE-HUNCHENTOOT-STREAM), T."
+  `(let ((,(find-symbol "*HUNCHENTOOT-STREAM*" '#:hunchentoot) nil)
+         (,(find-symbol "*CLOSE-HUNCHENTOOT-STREAM*" '#:hunchentoot) t))
+     ,@body))
+
+(defmacro with-hunchentoot-request-specials (&body body)
+  "BODY with the special PROCESS-CONNECTION binds for each request: whether
+the connection ends after it (%FINISH-PROCESSING-SOCKET), T until
+START-OUTPUT decides to keep it."
+  `(let ((,(find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot) t))
+     ,@body))
+
+(macrolet ((define-special-aliases (&rest pairs)
+             `(progn
+                ,@(loop for (alias name) on pairs by #'cddr
+                        collect `(define-symbol-macro ,alias
+                                     ,(find-symbol name '#:hunchentoot))))))
+  (define-special-aliases
+    %hunchentoot-stream "*HUNCHENTOOT-STREAM*"
+    %close-hunchentoot-stream "*CLOSE-HUNCHENTOOT-STREAM*"
+    %finish-processing-socket "*FINISH-PROCESSING-SOCKET*"))
+
 (defun hunchentoot-start-output (code content)
   "Hunchentoot's START-OUTPUT of CODE and CONTENT, caught where
 PROCESS-REQUEST catches it (a HEAD request's throws)."
@@ -272,11 +301,13 @@ answer of its own)."
   (not (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot))))
 
 ;;; What Hunchentoot recomputes for every request from values that change
-;;; at most once a second or once a connection (memo.lisp): its exported
-;;; RFC-1123-DATE, called without a time for each answer's Date header, and
-;;; three internal functions of one argument each, the same in 1.2.38 and
-;;; 1.3.x (1.3.x calls the two address functions once a PROCESS-CONNECTION,
-;;; 1.2.38 once a request).
+;;; at most once a second or once a connection: its exported RFC-1123-DATE,
+;;; called without a time for each answer's Date header, and
+;;; MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER, both wrapped (memo.lisp); the
+;;; two address functions, of one argument each, which Gallop's request
+;;; loop calls once a connection (Hunchentoot's: 1.3.x once a
+;;; PROCESS-CONNECTION, 1.2.38 once a request).  Internal, the same in
+;;; 1.2.38 and 1.3.x.
 (defun hunchentoot-rfc-1123-date ()
   (load-time-value
    (let ((lambda-list (sb-introspect:function-lambda-list 'hunchentoot:rfc-1123-date)))
@@ -296,15 +327,10 @@ answer of its own)."
   (load-time-value (check-internal-function "GET-LOCAL-ADDRESS-AND-PORT" '("SOCKET")) t))
 
 ;;; Hunchentoot's count of requests in progress, kept without its lock on a
-;;; Gallop connection (in-progress.lisp): the function PROCESS-CONNECTION
-;;; wraps each request in, the slot of the count, and the lock and queue a
-;;; soft STOP waits with.  Internal, the same in 1.2.38 and 1.3.x (only the
-;;; count's reader is named differently, so the slot is used by name).
-(defun hunchentoot-request-count-incremented ()
-  (load-time-value (check-internal-function "DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED"
-                                            '("*ACCEPTOR*" "FUNCTION"))
-                   t))
-
+;;; Gallop connection (in-progress.lisp): the slot of the count, and the
+;;; lock and queue a soft STOP waits with.  Internal, the same in 1.2.38 and
+;;; 1.3.x (only the count's reader is named differently, so the slot is used
+;;; by name).
 (defun requests-in-progress-slot ()
   "The name of the slot of a HUNCHENTOOT:ACCEPTOR that counts its requests in
 progress."

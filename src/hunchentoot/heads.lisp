@@ -7,17 +7,19 @@
 ;;;; generic call per character.  On a Gallop connection the head was already
 ;;;; read and checked once (gallop.core's PARSE-HEAD), and the connection has
 ;;;; an output buffer of octets: so here
-;;;;  - GET-REQUEST-DATA answers from the connection's request record (the
-;;;;    same four values Hunchentoot's own computes: headers alist, method,
-;;;;    URI, protocol), and the head is consumed without being read again;
-;;;;  - SEND-RESPONSE writes the status line and header lines straight into
-;;;;    the connection's output buffer.
-;;;; Both are Hunchentoot's internal functions (see compat.lisp), wrapped
-;;;; with SB-INT:ENCAPSULATE: on any other stream, and whenever
-;;;; HUNCHENTOOT:*HEADER-STREAM* is set (it asks for a copy of every head
-;;;; line), Hunchentoot's own run.  Everything around them -- PROCESS-CONNECTION,
-;;;; PROCESS-REQUEST, the request object, handlers, sessions, START-OUTPUT --
-;;;; is Hunchentoot's, unchanged.
+;;;;  - READ-REQUEST-DATA, which Gallop's request loop (request-loop.lisp)
+;;;;    reads each head with, answers from the connection's request record
+;;;;    (the same four values Hunchentoot's GET-REQUEST-DATA computes:
+;;;;    headers alist, method, URI, protocol), and the head is consumed
+;;;;    without being read again;
+;;;;  - SEND-RESPONSE, Hunchentoot's internal function (see compat.lisp),
+;;;;    which its START-OUTPUT calls, is wrapped with SB-INT:ENCAPSULATE: on
+;;;;    a Gallop connection it writes the status line and header lines
+;;;;    straight into the connection's output buffer.
+;;;; On any other stream, and whenever HUNCHENTOOT:*HEADER-STREAM* is set (it
+;;;; asks for a copy of every head line), Hunchentoot's own functions run.
+;;;; Everything around them -- PROCESS-REQUEST, the request object,
+;;;; handlers, sessions, START-OUTPUT -- is Hunchentoot's, unchanged.
 ;;;;
 ;;;; Where the result differs from Hunchentoot's own, on purpose:
 ;;;;  - Header names a client sends and no code in the image names become
@@ -86,9 +88,9 @@ values joined by a comma."
     (nreverse headers)))
 
 (defun read-request-data (original stream)
-  "GET-REQUEST-DATA (see the file's header): from STREAM's request record
-when STREAM is a Gallop connection with a checked head not read yet, else
-through ORIGINAL, Hunchentoot's own."
+  "What Hunchentoot's GET-REQUEST-DATA gives for STREAM (see the file's
+header): from STREAM's request record when STREAM is a Gallop connection
+with a checked head not read yet, else through ORIGINAL, Hunchentoot's own."
   (if (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*))
       (let ((request (cond ((connection-deferred stream)
                             :eof  ; no next request before its answer (defer.lisp)
@@ -248,14 +250,7 @@ else ORIGINAL, Hunchentoot's own."
           (switch-protocols c))
         c)))
 
-;;; Wrapping Hunchentoot's two functions (compat.lisp checks them).
-
-(wrap-hunchentoot-function (hunchentoot-get-request-data)
-  (lambda (original stream)
-    (multiple-value-bind (headers method uri protocol) (read-request-data original stream)
-      (when (and (null method) *connection*)
-        (setf *requests-ended* t))
-      (values headers method uri protocol))))
+;;; Wrapping Hunchentoot's function (compat.lisp checks it).
 
 (wrap-hunchentoot-function (hunchentoot-send-response)
   (lambda (original &rest args) (apply #'write-response original args)))

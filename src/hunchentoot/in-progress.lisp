@@ -11,8 +11,8 @@
 ;;;; serve, and to the pool they look blocked (doc/design.md, "Hunchentoot's
 ;;;; request count without its lock").
 ;;;;
-;;;; On a Gallop connection (*CONNECTION* bound) the wrapper below keeps the
-;;;; same count in the same slot with compare-and-swap instead, and takes
+;;;; On a Gallop connection, Gallop's request loop (request-loop.lisp) keeps
+;;;; the same count in the same slot with compare-and-swap instead, and takes
 ;;;; the lock only to signal a stop that waits.  What Hunchentoot's STOP
 ;;;; reads stays true: it sets SHUTDOWN-P under the lock, then reads the
 ;;;; count under the lock and waits on the queue while it is above zero; a
@@ -23,7 +23,7 @@
 ;;;; under the lock, which STOP holds until it waits, so the signal cannot
 ;;;; come between STOP's reading of the count and its wait.  The readers of
 ;;;; the count (1.3.x exports ACCEPTOR-REQUESTS-IN-PROGRESS) read the same
-;;;; numbers.  On any other stream Hunchentoot's own runs.
+;;;; numbers.
 
 (in-package #:gallop)
 
@@ -39,8 +39,8 @@ see compat.lisp), with compare-and-swap."
           (return))))))
 
 (defun call-counted-request (acceptor function)
-  "What DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED does, for a request on a
-Gallop connection: call FUNCTION with HUNCHENTOOT:*ACCEPTOR* bound to
+  "What Hunchentoot's DO-WITH-ACCEPTOR-REQUEST-COUNT-INCREMENTED does, for a
+request on a Gallop connection: call FUNCTION with HUNCHENTOOT:*ACCEPTOR* bound to
 ACCEPTOR while ACCEPTOR counts the request in progress."
   (let ((hunchentoot:*acceptor* acceptor))
     ;; Counted once and uncounted once, whatever interrupt comes (a handler
@@ -52,9 +52,3 @@ ACCEPTOR while ACCEPTOR counts the request in progress."
         (add-requests-in-progress acceptor -1)
         (when (hunchentoot-shutdown-p acceptor)
           (notify-hunchentoot-shutdown acceptor))))))
-
-(wrap-hunchentoot-function (hunchentoot-request-count-incremented)
-  (lambda (original acceptor function)
-    (if *connection*
-        (call-counted-request acceptor function)
-        (funcall original acceptor function))))

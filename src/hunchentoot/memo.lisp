@@ -1,26 +1,21 @@
-;;;; memo.lisp -- what Hunchentoot computes for every request from values
-;;;; that change at most once a second or once a connection, computed once.
+;;;; memo.lisp -- what Hunchentoot's START-OUTPUT computes for every answer
+;;;; from values that change at most once a second, computed once.
 ;;;;
-;;;; Three of Hunchentoot's helpers are the largest part of what the drop-in
-;;;; acceptor spends beyond Gallop's own request path (doc/design.md, "The
-;;;; drop-in acceptor's memos"):
+;;;; Two of Hunchentoot's helpers are, with the address strings (made once a
+;;;; connection by Gallop's request loop, request-loop.lisp), the largest
+;;;; part of what the drop-in acceptor spends beyond Gallop's own request
+;;;; path (doc/design.md, "The drop-in acceptor's memos"):
 ;;;;  - RFC-1123-DATE, which START-OUTPUT calls for each answer's Date header:
 ;;;;    a FORMAT of seven fields;
-;;;;  - GET-PEER-ADDRESS-AND-PORT and GET-LOCAL-ADDRESS-AND-PORT, which
-;;;;    1.2.38 calls for each request (1.3.x once a PROCESS-CONNECTION, which
-;;;;    on Gallop is once a burst of requests), each printing the address
-;;;;    vector into a string;
 ;;;;  - MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER, which START-OUTPUT calls for
 ;;;;    each string body: two CL-PPCRE scans and a FORMAT.
-;;;; Each is wrapped here (SB-INT:ENCAPSULATE; compat.lisp checks them) so
-;;;; that it gives what Hunchentoot's own gives, computed by Hunchentoot's
-;;;; own on a miss and remembered:
+;;;; START-OUTPUT is a plain function, which handlers also reach through
+;;;; HUNCHENTOOT:SEND-HEADERS, so each is wrapped here (SB-INT:ENCAPSULATE;
+;;;; compat.lisp checks them) to give what Hunchentoot's own gives, computed
+;;;; by Hunchentoot's own on a miss and remembered:
 ;;;;  - the Date string of the current second, a fresh copy for each caller
 ;;;;    (as the original makes a fresh string), when called without a time;
 ;;;;    with a time, the original runs;
-;;;;  - a Gallop connection's addresses, once per connection: the values a
-;;;;    1.3.x request gets too (the same strings for every request its
-;;;;    PROCESS-CONNECTION reads); on any other socket, the original runs;
 ;;;;  - the content type with its charset, for the last few (content type,
 ;;;;    external format) pairs seen, the content type compared by its
 ;;;;    characters, the external format by identity (the reply's default is
@@ -52,18 +47,6 @@ this second, copied."
         (let ((date (funcall original now)))
           (setf *rfc-1123-date* (cons now (copy-seq date)))
           date))))
-
-;;; Addresses
-
-(defun connection-address-and-port (original socket reader writer)
-  "The two values ORIGINAL (Hunchentoot's GET-PEER-ADDRESS-AND-PORT or
-GET-LOCAL-ADDRESS-AND-PORT) gives for SOCKET, remembered in a slot of the
-CONNECTION-USOCKET (READER and WRITER its accessor's functions)."
-  (declare (type function original reader writer))
-  (if (typep socket 'connection-usocket)
-      (values-list (or (funcall reader socket)
-                       (funcall writer (multiple-value-list (funcall original socket)) socket)))
-      (funcall original socket)))
 
 ;;; Content type with charset
 
@@ -105,16 +88,6 @@ holds them."
     (if (or time (null *connection*))
         (apply original time)
         (current-rfc-1123-date original))))
-
-(wrap-hunchentoot-function (hunchentoot-get-peer-address-and-port)
-  (lambda (original socket)
-    (connection-address-and-port original socket
-                                 #'usocket-peer-names #'(setf usocket-peer-names))))
-
-(wrap-hunchentoot-function (hunchentoot-get-local-address-and-port)
-  (lambda (original socket)
-    (connection-address-and-port original socket
-                                 #'usocket-local-names #'(setf usocket-local-names))))
 
 (wrap-hunchentoot-function (hunchentoot-maybe-add-charset)
   (lambda (original content-type external-format)

@@ -3,12 +3,13 @@
 ;;;;
 ;;;; A worker serves a request, not a connection's whole life: between
 ;;;; keep-alive requests the connection waits in epoll and holds no thread.
-;;;; This works through Hunchentoot's own PROCESS-CONNECTION, unchanged: the
-;;;; stream it reads is a Gallop connection, and after each response
-;;;; RESET-CONNECTION-STREAM marks a request boundary on it, so the next read of
-;;;; PROCESS-CONNECTION's loop answers end-of-file when no further request is
-;;;; buffered.  PROCESS-CONNECTION then returns and closes the stream, and
-;;;; Gallop parks the connection instead of closing it.
+;;;; This works through Hunchentoot's PROCESS-CONNECTION (its request loop,
+;;;; run by Gallop's SERVE-REQUESTS on a Gallop connection, request-loop.lisp):
+;;;; the stream it reads is a Gallop connection, and after each response
+;;;; RESET-CONNECTION-STREAM marks a request boundary on it, so the loop's
+;;;; next read answers end-of-file when no further request is buffered.  The
+;;;; loop then returns and closes the stream, and Gallop parks the
+;;;; connection instead of closing it.
 ;;;;
 ;;;; With GALLOP:ACCEPTOR the engine accepts on the listen socket itself (a
 ;;;; non-blocking accept loop that handler work never delays).  With any other

@@ -199,15 +199,67 @@ acceptor, still of its own class; other stock acceptors stay stock."
 (test served-acceptor-comes-right-after-hunchentoot-acceptor
   "On a served stock class as on a Gallop one, SERVED-ACCEPTOR follows
 HUNCHENTOOT:ACCEPTOR at once, before a mixin listed after the acceptor
-class; the served class has a name FIND-CLASS knows."
+class, and SERVED-REQUEST-LOOP comes just before it; the served class has a
+name FIND-CLASS knows."
   (let ((served (gallop::served-class (find-class 'stock-with-mixin))))
     (is (eq served (gallop::served-class (find-class 'stock-with-mixin))) "made once")
     (is (eq served (find-class (class-name served))))
-    (dolist (class (list served (find-class 'gallop-with-mixin)))
+    (dolist (class (list* served (find-class 'gallop-with-mixin)
+                          (mapcar #'find-class '(gallop:acceptor gallop:easy-acceptor
+                                                 gallop:ssl-acceptor gallop:easy-ssl-acceptor))))
       (sb-mop:finalize-inheritance class)
       (let* ((cpl (sb-mop:class-precedence-list class))
              (acceptor (position (find-class 'hunchentoot:acceptor) cpl))
              (mixin (position (find-class 'trailing-mixin) cpl))
              (gallop (position (find-class 'gallop::served-acceptor) cpl)))
         (is (eql gallop (1+ acceptor)) "~S: ~S" class cpl)
-        (is (< gallop mixin) "~S: ~S" class cpl)))))
+        (is (eql (position (find-class 'gallop::served-request-loop) cpl) (1- acceptor))
+            "~S: ~S" class cpl)
+        (is-true (if mixin (< gallop mixin) t) "~S: ~S" class cpl)))))
+
+;;; Gallop's request loop takes the place of Hunchentoot's method, not of the
+;;; user's: their primary method (calling the next) and :BEFORE still run,
+;;; once for each run of the loop, and the connection is still kept.
+
+(sb-ext:define-load-time-global *loop-notes* '())
+
+(defclass noted-loop-acceptor (hunchentoot:easy-acceptor) ()
+  (:documentation "A stock acceptor with methods of its own on PROCESS-CONNECTION."))
+(defclass gallop-noted-loop-acceptor (gallop:easy-acceptor) ()
+  (:documentation "A Gallop acceptor with methods of its own on PROCESS-CONNECTION."))
+
+(macrolet ((note-methods (class)
+             `(progn
+                (defmethod hunchentoot:process-connection :before ((acceptor ,class) socket)
+                  (declare (ignore socket))
+                  (sb-ext:atomic-push :before *loop-notes*))
+                (defmethod hunchentoot:process-connection ((acceptor ,class) socket)
+                  (declare (ignore socket))
+                  (sb-ext:atomic-push :primary *loop-notes*)
+                  (call-next-method)))))
+  (note-methods noted-loop-acceptor)
+  (note-methods gallop-noted-loop-acceptor))
+
+(test the-users-process-connection-methods-run-around-gallops-loop
+  (dolist (setup (list (list 'noted-loop-acceptor :taskmaster (make-instance 'gallop:taskmaster))
+                       (list 'gallop-noted-loop-acceptor)))
+    (setf *loop-notes* '())
+    (let ((server (apply #'make-server setup)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (let ((socket (connect (port-of server))))
+             (unwind-protect
+                  (dotimes (i 2)
+                    (send socket (crlf "GET /yo HTTP/1.1" "Host: x"))
+                    (let ((response (read-response socket)))
+                      (is (eql 200 (and response (response-status response)))
+                          "~S, request ~D" (first setup) i)
+                      (is (string= "Hey!" (if response (body-string response) "")))
+                      (is (null (and response (header response "Connection")))))
+                    ;; The worker lets go of the kept connection, which
+                    ;; waits in epoll: the next request is another run.
+                    (is (wait-until (lambda () (eql 1 (stat server :idle))))
+                        "~S: not idle: ~S" (first setup) (gallop:stats server)))
+               (usocket:socket-close socket)))
+        (hunchentoot:stop server)))
+    (is (equal '(:primary :before :primary :before) *loop-notes*) "~S" *loop-notes*)))

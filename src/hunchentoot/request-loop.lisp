@@ -1,0 +1,122 @@
+;;;; request-loop.lisp -- Hunchentoot's request loop on a Gallop connection.
+;;;;
+;;;; Hunchentoot's PROCESS-CONNECTION reads requests off one socket until the
+;;;; client or a handler ends it.  On a Gallop connection, Gallop's primary
+;;;; method (on SERVED-REQUEST-LOOP, which comes right before
+;;;; HUNCHENTOOT:ACCEPTOR: see served.lisp) takes the place of Hunchentoot's
+;;;; and runs SERVE-REQUESTS instead: the same steps in the same
+;;;; order (initialize the stream, then per request the shutdown check, the
+;;;; head, a REPLY and a REQUEST of the acceptor's classes, chunked input,
+;;;; PROCESS-REQUEST counted in progress, FINISH-OUTPUT, RESET-CONNECTION-
+;;;; STREAM, and at the end the close), with what only Gallop can do there:
+;;;;  - the head comes from the core's request record (READ-REQUEST-DATA);
+;;;;  - the count of requests in progress is kept without the acceptor's
+;;;;    lock (CALL-COUNTED-REQUEST);
+;;;;  - the peer and local addresses are Hunchentoot's strings, made once a
+;;;;    connection from what accept returned;
+;;;;  - the loop notes when it ended because no further request was there
+;;;;    (*REQUESTS-ENDED*): the connection is then kept.
+;;;; Hunchentoot's own :AROUND method (error logging, mapped conditions,
+;;;; *ACCEPTOR*) and every method of the user's classes (hunchensocket's
+;;;; :AROUND, a primary that calls the next) run around it as around
+;;;; Hunchentoot's loop.
+;;;;
+;;;; Both Hunchentoot versions tested have this loop; 1.3.x asks for the
+;;;; addresses once a connection, 1.2.38 once a request.
+
+(in-package #:gallop)
+
+(defun connection-addresses (socket)
+  "The peer's and this end's (address-string port) of the CONNECTION-USOCKET
+SOCKET, as Hunchentoot's own functions make them, made once a connection."
+  (values (or (usocket-peer-names socket)
+              (setf (usocket-peer-names socket)
+                    (multiple-value-list
+                     (funcall (hunchentoot-get-peer-address-and-port) socket))))
+          (or (usocket-local-names socket)
+              (setf (usocket-local-names socket)
+                    (multiple-value-list
+                     (funcall (hunchentoot-get-local-address-and-port) socket))))))
+
+(defun chunked-input (acceptor stream headers)
+  "STREAM, or for a request whose Transfer-Encoding (in the HEADERS alist)
+names chunked, a chunga stream reading its chunks, as Hunchentoot's loop
+makes it (an error when ACCEPTOR takes no chunked input)."
+  (let ((codings (cdr (assoc :transfer-encoding headers :test #'eq))))
+    (if (and codings
+             (member "chunked" (cl-ppcre:split "\\s*,\\s*" codings) :test #'equalp))
+        (if (hunchentoot:acceptor-input-chunking-p acceptor)
+            (let ((chunked (chunga:make-chunked-stream stream)))
+              (setf (chunga:chunked-stream-input-chunking-p chunked) t)
+              chunked)
+            (hunchentoot:hunchentoot-error "Client tried to use chunked encoding, ~
+                                            but acceptor is configured to not use it."))
+        stream)))
+
+(defun serve-requests (acceptor socket)
+  "Hunchentoot's request loop on the CONNECTION-USOCKET SOCKET of ACCEPTOR
+\(see the file's header)."
+  (let ((socket-stream (usocket:socket-stream socket)))
+    (multiple-value-bind (remote local) (connection-addresses socket)
+      (with-hunchentoot-connection-specials
+        (unwind-protect
+             (progn
+               (setf %hunchentoot-stream
+                     (hunchentoot:initialize-connection-stream acceptor socket-stream))
+               (loop
+                 (with-hunchentoot-request-specials
+                   (when (hunchentoot-shutdown-p acceptor)
+                     (return))
+                   (multiple-value-bind (headers method uri protocol)
+                       (read-request-data (hunchentoot-get-request-data) %hunchentoot-stream)
+                     (unless method
+                       (setf *requests-ended* t)
+                       (return))
+                     (let ((hunchentoot:*reply*
+                             (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+                           (hunchentoot:*session* nil))
+                       (setf %hunchentoot-stream (chunked-input acceptor %hunchentoot-stream headers))
+                       (call-counted-request
+                        acceptor
+                        (lambda ()
+                          (hunchentoot:process-request
+                           ;; What Hunchentoot's ACCEPTOR-MAKE-REQUEST makes.
+                           (make-instance (hunchentoot:acceptor-request-class acceptor)
+                                          :acceptor acceptor
+                                          :local-addr (first local) :local-port (second local)
+                                          :remote-addr (first remote) :remote-port (second remote)
+                                          :headers-in headers
+                                          :content-stream %hunchentoot-stream
+                                          :method method
+                                          :uri uri
+                                          :server-protocol protocol)))))
+                     (finish-output %hunchentoot-stream)
+                     (setf %hunchentoot-stream
+                           (hunchentoot:reset-connection-stream acceptor %hunchentoot-stream))
+                     (when %finish-processing-socket
+                       (return))))))
+          (when %close-hunchentoot-stream
+            (flet ((close-stream (stream)
+                     ;; At the end of the requests: errors flushing or
+                     ;; closing are ignored, as Hunchentoot does.
+                     (ignore-errors (finish-output stream))
+                     (ignore-errors (close stream :abort t))))
+              (unless (or (null %hunchentoot-stream) (eq socket-stream %hunchentoot-stream))
+                (close-stream %hunchentoot-stream))
+              (close-stream socket-stream))))))))
+
+(defmethod hunchentoot:process-connection ((acceptor served-request-loop)
+                                            (socket connection-usocket))
+  ;; A client that hangs up after its answer was written into the buffer
+  ;; makes the last FINISH-OUTPUT fail outside any request; the error would
+  ;; reach the log wrapped in usocket conditions.  Count it instead
+  ;; (GALLOP:STATS :ABORTED), like the errors inside a request (see
+  ;; ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).
+  (block serve
+    (handler-bind ((gallop.core:connection-error
+                     (lambda (condition)
+                       (when (client-abort-condition-p condition)
+                         (gallop.core:note-client-abort
+                          (gallop.core:connection-engine (usocket-connection socket)))
+                         (return-from serve nil)))))
+      (serve-requests acceptor socket))))
