@@ -8,9 +8,7 @@
 
 (in-package #:gallop)
 
-;;; Each class lists SERVED-REQUEST-LOOP after its Hunchentoot class, so that
-;;; it comes right before HUNCHENTOOT:ACCEPTOR (served.lisp).
-(defclass acceptor (served-request-loop hunchentoot:acceptor served-acceptor)
+(defclass acceptor (hunchentoot:acceptor served-acceptor)
   ()
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
@@ -20,12 +18,12 @@
   (:documentation "A Hunchentoot acceptor served by Gallop: an elastic pool of
 workers serves requests, and idle connections wait in epoll."))
 
-(defclass easy-acceptor (acceptor hunchentoot:easy-acceptor served-request-loop)
+(defclass easy-acceptor (acceptor hunchentoot:easy-acceptor)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-ACCEPTOR: DEFINE-EASY-HANDLER
 handlers and the static file dispatcher, served by Gallop."))
 
-(defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor served-request-loop)
+(defclass ssl-acceptor (acceptor hunchentoot:ssl-acceptor)
   ()
   (:documentation "Gallop's HUNCHENTOOT:SSL-ACCEPTOR: the same initargs
 \(:SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE, :SSL-PRIVATEKEY-PASSWORD).
@@ -34,8 +32,7 @@ handshake, request heads and idle keep-alive connections wait in epoll and
 hold no thread, as on a plain socket, and handlers read and write
 plaintext."))
 
-(defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor
-                             served-request-loop)
+(defclass easy-ssl-acceptor (easy-acceptor ssl-acceptor hunchentoot:easy-ssl-acceptor)
   ()
   (:documentation "Gallop's HUNCHENTOOT:EASY-SSL-ACCEPTOR."))
 

@@ -24,7 +24,8 @@
     ("HUNCHENTOOT" "RAW-POST-DATA" :slot
      "a body nobody read is marked consumed, not read into memory" "taskmaster.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-P" :generic-function
-     "a soft stop serves requests that arrived; read after a request" "this file, request-loop.lisp, in-progress.lisp, taskmaster.lisp")
+     "a soft stop serves requests that arrived; read after a request"
+     "this file, request-loop.lisp, in-progress.lisp, taskmaster.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-LOCK" :accessor
      "a soft STOP waits on it for requests in progress" "in-progress.lisp")
     ("HUNCHENTOOT" "ACCEPTOR-SHUTDOWN-QUEUE" :accessor

@@ -2,9 +2,8 @@
 ;;;;
 ;;;; Hunchentoot's PROCESS-CONNECTION reads requests off one socket until the
 ;;;; client or a handler ends it.  On a Gallop connection, Gallop's primary
-;;;; method (on SERVED-REQUEST-LOOP, which comes right before
-;;;; HUNCHENTOOT:ACCEPTOR: see served.lisp) takes the place of Hunchentoot's
-;;;; and runs SERVE-REQUESTS instead: the same steps in the same
+;;;; method takes the place of Hunchentoot's and runs SERVE-REQUESTS
+;;;; instead: the same steps in the same
 ;;;; order (initialize the stream, then per request the shutdown check, the
 ;;;; head, a REPLY and a REQUEST of the acceptor's classes, chunked input,
 ;;;; PROCESS-REQUEST counted in progress, FINISH-OUTPUT, RESET-CONNECTION-
@@ -16,10 +15,15 @@
 ;;;;    connection from what accept returned;
 ;;;;  - the loop notes when it ended because no further request was there
 ;;;;    (*REQUESTS-ENDED*): the connection is then kept.
-;;;; Hunchentoot's own :AROUND method (error logging, mapped conditions,
-;;;; *ACCEPTOR*) and every method of the user's classes (hunchensocket's
-;;;; :AROUND, a primary that calls the next) run around it as around
-;;;; Hunchentoot's loop.
+;;;; The method is specialised on HUNCHENTOOT:ACCEPTOR, as Hunchentoot's is,
+;;;; and on Gallop's CONNECTION-USOCKET (socket.lisp), which only Gallop
+;;;; passes: so it is more specific than Hunchentoot's method and than none
+;;;; on a subclass of HUNCHENTOOT:ACCEPTOR, whatever order a class lists its
+;;;; superclasses in, and never applies to a connection Gallop does not
+;;;; serve.  Hunchentoot's own :AROUND method (error logging, mapped
+;;;; conditions, *ACCEPTOR*) and every method of the user's classes
+;;;; (hunchensocket's :AROUND, a primary that calls the next) run around it
+;;;; as around Hunchentoot's loop.
 ;;;;
 ;;;; Both Hunchentoot versions tested have this loop; 1.3.x asks for the
 ;;;; addresses once a connection, 1.2.38 once a request.
@@ -98,14 +102,16 @@ makes it (an error when ACCEPTOR takes no chunked input)."
           (when %close-hunchentoot-stream
             (flet ((close-stream (stream)
                      ;; At the end of the requests: errors flushing or
-                     ;; closing are ignored, as Hunchentoot does.
+                     ;; closing are ignored, as Hunchentoot 1.3.x does
+                     ;; (1.2.38 first offers them to the debugger when
+                     ;; HUNCHENTOOT:*CATCH-ERRORS-P* is NIL).
                      (ignore-errors (finish-output stream))
                      (ignore-errors (close stream :abort t))))
               (unless (or (null %hunchentoot-stream) (eq socket-stream %hunchentoot-stream))
                 (close-stream %hunchentoot-stream))
               (close-stream socket-stream))))))))
 
-(defmethod hunchentoot:process-connection ((acceptor served-request-loop)
+(defmethod hunchentoot:process-connection ((acceptor hunchentoot:acceptor)
                                             (socket connection-usocket))
   ;; A client that hangs up after its answer was written into the buffer
   ;; makes the last FINISH-OUTPUT fail outside any request; the error would

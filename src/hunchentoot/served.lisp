@@ -1,24 +1,18 @@
-;;;; served.lisp -- SERVED-ACCEPTOR and SERVED-REQUEST-LOOP, the classes
-;;;; Gallop's methods on Hunchentoot's acceptor protocol are specialised on.
+;;;; served.lisp -- SERVED-ACCEPTOR, the class Gallop's methods on
+;;;; Hunchentoot's acceptor protocol are specialised on.
 ;;;;
-;;;; Hunchentoot's request loop runs unchanged on a Gallop connection; what
-;;;; Gallop adds around it (request boundaries, keep/close, bodies left
-;;;; unread, bounded log lines, a soft stop's last requests) are methods on
-;;;; Hunchentoot's generic functions, and they are specialised on this class,
-;;;; never on HUNCHENTOOT:ACCEPTOR: an acceptor Gallop does not serve runs
-;;;; Hunchentoot's own methods only.
+;;;; What Gallop adds around Hunchentoot's request handling on a Gallop
+;;;; connection (request boundaries, keep/close, bodies left unread, bounded
+;;;; log lines, a soft stop's last requests) are methods on Hunchentoot's
+;;;; generic functions, and they are specialised on this class, never on
+;;;; HUNCHENTOOT:ACCEPTOR alone: an acceptor Gallop does not serve runs
+;;;; Hunchentoot's own methods only.  (The request loop, PROCESS-CONNECTION,
+;;;; is specialised on Gallop's socket class instead: request-loop.lisp.)
 ;;;;
-;;;; One method replaces Hunchentoot's own: the primary method of
-;;;; PROCESS-CONNECTION, Gallop's copy of Hunchentoot's request loop
-;;;; (request-loop.lisp).  It is specialised on SERVED-REQUEST-LOOP, which
-;;;; comes right before HUNCHENTOOT:ACCEPTOR, so that it takes the place of
-;;;; Hunchentoot's method there, and the user's own methods run as around
-;;;; Hunchentoot's.
-;;;;
-;;;; GALLOP:ACCEPTOR and its variants inherit both.  A stock acceptor given a
-;;;; GALLOP:TASKMASTER gets them when the taskmaster starts it: its class is
-;;;; changed to a subclass of its own class and these (SERVE-WITH-GALLOP),
-;;;; which it keeps.  In either case SERVED-ACCEPTOR comes right after
+;;;; GALLOP:ACCEPTOR and its variants inherit it.  A stock acceptor given a
+;;;; GALLOP:TASKMASTER becomes one when the taskmaster starts it: its class
+;;;; is changed to a subclass of its own class and this one (SERVE-WITH-
+;;;; GALLOP), which it keeps.  In either case this class comes right after
 ;;;; HUNCHENTOOT:ACCEPTOR in the precedence list, where Gallop's methods
 ;;;; would be if they were on HUNCHENTOOT:ACCEPTOR: the methods of the
 ;;;; user's classes and Hunchentoot's before it run inside Gallop's :AROUND
@@ -31,12 +25,6 @@
   (:documentation "An acceptor whose connections a Gallop engine serves:
 Gallop's methods on Hunchentoot's acceptor protocol apply to it (see
 served.lisp)."))
-
-(defclass served-request-loop ()
-  ()
-  (:documentation "An acceptor whose request loop on a Gallop connection is
-Gallop's (request-loop.lisp): it comes right before HUNCHENTOOT:ACCEPTOR in
-the precedence list (see served.lisp)."))
 
 (defvar *connection* nil
   "The Gallop connection the current worker is serving, if any.")
@@ -60,23 +48,19 @@ subclass of it and SERVED-ACCEPTOR that instance was changed to.")
 
 (defun served-superclasses (class)
   "The direct superclasses of CLASS's served subclass: CLASS's precedence list
-up to STANDARD-OBJECT, with SERVED-REQUEST-LOOP right before and
-SERVED-ACCEPTOR right after HUNCHENTOOT:ACCEPTOR.
+up to STANDARD-OBJECT, with SERVED-ACCEPTOR right after HUNCHENTOOT:ACCEPTOR.
 Named in full so that a mixin the user listed after a Hunchentoot class
 still comes after SERVED-ACCEPTOR, as it does on a GALLOP:ACCEPTOR."
   (sb-mop:finalize-inheritance class)
   (let ((base (sb-mop:class-precedence-list (find-class 'standard-object))))
     (loop for super in (sb-mop:class-precedence-list class)
           until (member super base)
-          when (eq super (find-class 'hunchentoot:acceptor))
-            collect (find-class 'served-request-loop)
           collect super
           when (eq super (find-class 'hunchentoot:acceptor))
             collect (find-class 'served-acceptor))))
 
 (defun served-class (class)
-  "The subclass of CLASS (a Hunchentoot acceptor class), SERVED-REQUEST-LOOP
-and SERVED-ACCEPTOR,
+  "The subclass of CLASS (a Hunchentoot acceptor class) and SERVED-ACCEPTOR,
 made once per class with CLASS's metaclass, and named GALLOP::|SERVED
 package:name|."
   (sb-ext:with-locked-hash-table (*served-classes*)

@@ -16,10 +16,10 @@
              :documentation "The request deferred on this connection (defer.lisp), or NIL.")
    (peer-names :initform nil :accessor usocket-peer-names
                :documentation "Hunchentoot's (address-string port) of the peer, once
-asked (memo.lisp), or NIL.")
+asked (request-loop.lisp), or NIL.")
    (local-names :initform nil :accessor usocket-local-names
                 :documentation "Hunchentoot's (address-string port) of this end, once
-asked (memo.lisp), or NIL."))
+asked (request-loop.lisp), or NIL."))
   (:documentation "A usocket view of a Gallop connection."))
 
 (defun connection-deferred (c)
