@@ -295,3 +295,42 @@ call (sleeping) counts at once; one running again does not count.
         (sb-thread:terminate-thread sleeper)
         (mapc #'sb-thread:join-thread (list waiter spinner))
         (sb-thread:join-thread sleeper :default nil)))))
+
+(test a-wait-for-the-world-lock-is-not-a-blocked-handler
+  "A worker waiting in futex(2) while another thread holds SBCL's world lock
+(compiling, or filling a generic function's caches on a server's first
+requests) is not counted blocked, however long it waits: a thread added
+would wait for the same lock.  The control, a worker waiting as long on a
+mutex of its own, is counted."
+  (let* ((buffer (make-array 128 :element-type '(unsigned-byte 8)))
+         (mutex (sb-thread:make-mutex :name "held by the test"))
+         (wait gallop.core::+brief-wait-ms+)
+         (threads '()))
+    (flet ((kind (thread)
+             (gallop.core::thread-wait-kind
+              (gallop.core::thread-syscall-path (sb-thread:thread-os-tid thread)) buffer))
+           (confirmed (thread)
+             ;; Two looks +BRIEF-WAIT-MS+ apart on the same event.
+             (let ((worker (gallop.core::make-worker thread (sb-thread:thread-os-tid thread)))
+                   (brief-waits (make-hash-table :test 'eq)))
+               (setf (gallop.core::worker-serving worker) 5)
+               (loop for now in (list 1000 (+ 1000 wait))
+                     collect (sb-sys:without-gcing
+                               (gallop.core::confirmed-blocked (vector worker 5) 1 buffer
+                                                               brief-waits now))))))
+      (unwind-protect
+           (progn
+             (sb-thread:with-mutex (mutex)
+               (let ((waiter (sb-thread:make-thread (lambda () (sb-thread:with-mutex (mutex)))
+                                                    :name "waiting on a mutex (test)")))
+                 (push waiter threads)
+                 (is-true (wait-until (lambda () (eq :brief (kind waiter)))))
+                 (is (equal '(0 1) (confirmed waiter)) "the control counts once it waited long")))
+             (sb-kernel:with-world-lock ()
+               (let ((waiter (sb-thread:make-thread (lambda () (sb-kernel:with-world-lock ()))
+                                                    :name "waiting on the world lock (test)")))
+                 (push waiter threads)
+                 (is-true (wait-until (lambda () (eq :brief (kind waiter)))))
+                 (is (equal '(0 0) (confirmed waiter))
+                     "a wait while another thread holds the world lock never counts"))))
+        (mapc #'sb-thread:join-thread threads)))))

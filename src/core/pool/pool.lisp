@@ -666,6 +666,16 @@ CONFIRMED-BLOCKED)."
                        (return)))))))))
     (values count nil)))
 
+(defun world-lock-held-elsewhere-p (thread)
+  "True when a thread other than THREAD holds SBCL's world lock: it compiles,
+or fills the caches of generic functions called for the first time (a
+server's first requests make many such calls).  Any thread that compiles or
+calls such a function meanwhile waits for it in futex(2), however long that
+takes beside another busy process, and a thread added to serve would only
+wait too."
+  (let ((owner (sb-thread:mutex-owner sb-kernel::**world-lock**)))
+    (and owner (not (eq owner thread)))))
+
 (defun confirmed-blocked (found count buffer brief-waits now)
   "Of the COUNT blocked workers BLOCKED-WORKERS put in FOUND, how many are
 blocked inside a system call other than futex(2), or waiting briefly
@@ -678,8 +688,10 @@ with other processes: a lock the handlers share, the allocator's, or the
 address space's in a page fault) lasts until that holder gets a CPU again,
 and a thread added for it would only wait on the same lock; a handler
 waiting on a semaphore or condition for its database is still there later.
-A worker found running again is not blocked; one whose syscall file can't
-be read counts, as its state said.  BUFFER is for THREAD-WAIT-KIND."
+A futex(2) wait while another thread holds the world lock is not counted
+\(WORLD-LOCK-HELD-ELSEWHERE-P), though it keeps its age.  A worker found
+running again is not blocked; one whose syscall file can't be read counts,
+as its state said.  BUFFER is for THREAD-WAIT-KIND."
   (let ((confirmed 0))
     (declare (type fixnum confirmed))
     (when (> (hash-table-count brief-waits) 1024)
@@ -692,6 +704,7 @@ be read counts, as its state said.  BUFFER is for THREAD-WAIT-KIND."
           (:brief (let ((seen (gethash worker brief-waits)))
                     (cond ((not (and seen (eql event (car seen))))
                            (setf (gethash worker brief-waits) (cons event now)))
+                          ((world-lock-held-elsewhere-p (worker-thread worker)))
                           ((>= (- now (cdr seen)) +brief-wait-ms+)
                            (incf confirmed)))))
           (t (remhash worker brief-waits)
