@@ -9,7 +9,18 @@
 (in-package #:gallop)
 
 (defclass acceptor (hunchentoot:acceptor served-acceptor)
-  ()
+  ((reuse-port :initarg :reuse-port :initform nil :reader acceptor-reuse-port
+               :documentation "True: the listen socket is bound with SO_REUSEPORT,
+so that several processes that all ask for it serve the same address and
+port, the kernel spreading connections across them.")
+   (activated-socket :initarg :activated-socket :initform t
+                     :reader acceptor-activated-socket
+                     :documentation "When a supervisor passed this process
+listening sockets (systemd's socket activation: LISTEN_FDS), the acceptor
+serves on one of them instead of binding, and its address, port, backlog
+and REUSE-PORT are the supervisor's (ACCEPTOR-PORT then reads the passed
+socket's port): T takes the first not taken yet, a string the one of that
+name (LISTEN_FDNAMES; an error if it is missing), NIL never takes one."))
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
    ;; Connections cost no thread, so let the kernel queue a burst of them
@@ -17,6 +28,31 @@
    :listen-backlog 1024)
   (:documentation "A Hunchentoot acceptor served by Gallop: an elastic pool of
 workers serves requests, and idle connections wait in epoll."))
+
+(defmethod hunchentoot:start-listening ((acceptor acceptor))
+  ;; A socket a supervisor passed, or one bound with SO_REUSEPORT; else
+  ;; Hunchentoot's own (usocket's, which also binds IPv6 addresses).
+  (when (acceptor-listen-usocket acceptor)
+    (hunchentoot:hunchentoot-error "acceptor ~A is already listening" acceptor))
+  (let* ((activated (acceptor-activated-socket acceptor))
+         (fd (and activated (gallop.core:claim-activated-socket
+                             (and (stringp activated) activated)))))
+    (cond ((or fd (acceptor-reuse-port acceptor) (stringp activated))
+           (let ((socket (if fd
+                             (gallop.core:socket-of-fd fd)
+                             (gallop.core:open-listen-socket
+                              (hunchentoot:acceptor-address acceptor)
+                              (hunchentoot:acceptor-port acceptor)
+                              (hunchentoot:acceptor-listen-backlog acceptor)
+                              :reuse-port (acceptor-reuse-port acceptor)
+                              :activated activated))))
+             (setf (acceptor-listen-usocket acceptor)
+                   (make-instance 'usocket:stream-server-usocket
+                                  :socket socket :element-type '(unsigned-byte 8)))
+             (when fd
+               (set-acceptor-port acceptor (nth-value 1 (sb-bsd-sockets:socket-name socket)))))
+           (values))
+          (t (call-next-method)))))
 
 (defclass easy-acceptor (acceptor hunchentoot:easy-acceptor)
   ()

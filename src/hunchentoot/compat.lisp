@@ -18,7 +18,10 @@
 (defparameter *internal-names*
   '(;; (PACKAGE NAME KIND WHY USED-BY)
     ("HUNCHENTOOT" "ACCEPTOR-LISTEN-SOCKET" :accessor
-     "the listen socket START-LISTENING made, taken over" "taskmaster.lisp")
+     "the listen socket START-LISTENING made, taken over; or Gallop made"
+     "taskmaster.lisp, acceptor.lisp")
+    ("HUNCHENTOOT" "PORT" :slot
+     "the port of a listen socket a supervisor passed, which it chose" "acceptor.lisp")
     ("HUNCHENTOOT" "+VALID-REQUEST-METHODS+" :constant
      "the methods 1.3.x reads (absent in 1.2.38: any)" "taskmaster.lisp")
     ("HUNCHENTOOT" "RAW-POST-DATA" :slot
@@ -92,6 +95,25 @@ both read every request the same way."
 (defun acceptor-listen-usocket (acceptor)
   "The usocket Hunchentoot's START-LISTENING created for ACCEPTOR, or NIL."
   (funcall (find-symbol "ACCEPTOR-LISTEN-SOCKET" '#:hunchentoot) acceptor))
+
+(defun (setf acceptor-listen-usocket) (usocket acceptor)
+  "Make USOCKET ACCEPTOR's listen socket, as START-LISTENING does (STOP
+closes it)."
+  (funcall (fdefinition (list 'setf (find-symbol "ACCEPTOR-LISTEN-SOCKET" '#:hunchentoot)))
+           usocket acceptor))
+
+;;; HUNCHENTOOT:ACCEPTOR-PORT is a reader of the slot PORT (same name in
+;;; 1.2.38 and 1.3.x), which START-LISTENING's :AFTER method sets when it
+;;; was 0; a socket a supervisor passed has the port the supervisor chose.
+;;; (Named by the symbol, not a string: usocket has an internal PORT too.)
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (unless (find 'hunchentoot::port (sb-mop:class-direct-slots (find-class 'hunchentoot:acceptor))
+                :key #'sb-mop:slot-definition-name)
+    (error "This Hunchentoot's ACCEPTOR has no PORT slot.")))
+
+(defun set-acceptor-port (acceptor port)
+  "Make PORT what HUNCHENTOOT:ACCEPTOR-PORT of ACCEPTOR answers."
+  (setf (slot-value acceptor 'hunchentoot::port) port))
 
 ;;; Not Hunchentoot's, but read the same way: the condition inside the
 ;;; USOCKET:UNKNOWN-ERROR that Hunchentoot's WITH-MAPPED-CONDITIONS makes of

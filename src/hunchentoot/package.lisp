@@ -12,6 +12,8 @@
             taskmaster-standby-thread-count
             taskmaster-max-queue-length
             taskmaster-engine
+            acceptor-reuse-port
+            acceptor-activated-socket
             acceptor-streams-body-p
             defer-request)
           '#:gallop))

@@ -326,21 +326,17 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
 
 ;;; Starting and stopping
 
-(defun make-listen-socket (address port backlog)
-  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
-    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
-      (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
-      (sb-bsd-sockets:socket-bind socket
-                                  (if (or (null address) (string= address "0.0.0.0"))
-                                      #(0 0 0 0)
-                                      (sb-bsd-sockets:host-ent-address
-                                       (sb-bsd-sockets:get-host-by-name address)))
-                                  port)
-      (sb-bsd-sockets:socket-listen socket backlog))
-    socket))
+(defun passed-socket-address (socket)
+  "The address a listening SOCKET a supervisor passed is bound to, as a
+string: dotted for IPv4, eight groups of hex digits for IPv6."
+  (let ((bound (sb-bsd-sockets:socket-name socket)))
+    (if (= 4 (length bound))
+        (format nil "~{~D~^.~}" (coerce bound 'list))
+        (format nil "~{~(~2,'0x~2,'0x~)~^:~}" (coerce bound 'list)))))
 
 (gallop.core:define-settings-function start (app)
     ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*)
+     reuse-port (activated-socket t)
      ssl-certificate-file ssl-privatekey-file ssl-privatekey-password)
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
@@ -357,32 +353,46 @@ With SSL-CERTIFICATE-FILE (PEM: the certificate, then any chain) and
 SSL-PRIVATEKEY-FILE (PEM; default: the certificate file; encrypted with
 SSL-PRIVATEKEY-PASSWORD if given), SERVER speaks HTTPS only (OpenSSL on the
 event loop: a TLS connection waits in epoll as a plain one does), and the
-environment's :URL-SCHEME is \"https\"."
+environment's :URL-SCHEME is \"https\".
+With REUSE-PORT true, the socket is bound with SO_REUSEPORT: several
+processes that all ask for it may serve the same ADDRESS and PORT, the
+kernel spreading connections across them.  When a supervisor passed this
+process listening sockets (systemd's socket activation: LISTEN_FDS), the
+server serves on one of them instead of binding, and ADDRESS, PORT, BACKLOG
+and REUSE-PORT are the supervisor's: ACTIVATED-SOCKET T (the default) takes
+the first not taken yet, a string the one of that name (LISTEN_FDNAMES,
+an error if it is missing), NIL never takes one."
   (check-type app function)
-  (let* ((tls (and ssl-certificate-file
-                   (gallop.core:make-tls-context :certificate-file ssl-certificate-file
-                                                 :private-key-file ssl-privatekey-file
-                                                 :password ssl-privatekey-password)))
-         (socket (handler-bind ((error (lambda (e) (declare (ignore e))
-                                         (when tls (gallop.core:free-tls-context tls)))))
-                   (make-listen-socket address port backlog)))
-         (server (%make-server :app app :socket socket :address (or address "0.0.0.0")
-                               :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
-                               :max-body-bytes max-body-bytes :debug debug :log log
-                               :tls tls :url-scheme (if tls "https" "http"))))
-    (handler-bind ((error (lambda (e) (declare (ignore e))
-                            (sb-bsd-sockets:socket-close socket)
-                            (when tls (gallop.core:free-tls-context tls)))))
-      (let ((engine (apply #'gallop.core:make-engine
-                           :name (format nil "gallop-~D" (server-port server))
-                           :tls-context tls
-                           :handler (lambda (c) (serve-request server c))
-                           :log-error (lambda (format-control &rest args)
-                                        (apply #'log-error server format-control args))
-                           (gallop.core:setting-arguments))))
-        (setf (server-engine server) engine)
-        (gallop.core:engine-start engine :listen-fd (sb-bsd-sockets:socket-file-descriptor socket))))
-    server))
+  (let ((tls (and ssl-certificate-file
+                  (gallop.core:make-tls-context :certificate-file ssl-certificate-file
+                                                :private-key-file ssl-privatekey-file
+                                                :password ssl-privatekey-password))))
+    (multiple-value-bind (socket passed)
+        (handler-bind ((error (lambda (e) (declare (ignore e))
+                                (when tls (gallop.core:free-tls-context tls)))))
+          (gallop.core:open-listen-socket address port backlog
+                                          :reuse-port reuse-port :activated activated-socket))
+      (let ((server (%make-server :app app :socket socket
+                                  :address (if passed
+                                               (passed-socket-address socket)
+                                               (or address "0.0.0.0"))
+                                  :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
+                                  :max-body-bytes max-body-bytes :debug debug :log log
+                                  :tls tls :url-scheme (if tls "https" "http"))))
+        (handler-bind ((error (lambda (e) (declare (ignore e))
+                                (sb-bsd-sockets:socket-close socket)
+                                (when tls (gallop.core:free-tls-context tls)))))
+          (let ((engine (apply #'gallop.core:make-engine
+                               :name (format nil "gallop-~D" (server-port server))
+                               :tls-context tls
+                               :handler (lambda (c) (serve-request server c))
+                               :log-error (lambda (format-control &rest args)
+                                            (apply #'log-error server format-control args))
+                               (gallop.core:setting-arguments))))
+            (setf (server-engine server) engine)
+            (gallop.core:engine-start engine
+                                      :listen-fd (sb-bsd-sockets:socket-file-descriptor socket))))
+        server))))
 
 (defun stop (server &key soft)
   "Stop SERVER: stop accepting, close idle connections, let requests in flight

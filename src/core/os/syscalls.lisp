@@ -478,9 +478,17 @@ or -1 and the errno."
       (2 (let ((v (make-array 4 :element-type '(unsigned-byte 8))))
            (dotimes (i 4) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 4 i))))
            (values v port)))
-      (10 (let ((v (make-array 16 :element-type '(unsigned-byte 8))))
-            (dotimes (i 16) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 8 i))))
-            (values v port)))
+      (10 (if (and (loop for i from 8 below 18 always (zerop (sb-sys:sap-ref-8 sap i)))
+                   (= #xff (sb-sys:sap-ref-8 sap 18) (sb-sys:sap-ref-8 sap 19)))
+              ;; An IPv4 peer of a dual-stack IPv6 socket (::ffff:a.b.c.d,
+              ;; what a socket unit's ListenStream=PORT makes): its IPv4
+              ;; address, as an IPv4 socket gives it.
+              (let ((v (make-array 4 :element-type '(unsigned-byte 8))))
+                (dotimes (i 4) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 20 i))))
+                (values v port))
+              (let ((v (make-array 16 :element-type '(unsigned-byte 8))))
+                (dotimes (i 16) (setf (aref v i) (sb-sys:sap-ref-8 sap (+ 8 i))))
+                (values v port))))
       (t (values (make-array 4 :element-type '(unsigned-byte 8) :initial-element 0) 0)))))
 
 (defun socket-local-name (fd)

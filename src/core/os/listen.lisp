@@ -1,0 +1,154 @@
+;;;; listen.lisp -- listening sockets shared with other processes: taken
+;;;; from a supervisor (systemd's socket activation), or bound with
+;;;; SO_REUSEPORT beside other processes on the same port.
+;;;;
+;;;; Socket activation (sd_listen_fds(3)): a supervisor that opened the
+;;;; listening sockets itself starts the server with them as fds 3, 4, ...,
+;;;; and says so in the environment: LISTEN_FDS (how many), LISTEN_PID (the
+;;;; process they are for: a child that inherits the environment ignores
+;;;; them) and LISTEN_FDNAMES (their names, separated by colons, from the
+;;;; socket units' FileDescriptorName=).  Each server of the process claims
+;;;; one, the one of its name or else the first not claimed, and serves on
+;;;; it instead of binding: the socket outlives the server's process, so a
+;;;; restart refuses no connection (they wait in the socket's queue).
+;;;; Those sockets are made close-on-exec when read, as sd_listen_fds does,
+;;;; so that no program the server runs holds them open.
+
+(in-package #:gallop.core)
+
+(defconstant +so-type+ 3)
+(defconstant +so-reuseport+ 15)
+(defconstant +so-acceptconn+ 30)
+(defconstant +sock-stream+ 1)
+(defconstant +f-setfd+ 2)
+(defconstant +fd-cloexec+ 1)
+(defconstant +listen-fds-start+ 3
+  "The first fd a supervisor passes (SD_LISTEN_FDS_START).")
+
+(defun socket-int-option (fd level name)
+  "The int value of the socket option NAME at LEVEL of FD, or NIL when
+getsockopt(2) fails (FD is not a socket)."
+  (sb-alien:with-alien ((value sb-alien:int 0)
+                        (length (sb-alien:unsigned 32) 4))
+    (and (zerop (%getsockopt fd level name (sb-alien:alien-sap (sb-alien:addr value))
+                             (sb-alien:alien-sap (sb-alien:addr length))))
+         value)))
+
+(defun set-reuse-port (fd)
+  "Set SO_REUSEPORT on the socket FD, before it is bound: processes that all
+set it may bind the same address and port, and the kernel spreads new
+connections across their listening sockets."
+  (sb-alien:with-alien ((on sb-alien:int 1))
+    (unless (zerop (%setsockopt fd +sol-socket+ +so-reuseport+
+                                (sb-alien:alien-sap (sb-alien:addr on)) 4))
+      (error "setsockopt(SO_REUSEPORT) failed: errno ~D" (%errno)))))
+
+(defun listening-stream-socket-p (fd)
+  "True when FD is a stream socket that listens."
+  (and (eql +sock-stream+ (socket-int-option fd +sol-socket+ +so-type+))
+       (eql 1 (socket-int-option fd +sol-socket+ +so-acceptconn+))))
+
+(defstruct (activated-socket (:constructor make-activated-socket (fd name)) (:copier nil))
+  "A listening socket a supervisor passed this process."
+  (fd 0 :type fixnum :read-only t)
+  (name nil :read-only t)               ; from LISTEN_FDNAMES, or NIL
+  (claimed nil))                        ; taken by a server
+
+(sb-ext:define-load-time-global *activated-sockets* :unread
+  "This process's ACTIVATED-SOCKETs, read from the environment on first use
+\(READ-ACTIVATED-SOCKETS), or :UNREAD.")
+
+(sb-ext:define-load-time-global *activated-sockets-lock*
+    (sb-thread:make-mutex :name "gallop activated sockets"))
+
+(defun split-names (string)
+  "STRING's parts between colons."
+  (loop for start = 0 then (1+ end)
+        for end = (or (position #\: string :start start) (length string))
+        collect (subseq string start end)
+        while (< end (length string))))
+
+(defun parse-listen-environment (pid fds names own-pid)
+  "The (FD NAME) pairs that the values PID, FDS and NAMES of LISTEN_PID,
+LISTEN_FDS and LISTEN_FDNAMES (strings or NIL) pass to the process OWN-PID:
+none unless PID is OWN-PID and FDS a positive count; NAME NIL when NAMES
+does not name that many."
+  (let ((pid (and pid (parse-integer pid :junk-allowed t)))
+        (count (and fds (parse-integer fds :junk-allowed t)))
+        (names (and names (split-names names))))
+    (when (and (eql pid own-pid) count (plusp count))
+      (loop for i below count
+            collect (list (+ +listen-fds-start+ i)
+                          (and (= (length names) count) (nth i names)))))))
+
+(defun read-activated-sockets ()
+  "The listening sockets the environment says a supervisor passed this
+process, each made close-on-exec; those that are not listening stream
+sockets (a supervisor may pass others) are left alone."
+  (loop for (fd name) in (parse-listen-environment (sb-ext:posix-getenv "LISTEN_PID")
+                                                   (sb-ext:posix-getenv "LISTEN_FDS")
+                                                   (sb-ext:posix-getenv "LISTEN_FDNAMES")
+                                                   (sb-unix:unix-getpid))
+        when (listening-stream-socket-p fd)
+          collect (progn (%fcntl fd +f-setfd+ +fd-cloexec+)
+                         (make-activated-socket fd name))))
+
+(defun claim-activated-socket (&optional name)
+  "The fd of a listening socket a supervisor passed this process (socket
+activation, see listen.lisp) that no server claimed yet, now claimed: the
+one named NAME when given, else the first.  NIL when there is none."
+  (sb-thread:with-mutex (*activated-sockets-lock*)
+    (when (eq *activated-sockets* :unread)
+      (setf *activated-sockets* (read-activated-sockets)))
+    (let ((socket (find-if (lambda (socket)
+                             (and (not (activated-socket-claimed socket))
+                                  (or (null name)
+                                      (equal name (activated-socket-name socket)))))
+                           *activated-sockets*)))
+      (when socket
+        (setf (activated-socket-claimed socket) t)
+        (activated-socket-fd socket)))))
+
+(defun socket-of-fd (fd)
+  "An SB-BSD-SOCKETS stream socket object for the socket FD (IPv4 or IPv6,
+as its address says)."
+  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 32))
+                        (len (sb-alien:unsigned 32) 32))
+    (unless (zerop (%getsockname fd (sb-alien:alien-sap addr) (sb-alien:alien-sap (sb-alien:addr len))))
+      (error "getsockname of fd ~D failed: errno ~D" fd (%errno)))
+    (make-instance (if (= 10 (sb-sys:sap-ref-16 (sb-alien:alien-sap addr) 0))
+                       'sb-bsd-sockets:inet6-socket
+                       'sb-bsd-sockets:inet-socket)
+                   :descriptor fd :type :stream :protocol :tcp)))
+
+(defun bind-listen-socket (address port backlog reuse-port)
+  "A new IPv4 stream socket bound to ADDRESS (NIL or \"0.0.0.0\": every
+address) and PORT (0: any free port), listening with BACKLOG, with
+SO_REUSEPORT when REUSE-PORT (and SO_REUSEADDR in any case)."
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
+      (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
+      (when reuse-port
+        (set-reuse-port (sb-bsd-sockets:socket-file-descriptor socket)))
+      (sb-bsd-sockets:socket-bind socket
+                                  (if (or (null address) (string= address "0.0.0.0"))
+                                      #(0 0 0 0)
+                                      (sb-bsd-sockets:host-ent-address
+                                       (sb-bsd-sockets:get-host-by-name address)))
+                                  port)
+      (sb-bsd-sockets:socket-listen socket backlog))
+    socket))
+
+(defun open-listen-socket (address port backlog &key reuse-port (activated t))
+  "A listening SB-BSD-SOCKETS socket for a server, and whether a supervisor
+passed it (socket activation).  ACTIVATED T: a passed socket not claimed yet
+if there is one; a string: the passed socket of that name, an error if
+there is none; NIL: never a passed socket.  Otherwise a new socket bound to
+ADDRESS and PORT (BIND-LISTEN-SOCKET, REUSE-PORT too).  A passed socket is
+the supervisor's: its address, port and options are as it made them."
+  (let ((fd (and activated (claim-activated-socket (and (stringp activated) activated)))))
+    (cond (fd (values (socket-of-fd fd) t))
+          ((stringp activated)
+           (error "No listening socket named ~S was passed to this process ~
+                   (LISTEN_FDS, LISTEN_FDNAMES)." activated))
+          (t (values (bind-listen-socket address port backlog reuse-port) nil)))))

@@ -1,0 +1,132 @@
+;;;; listen.lisp -- listening sockets shared with other processes: several
+;;;; servers on one port (SO_REUSEPORT), and sockets a supervisor passes
+;;;; (systemd's socket activation), on both front ends.
+
+(in-package #:gallop-tests)
+
+(def-suite production :in gallop
+  :description "What running Gallop in production takes: shared ports, passed sockets.")
+
+(in-suite production)
+
+(test listen-environment-is-read-as-sd-listen-fds-reads-it
+  "LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES pass fds 3, 4, ... to the
+process named, and to no other (a child inherits the environment)."
+  (flet ((parse (pid fds names)
+           (gallop.core::parse-listen-environment pid fds names 4242)))
+    (is (equal '((3 "web")) (parse "4242" "1" "web")))
+    (is (equal '((3 "web") (4 "admin")) (parse "4242" "2" "web:admin")))
+    (is (equal '((3 nil) (4 nil)) (parse "4242" "2" nil)) "no names")
+    (is (equal '((3 nil) (4 nil)) (parse "4242" "2" "web")) "names that do not match the count")
+    (is (null (parse "4243" "1" "web")) "another process's")
+    (is (null (parse nil "1" nil)) "no LISTEN_PID")
+    (is (null (parse "4242" "0" nil)))
+    (is (null (parse "4242" "x" nil)))
+    (is (null (parse "4242" nil nil)))))
+
+;;; Two servers on one port
+
+(defun native-hey (env)
+  (declare (ignore env))
+  '(200 (:content-type "text/plain") ("Hey!")))
+
+(defun spread-over (port count)
+  "COUNT requests on fresh connections to PORT; the answers, read strictly."
+  (loop repeat count collect (strict-get port "/yo")))
+
+(test reuse-port-lets-two-servers-share-a-port
+  "Two servers started with :REUSE-PORT on the same port both get
+connections (64 of them: all to one of the two would come by chance once in
+2^63), and every request is answered; a third without it cannot bind."
+  (flet ((check (start stop stats)
+           (let* ((a (funcall start 0))
+                  (port (funcall stats a :port))
+                  (b nil))
+             (unwind-protect
+                  (progn
+                    (setf b (funcall start port))
+                    (let ((answers (spread-over port 64)))
+                      (is (every (lambda (answer) (exact-answer-p answer "Hey!")) answers)
+                          "~S" (find-if-not (lambda (answer) (exact-answer-p answer "Hey!"))
+                                            answers)))
+                    (let ((a-count (funcall stats a :accepted))
+                          (b-count (funcall stats b :accepted)))
+                      (is (= 64 (+ a-count b-count)) "~D + ~D" a-count b-count)
+                      (is (plusp a-count))
+                      (is (plusp b-count)))
+                    (signals error (funcall stop (funcall start port :reuse-port nil))))
+               (when b (funcall stop b))
+               (funcall stop a)))))
+    (check (lambda (port &key (reuse-port t))
+             (gallop:start #'native-hey :port port :address "127.0.0.1" :log nil
+                                        :reuse-port reuse-port))
+           #'gallop:stop
+           (lambda (server key)
+             (if (eq key :port) (gallop:server-port server) (getf (gallop:stats server) key))))
+    (check (lambda (port &key (reuse-port t))
+             (hunchentoot:start (make-server 'gallop:easy-acceptor :port port
+                                                                   :reuse-port reuse-port)))
+           #'hunchentoot:stop
+           (lambda (acceptor key)
+             (if (eq key :port) (port-of acceptor) (stat acceptor key))))))
+
+;;; A socket a supervisor passes
+
+(defun make-passed-socket ()
+  "A listening socket on 127.0.0.1 and a free port, as a supervisor makes
+one (the port: its second value)."
+  (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
+    (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
+    (sb-bsd-sockets:socket-bind socket #(127 0 0 1) 0)
+    (sb-bsd-sockets:socket-listen socket 128)
+    (values socket (nth-value 1 (sb-bsd-sockets:socket-name socket)))))
+
+(defun start-activated-server (kind socket port)
+  "bench/server.lisp serving KIND in a child process given SOCKET as a
+supervisor passes it: as fd 3, with LISTEN_FDS, LISTEN_PID (the child's
+own) and LISTEN_FDNAMES set.  PORT, the socket's port, is also the port the
+child is asked to bind, which it could not: it serves only if it takes the
+socket.  Returns the process once it says READY (or NIL), and that line.
+The socket goes over as a copy numbered 10 or more (RUN-PROGRAM does not
+keep a preserved fd 3), moved to 3 by bash (dash redirects only fds 0-9)."
+  (let* ((fd (sb-posix:fcntl (sb-bsd-sockets:socket-file-descriptor socket)
+                             sb-posix:f-dupfd 10))
+         (script (format nil "exec 3<&~D ~:*~D<&-; export LISTEN_PID=$$ LISTEN_FDS=1 ~
+                              LISTEN_FDNAMES=web; exec scripts/lisp.sh --load bench/server.lisp ~
+                              --end-toplevel-options ~A ~D 0"
+                         fd kind port)))
+    (unwind-protect
+         (let ((process (sb-ext:run-program "/bin/bash" (list "-c" script)
+                                            :wait nil :input :stream :output :stream :error nil
+                                            :preserve-fds (list fd)
+                                            :directory (asdf:system-source-directory "gallop"))))
+           (values process (read-line (sb-ext:process-output process) nil "")))
+      (sb-posix:close fd))))
+
+(test a-passed-socket-is-served-and-queues-connections-across-a-restart
+  "A server given a listening socket the way systemd passes one serves on it
+instead of binding, on both front ends.  While no server runs, the socket
+(the supervisor's) still queues connections: a request sent then is
+answered by the next server, and none is refused."
+  (dolist (kind '("native" "gallop"))
+    (multiple-value-bind (socket port) (make-passed-socket)
+      (unwind-protect
+           (multiple-value-bind (first ready) (start-activated-server kind socket port)
+             (is (uiop:string-prefix-p "READY " ready) "~A: the first server said ~S" kind ready)
+             (is (exact-answer-p (strict-get port "/yo") "Hey!") "~A: the first server" kind)
+             (stop-limited-server first)
+             ;; No server: the client connects all the same, and waits.
+             (let ((client (connect port)))
+               (unwind-protect
+                    (progn
+                      (send client (crlf "GET /yo HTTP/1.1" "Host: x" "Connection: close"))
+                      (multiple-value-bind (second ready) (start-activated-server kind socket port)
+                        (unwind-protect
+                             (progn
+                               (is (uiop:string-prefix-p "READY " ready)
+                                   "~A: the second server said ~S" kind ready)
+                               (is (exact-answer-p (read-wire-or-error client :close t) "Hey!")
+                                   "~A: the request sent between the two servers" kind))
+                          (stop-limited-server second))))
+                 (usocket:socket-close client))))
+        (sb-bsd-sockets:socket-close socket)))))
