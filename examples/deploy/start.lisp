@@ -1,7 +1,7 @@
 ;;;; start.lisp -- the program gallop.service runs: a Gallop server on the
 ;;;; socket systemd passes (gallop.socket), or, run by hand, on
-;;;; 127.0.0.1:8080 (:activated-socket T takes a passed socket when there
-;;;; is one, else binds).
+;;;; 127.0.0.1:8080 (:activated-socket T takes a passed socket on the port
+;;;; asked for when there is one, else binds).
 
 (require :asdf)
 (asdf:load-system "gallop")

@@ -65,4 +65,5 @@
    ;; utilities used by the layers above
    #:octet-position #:octets-case #:octets-match-p #:unix-seconds
    #:set-nonblocking #:raise-fd-limit #:fd-limit
-   #:listen-socket-fd #:open-listen-socket #:claim-activated-socket #:socket-of-fd))
+   #:listen-socket-fd #:open-listen-socket #:claim-activated-socket
+   #:release-activated-socket #:socket-of-fd))

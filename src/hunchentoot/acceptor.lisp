@@ -19,8 +19,12 @@ port, the kernel spreading connections across them.")
 listening sockets (systemd's socket activation: LISTEN_FDS), the acceptor
 serves on one of them instead of binding, and its address, port, backlog
 and REUSE-PORT are the supervisor's (ACCEPTOR-PORT then reads the passed
-socket's port): T takes the first not taken yet, a string the one of that
-name (LISTEN_FDNAMES; an error if it is missing), NIL never takes one."))
+socket's port): T takes the one on the acceptor's port (any, when that is
+0), a string the one of that name (LISTEN_FDNAMES; an error if it is
+missing), NIL never takes one.")
+   (passed-fd :initform nil
+              :documentation "The fd of the copy of a passed socket the acceptor
+listens on, until STOP closes it, or NIL."))
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
    ;; Connections cost no thread, so let the kernel queue a burst of them
@@ -36,7 +40,8 @@ workers serves requests, and idle connections wait in epoll."))
     (hunchentoot:hunchentoot-error "acceptor ~A is already listening" acceptor))
   (let* ((activated (acceptor-activated-socket acceptor))
          (fd (and activated (gallop.core:claim-activated-socket
-                             (and (stringp activated) activated)))))
+                             :name (and (stringp activated) activated)
+                             :port (hunchentoot:acceptor-port acceptor)))))
     (cond ((or fd (acceptor-reuse-port acceptor) (stringp activated))
            (let ((socket (if fd
                              (gallop.core:socket-of-fd fd)
@@ -50,9 +55,17 @@ workers serves requests, and idle connections wait in epoll."))
                    (make-instance 'usocket:stream-server-usocket
                                   :socket socket :element-type '(unsigned-byte 8)))
              (when fd
+               (setf (slot-value acceptor 'passed-fd) fd)
                (set-acceptor-port acceptor (nth-value 1 (sb-bsd-sockets:socket-name socket)))))
            (values))
           (t (call-next-method)))))
+
+(defmethod hunchentoot:stop :after ((acceptor acceptor) &key soft)
+  ;; STOP closed the listen socket: a passed one may be taken again.
+  (declare (ignore soft))
+  (let ((fd (shiftf (slot-value acceptor 'passed-fd) nil)))
+    (when fd
+      (gallop.core:release-activated-socket fd))))
 
 (defclass easy-acceptor (acceptor hunchentoot:easy-acceptor)
   ()

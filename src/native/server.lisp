@@ -326,6 +326,13 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
 
 ;;; Starting and stopping
 
+(defun close-listen-socket (socket)
+  "Close a server's listening SOCKET; if it was a copy of a socket a
+supervisor passed, the next server may take that one."
+  (let ((fd (sb-bsd-sockets:socket-file-descriptor socket)))
+    (sb-bsd-sockets:socket-close socket)
+    (gallop.core:release-activated-socket fd)))
+
 (defun passed-socket-address (socket)
   "The address a listening SOCKET a supervisor passed is bound to, as a
 string: dotted for IPv4, eight groups of hex digits for IPv6."
@@ -360,8 +367,8 @@ kernel spreading connections across them.  When a supervisor passed this
 process listening sockets (systemd's socket activation: LISTEN_FDS), the
 server serves on one of them instead of binding, and ADDRESS, PORT, BACKLOG
 and REUSE-PORT are the supervisor's: ACTIVATED-SOCKET T (the default) takes
-the first not taken yet, a string the one of that name (LISTEN_FDNAMES,
-an error if it is missing), NIL never takes one."
+the one on PORT (any, when PORT is 0), a string the one of that name
+\(LISTEN_FDNAMES, an error if it is missing), NIL never takes one."
   (check-type app function)
   (let ((tls (and ssl-certificate-file
                   (gallop.core:make-tls-context :certificate-file ssl-certificate-file
@@ -380,7 +387,7 @@ an error if it is missing), NIL never takes one."
                                   :max-body-bytes max-body-bytes :debug debug :log log
                                   :tls tls :url-scheme (if tls "https" "http"))))
         (handler-bind ((error (lambda (e) (declare (ignore e))
-                                (sb-bsd-sockets:socket-close socket)
+                                (close-listen-socket socket)
                                 (when tls (gallop.core:free-tls-context tls)))))
           (let ((engine (apply #'gallop.core:make-engine
                                :name (format nil "gallop-~D" (server-port server))
@@ -401,8 +408,7 @@ finish when SOFT, join every thread, and free the port."
     (gallop.core:engine-stop (server-engine server) :soft soft)
     (setf (server-engine server) nil))
   (when (server-socket server)
-    (sb-bsd-sockets:socket-close (server-socket server))
-    (setf (server-socket server) nil))
+    (close-listen-socket (shiftf (server-socket server) nil)))
   (when (server-tls server)
     (gallop.core:free-tls-context (shiftf (server-tls server) nil)))
   server)

@@ -112,9 +112,13 @@ answered by the next server, and none is refused."
     (multiple-value-bind (socket port) (make-passed-socket)
       (unwind-protect
            (multiple-value-bind (first ready) (start-activated-server kind socket port)
-             (is (uiop:string-prefix-p "READY " ready) "~A: the first server said ~S" kind ready)
-             (is (exact-answer-p (strict-get port "/yo") "Hey!") "~A: the first server" kind)
-             (stop-limited-server first)
+             (unwind-protect
+                  (progn
+                    (is (uiop:string-prefix-p "READY " ready) "~A: the first server said ~S"
+                        kind ready)
+                    (is (exact-answer-p (strict-get port "/yo") "Hey!") "~A: the first server"
+                        kind))
+               (stop-limited-server first))
              ;; No server: the client connects all the same, and waits.
              (let ((client (connect port)))
                (unwind-protect
@@ -130,3 +134,48 @@ answered by the next server, and none is refused."
                           (stop-limited-server second))))
                  (usocket:socket-close client))))
         (sb-bsd-sockets:socket-close socket)))))
+
+(defmacro with-passed-sockets ((&rest sockets) &body body)
+  "BODY with this process's passed sockets (listen.lisp) being SOCKETS,
+each a list (SOCKET NAME), as if a supervisor had passed them."
+  `(let ((saved (sb-thread:with-mutex (gallop.core::*activated-sockets-lock*)
+                  (shiftf gallop.core::*activated-sockets*
+                          (loop for (socket name) in (list ,@(mapcar (lambda (s) `(list ,@s))
+                                                                     sockets))
+                                collect (gallop.core::make-activated-socket
+                                         (sb-bsd-sockets:socket-file-descriptor socket) name
+                                         (nth-value 1 (sb-bsd-sockets:socket-name socket))))))))
+     (unwind-protect (progn ,@body)
+       (sb-thread:with-mutex (gallop.core::*activated-sockets-lock*)
+         (setf gallop.core::*activated-sockets* saved)))))
+
+(test a-passed-socket-is-taken-by-its-port-and-again-after-a-stop
+  "A server takes the passed socket on the port it asks for, not one on
+another port; it serves on a copy, so that stopped and started again in the
+same process it serves on the socket again, on both front ends."
+  (multiple-value-bind (socket port) (make-passed-socket)
+    (unwind-protect
+         (with-passed-sockets ((socket "web"))
+           (flet ((check (start stop)
+                    ;; Another port: not the passed socket, which stays free.
+                    (let ((other (funcall start 0)))
+                      (funcall stop other))
+                    (dotimes (i 2)
+                      (let ((server (funcall start port)))
+                        (unwind-protect
+                             (is (exact-answer-p (strict-get port "/yo") "Hey!")
+                                 "run ~D of a server on the passed socket" i)
+                          (funcall stop server))))))
+             (check (lambda (port)
+                      (gallop:start #'native-hey :port port :address "127.0.0.1" :log nil))
+                    #'gallop:stop)
+             (check (lambda (port)
+                      (hunchentoot:start (make-server 'gallop:easy-acceptor :port port)))
+                    #'hunchentoot:stop)
+             (is (null (gallop.core:claim-activated-socket :name "other")))
+             (let ((copy (gallop.core:claim-activated-socket :name "web")))
+               (is (integerp copy) "the passed socket is free again after the stops")
+               (when copy
+                 (sb-posix:close copy)
+                 (gallop.core:release-activated-socket copy)))))
+      (sb-bsd-sockets:socket-close socket))))

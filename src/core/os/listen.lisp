@@ -7,12 +7,14 @@
 ;;;; and says so in the environment: LISTEN_FDS (how many), LISTEN_PID (the
 ;;;; process they are for: a child that inherits the environment ignores
 ;;;; them) and LISTEN_FDNAMES (their names, separated by colons, from the
-;;;; socket units' FileDescriptorName=).  Each server of the process claims
-;;;; one, the one of its name or else the first not claimed, and serves on
-;;;; it instead of binding: the socket outlives the server's process, so a
-;;;; restart refuses no connection (they wait in the socket's queue).
-;;;; Those sockets are made close-on-exec when read, as sd_listen_fds does,
-;;;; so that no program the server runs holds them open.
+;;;; socket units' FileDescriptorName=).  A server claims the one of its
+;;;; name, or else the one on its port, and serves on a copy of it instead
+;;;; of binding: the socket outlives the server and its process, so a
+;;;; restart refuses no connection (they wait in the socket's queue), and
+;;;; a server stopped and started again in the process finds it again.
+;;;; The passed fds are made close-on-exec when read, as sd_listen_fds does,
+;;;; so that no program the server runs holds them open; they are read when
+;;;; a server first asks, and again after the image is saved.
 
 (in-package #:gallop.core)
 
@@ -43,16 +45,28 @@ connections across their listening sockets."
                                 (sb-alien:alien-sap (sb-alien:addr on)) 4))
       (error "setsockopt(SO_REUSEPORT) failed: errno ~D" (%errno)))))
 
-(defun listening-stream-socket-p (fd)
-  "True when FD is a stream socket that listens."
-  (and (eql +sock-stream+ (socket-int-option fd +sol-socket+ +so-type+))
+(defun socket-family-and-port (fd)
+  "The address family of the socket FD (2: IPv4, 10: IPv6, 1: local...)
+and its port (for IPv4 and IPv6), or NIL when FD is not a socket."
+  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 128))
+                        (len (sb-alien:unsigned 32) 128))
+    (let ((sap (sb-alien:alien-sap addr)))
+      (when (zerop (%getsockname fd sap (sb-alien:alien-sap (sb-alien:addr len))))
+        (values (sb-sys:sap-ref-16 sap 0)
+                (logior (ash (sb-sys:sap-ref-8 sap 2) 8) (sb-sys:sap-ref-8 sap 3)))))))
+
+(defun listening-tcp-socket-p (fd)
+  "True when FD is an IPv4 or IPv6 stream socket that listens."
+  (and (member (socket-family-and-port fd) '(2 10))
+       (eql +sock-stream+ (socket-int-option fd +sol-socket+ +so-type+))
        (eql 1 (socket-int-option fd +sol-socket+ +so-acceptconn+))))
 
-(defstruct (activated-socket (:constructor make-activated-socket (fd name)) (:copier nil))
+(defstruct (activated-socket (:constructor make-activated-socket (fd name port)) (:copier nil))
   "A listening socket a supervisor passed this process."
   (fd 0 :type fixnum :read-only t)
   (name nil :read-only t)               ; from LISTEN_FDNAMES, or NIL
-  (claimed nil))                        ; taken by a server
+  (port 0 :type fixnum :read-only t)    ; the port it listens on
+  (claimed nil))                        ; a server serves on a copy of it
 
 (sb-ext:define-load-time-global *activated-sockets* :unread
   "This process's ACTIVATED-SOCKETs, read from the environment on first use
@@ -60,6 +74,13 @@ connections across their listening sockets."
 
 (sb-ext:define-load-time-global *activated-sockets-lock*
     (sb-thread:make-mutex :name "gallop activated sockets"))
+
+(defun forget-activated-sockets ()
+  "Read the passed sockets again when next asked: a saved image starts in
+another process, with an environment of its own."
+  (setf *activated-sockets* :unread))
+
+(pushnew 'forget-activated-sockets sb-ext:*save-hooks*)
 
 (defun split-names (string)
   "STRING's parts between colons."
@@ -82,32 +103,49 @@ does not name that many."
                           (and (= (length names) count) (nth i names)))))))
 
 (defun read-activated-sockets ()
-  "The listening sockets the environment says a supervisor passed this
-process, each made close-on-exec; those that are not listening stream
-sockets (a supervisor may pass others) are left alone."
+  "The listening TCP sockets the environment says a supervisor passed this
+process.  Every fd passed is made close-on-exec; those that are not
+listening TCP sockets (a supervisor may pass others) are otherwise left
+alone."
   (loop for (fd name) in (parse-listen-environment (sb-ext:posix-getenv "LISTEN_PID")
                                                    (sb-ext:posix-getenv "LISTEN_FDS")
                                                    (sb-ext:posix-getenv "LISTEN_FDNAMES")
                                                    (sb-unix:unix-getpid))
-        when (listening-stream-socket-p fd)
-          collect (progn (%fcntl fd +f-setfd+ +fd-cloexec+)
-                         (make-activated-socket fd name))))
+        do (%fcntl fd +f-setfd+ +fd-cloexec+)
+        when (listening-tcp-socket-p fd)
+          collect (make-activated-socket fd name (nth-value 1 (socket-family-and-port fd)))))
 
-(defun claim-activated-socket (&optional name)
-  "The fd of a listening socket a supervisor passed this process (socket
-activation, see listen.lisp) that no server claimed yet, now claimed: the
-one named NAME when given, else the first.  NIL when there is none."
+(defun claim-activated-socket (&key name port)
+  "A copy (a new fd, close-on-exec) of a listening socket a supervisor passed
+this process (socket activation, see listen.lisp) that no server claimed,
+now claimed until RELEASE-ACTIVATED-SOCKET: the one named NAME when given,
+else the one on PORT (any, when PORT is 0 or NIL).  NIL when there is none."
   (sb-thread:with-mutex (*activated-sockets-lock*)
     (when (eq *activated-sockets* :unread)
       (setf *activated-sockets* (read-activated-sockets)))
     (let ((socket (find-if (lambda (socket)
                              (and (not (activated-socket-claimed socket))
-                                  (or (null name)
-                                      (equal name (activated-socket-name socket)))))
+                                  (if name
+                                      (equal name (activated-socket-name socket))
+                                      (or (member port '(nil 0))
+                                          (eql port (activated-socket-port socket))))))
                            *activated-sockets*)))
       (when socket
-        (setf (activated-socket-claimed socket) t)
-        (activated-socket-fd socket)))))
+        (let ((copy (%fcntl (activated-socket-fd socket) +f-dupfd-cloexec+ 0)))
+          (when (minusp copy)
+            (error "Copying the passed socket ~D failed: errno ~D"
+                   (activated-socket-fd socket) (%errno)))
+          (setf (activated-socket-claimed socket) copy)
+          copy)))))
+
+(defun release-activated-socket (copy)
+  "Let another server claim the passed socket of which COPY (an fd from
+CLAIM-ACTIVATED-SOCKET, now closed) was a copy.  Nothing for another fd."
+  (sb-thread:with-mutex (*activated-sockets-lock*)
+    (when (listp *activated-sockets*)
+      (dolist (socket *activated-sockets*)
+        (when (eql copy (activated-socket-claimed socket))
+          (setf (activated-socket-claimed socket) nil))))))
 
 (defun socket-of-fd (fd)
   "An SB-BSD-SOCKETS stream socket object for the socket FD (IPv4 or IPv6,
@@ -125,6 +163,9 @@ as its address says)."
   "A new IPv4 stream socket bound to ADDRESS (NIL or \"0.0.0.0\": every
 address) and PORT (0: any free port), listening with BACKLOG, with
 SO_REUSEPORT when REUSE-PORT (and SO_REUSEADDR in any case)."
+  (when (and address (find #\: address))
+    (error "Gallop binds IPv4 addresses only, not ~S (a supervisor may pass ~
+            an IPv6 socket: see the README, \"Deploy\")." address))
   (let ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
     (handler-bind ((error (lambda (e) (declare (ignore e)) (sb-bsd-sockets:socket-close socket))))
       (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
@@ -141,12 +182,15 @@ SO_REUSEPORT when REUSE-PORT (and SO_REUSEADDR in any case)."
 
 (defun open-listen-socket (address port backlog &key reuse-port (activated t))
   "A listening SB-BSD-SOCKETS socket for a server, and whether a supervisor
-passed it (socket activation).  ACTIVATED T: a passed socket not claimed yet
-if there is one; a string: the passed socket of that name, an error if
-there is none; NIL: never a passed socket.  Otherwise a new socket bound to
-ADDRESS and PORT (BIND-LISTEN-SOCKET, REUSE-PORT too).  A passed socket is
-the supervisor's: its address, port and options are as it made them."
-  (let ((fd (and activated (claim-activated-socket (and (stringp activated) activated)))))
+passed it (socket activation; the socket is then a copy, to give back with
+RELEASE-ACTIVATED-SOCKET once closed).  ACTIVATED T: a passed socket on
+PORT not claimed yet (on any port when PORT is 0), if there is one; a
+string: the passed socket of that name, an error if there is none; NIL:
+never a passed socket.  Otherwise a new socket bound to ADDRESS and PORT
+\(BIND-LISTEN-SOCKET, REUSE-PORT too).  A passed socket is the supervisor's:
+its address, port and options are as it made them."
+  (let ((fd (and activated (claim-activated-socket
+                            :name (and (stringp activated) activated) :port port))))
     (cond (fd (values (socket-of-fd fd) t))
           ((stringp activated)
            (error "No listening socket named ~S was passed to this process ~
