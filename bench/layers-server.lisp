@@ -68,7 +68,7 @@
 
 ;;; In globals: an SB-BSD-SOCKETS socket that becomes garbage is closed by
 ;;; its finalizer, listening fd and all, at the next collection.
-(defvar *socket* (gallop::make-listen-socket "127.0.0.1" *port* 1024))
+(defvar *socket* (gallop.core:open-listen-socket "127.0.0.1" *port* 1024 :activated nil))
 (defvar *engine* (gallop.core:make-engine :name "gallop-layers" :handler #'handler))
 
 (progn

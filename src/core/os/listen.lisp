@@ -150,14 +150,11 @@ CLAIM-ACTIVATED-SOCKET, now closed) was a copy.  Nothing for another fd."
 (defun socket-of-fd (fd)
   "An SB-BSD-SOCKETS stream socket object for the socket FD (IPv4 or IPv6,
 as its address says)."
-  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 32))
-                        (len (sb-alien:unsigned 32) 32))
-    (unless (zerop (%getsockname fd (sb-alien:alien-sap addr) (sb-alien:alien-sap (sb-alien:addr len))))
-      (error "getsockname of fd ~D failed: errno ~D" fd (%errno)))
-    (make-instance (if (= 10 (sb-sys:sap-ref-16 (sb-alien:alien-sap addr) 0))
-                       'sb-bsd-sockets:inet6-socket
-                       'sb-bsd-sockets:inet-socket)
-                   :descriptor fd :type :stream :protocol :tcp)))
+  (make-instance (case (socket-family-and-port fd)
+                   (10 'sb-bsd-sockets:inet6-socket)
+                   (2 'sb-bsd-sockets:inet-socket)
+                   (t (error "fd ~D is not an IPv4 or IPv6 socket." fd)))
+                 :descriptor fd :type :stream :protocol :tcp))
 
 (defun bind-listen-socket (address port backlog reuse-port)
   "A new IPv4 stream socket bound to ADDRESS (NIL or \"0.0.0.0\": every
