@@ -11,6 +11,9 @@
 #                      that touches the pool, the event loop or timeouts
 #   make bench*        the benchmarks (below)
 #
+#   make test-restarts the restart drills of test-stress alone: wrk load while
+#                      Gallop processes restart (shared port, passed socket, nginx)
+#
 #   make test-ht13     make test again, against Hunchentoot 1.3.1 (the current release,
 #                      ../shared/vendor/hunchentoot-1.3.1, used where it is, never copied)
 #                      instead of Debian's 1.2.38; its compiled files go to .cache/ht13/
@@ -21,7 +24,7 @@
 SHELL := /bin/bash
 LISP = scripts/lisp.sh
 
-.PHONY: all deps serve test test-stress test-ht13 conformance clean
+.PHONY: all deps serve test test-stress test-restarts test-ht13 conformance clean
 
 all: test
 
@@ -38,10 +41,13 @@ serve: deps
 # The WebSocket libraries' tests (tests/clack/websockets.lisp) load
 # ../shared/vendor/clack-ws in a child process: these are what it needs from
 # Debian, and the clients they are checked with (python3-websockets, and
-# Chromium for examples/chat.lisp's page).
+# Chromium for examples/chat.lisp's page).  The metrics tests
+# (tests/production/metrics.lisp) parse the metrics with
+# python3-prometheus-client.
 WS_DEPS = cl-ironclad cl-babel cl-swank cl-trivial-utf-8 cl-global-vars cl-trivial-features \
           cl-trivial-garbage cl-utilities cl-base64 cl-fad cl-ppcre cl-split-sequence \
-          cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets chromium
+          cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets chromium \
+          python3-prometheus-client
 
 test: deps
 	@scripts/deps.sh $(WS_DEPS)
@@ -57,6 +63,14 @@ test-stress: deps
 	   | grep -av '^;\|^WARNING: System definition file' || status=1; \
 	 $(MAKE) --no-print-directory soak-short || status=1; \
 	 exit $$status
+
+# The restart drills of make test-stress alone (tests/stress/restart.lisp):
+# wrk load while Gallop processes restart, with nginx in front for one.
+test-restarts: deps
+	@scripts/deps.sh wrk nginx-light
+	@set -o pipefail; \
+	 $(LISP) --eval '(asdf:load-system "gallop/stress")' --eval '(gallop-tests:main :restarts)' 2>&1 \
+	   | grep -av '^;\|^WARNING: System definition file'
 
 HUNCHENTOOT_13 ?= ../shared/vendor/hunchentoot-1.3.1
 

@@ -51,7 +51,8 @@
                              (:file "upgrade" :depends-on ("handler"))
                              (:file "serve" :depends-on ("upgrade"))
                              (:file "housekeeper" :depends-on ("accept" "serve"))))
-               (:file "server" :depends-on ("loop" "settings"))))
+               (:file "server" :depends-on ("loop" "settings"))
+               (:file "metrics" :depends-on ("server"))))
 
 (defsystem "gallop/native"
   :description "Gallop's native app API (Clack convention): own HTTP/1.1 parsing and writing."
@@ -68,9 +69,11 @@
                              (:file "response")
                              (:file "request")
                              (:file "server")
+                             (:file "running")
                              (:file "socket")
                              (:file "zlib")
-                             (:file "websocket")))))
+                             (:file "websocket")
+                             (:file "metrics")))))
 
 (defsystem "gallop"
   :description "A drop-in, event-driven upgrade for Hunchentoot."
@@ -91,7 +94,8 @@
                (:file "request-loop")
                (:file "taskmaster")
                (:file "defer")
-               (:file "acceptor"))
+               (:file "acceptor")
+               (:file "metrics"))
   :in-order-to ((test-op (test-op "gallop/tests"))))
 
 (defsystem "gallop/tests"
@@ -141,6 +145,8 @@
                (:file "native/bodies")
                (:file "native/socket")
                (:file "production/listen")
+               (:file "production/metrics")
+               (:file "production/stop")
                (:file "hunchentoot/bodies")
                (:file "hunchentoot/heads")
                (:file "hunchentoot/errors")
@@ -172,5 +178,6 @@ connections, the pool's ceilings.  Not deterministic enough for CI."
   :components ((:file "suite")
                (:file "pool")
                (:file "connections")
-               (:file "shutdown"))
+               (:file "shutdown")
+               (:file "restart"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests :stress)))

@@ -40,6 +40,9 @@
 ;;;; and runs a GALLOP:EASY-ACCEPTOR on PORT with the same handlers, so that
 ;;;; tests/hunchentoot/stock.lisp can show the stock acceptor answers as it
 ;;;; does in a process without Gallop.
+;;;; BENCH_REUSE_PORT=1 (native and gallop) binds with :REUSE-PORT, so that
+;;;; several of these processes serve one port (tests/stress/restart.lisp).
+;;;; Gallop's kinds stop gracefully on SIGTERM (GALLOP:STOP-ON-SIGTERM).
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
@@ -331,6 +334,10 @@ alike, then BENCH_GALLOP_OPTIONS."
   "A Hunchentoot SSL acceptor's certificate initargs, from *TLS*."
   (list :ssl-certificate-file (first *tls*) :ssl-privatekey-file (second *tls*)))
 
+(defparameter *reuse-port*
+  (equal "1" (uiop:getenv "BENCH_REUSE_PORT"))
+  "True: Gallop's kinds bind with :REUSE-PORT.")
+
 (defun gallop-taskmaster ()
   (apply #'make-instance (gallop-symbol "TASKMASTER") (gallop-options)))
 
@@ -343,6 +350,7 @@ alike, then BENCH_GALLOP_OPTIONS."
     (:gallop
      (apply #'make-instance (gallop-symbol (if *tls* "EASY-SSL-ACCEPTOR" "EASY-ACCEPTOR"))
             :address "127.0.0.1" :port *port* :taskmaster (gallop-taskmaster)
+            :reuse-port *reuse-port*
             (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))
     (:gallop-tm
      (setf *taskmaster* (gallop-taskmaster))
@@ -369,6 +377,7 @@ alike, then BENCH_GALLOP_OPTIONS."
                   (setf *native-server*
                         (apply (gallop-symbol "START") #'native-app
                                :address "127.0.0.1" :port *port* :log *message-log*
+                               :reuse-port *reuse-port*
                                (append (gallop-options) (native-timeout-args)
                                        (and *tls* (list :ssl-certificate-file (first *tls*)
                                                         :ssl-privatekey-file (second *tls*))))))
@@ -379,6 +388,9 @@ alike, then BENCH_GALLOP_OPTIONS."
   (handler-case (hunchentoot:start (apply #'make-instance (gallop-symbol "EASY-ACCEPTOR")
                                          :address "127.0.0.1" :port *beside-port* *log-args*))
     (error (e) (die "cannot start Gallop beside on port ~D: ~A" *beside-port* e))))
+
+(unless (eq *kind* :stock)
+  (funcall (gallop-symbol "STOP-ON-SIGTERM")))
 
 (reply "READY ~D" (sb-unix:unix-getpid))
 

@@ -1,6 +1,7 @@
 ;;;; chat.lisp -- WebSockets on the native API: an echo at /ws/echo and a
-;;;; chat room a browser can use at /chat (its WebSocket: /ws/chat).  No
-;;;; thread per client: between messages each WebSocket waits in epoll.
+;;;; chat room a browser can use at /chat (its WebSocket: /ws/chat), and the
+;;;; server's metrics at /gallop/metrics.  No thread per client: between
+;;;; messages each WebSocket waits in epoll.
 ;;;;
 ;;;;   scripts/lisp.sh --load examples/chat.lisp --eval '(gallop-example-chat:main)'
 ;;;;   open http://127.0.0.1:4243/chat in two windows
@@ -72,6 +73,7 @@ document.getElementById('form').onsubmit = (event) => {
                           (setf *members* (remove ws *members*))))))
           ((string= path "/chat")
            `(200 (:content-type "text/html; charset=utf-8") (,+page+)))
+          ((string= path "/gallop/metrics") (gallop:metrics-app env))
           (t '(404 (:content-type "text/plain") ("Not found"))))))
 
 (defun main (&key (port 4243))

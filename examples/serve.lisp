@@ -1,8 +1,9 @@
 ;;;; serve.lisp -- the example server of `make serve`: Gallop's drop-in
-;;;; easy-acceptor on http://127.0.0.1:4242/ with /yo, a demo page and
-;;;; /gallop/status; beside it, on http://127.0.0.1:4243/, the native API's
-;;;; WebSockets (examples/chat.lisp): an echo at /ws/echo and a chat page at
-;;;; /chat.  Logs to standard output; Ctrl-C stops both.
+;;;; easy-acceptor on http://127.0.0.1:4242/ with /yo, a demo page,
+;;;; /gallop/status and /gallop/metrics (Prometheus' text format); beside it,
+;;;; on http://127.0.0.1:4243/, the native API's WebSockets
+;;;; (examples/chat.lisp): an echo at /ws/echo, a chat page at /chat, and its
+;;;; own /gallop/metrics.  Logs to standard output; Ctrl-C stops both.
 
 (asdf:load-system "gallop")
 (load (merge-pathnames "chat.lisp" (or *load-truename* *default-pathname-defaults*)))
@@ -26,6 +27,9 @@
   (setf (hunchentoot:content-type*) "text/plain")
   (format nil "~{~(~A~): ~A~%~}" (gallop:stats *acceptor*)))
 
+(hunchentoot:define-easy-handler (metrics :uri "/gallop/metrics") ()
+  (gallop:metrics-handler))
+
 (hunchentoot:define-easy-handler (home :uri "/") ()
   (setf (hunchentoot:content-type*) "text/html")
   (hunchentoot:start-session)
@@ -42,6 +46,9 @@ idle connections wait in epoll, requests run on an elastic pool of threads.</p>
 <li><a href='/yo?name=you'>/yo?name=you</a> - the benchmark handler</li>
 <li><a href='/sleep?ms=250'>/sleep?ms=250</a> - a handler that blocks for 250 ms</li>
 <li><a href='/gallop/status'>/gallop/status</a> - connection and pool statistics</li>
+<li><a href='/gallop/metrics'>/gallop/metrics</a> - the same, and requests by status and
+duration, in Prometheus' text format (the chat server's:
+<a href='http://127.0.0.1:4243/gallop/metrics'>http://127.0.0.1:4243/gallop/metrics</a>)</li>
 <li><a href='http://127.0.0.1:4243/chat'>http://127.0.0.1:4243/chat</a> - a WebSocket chat
 on the native API (echo: ws://127.0.0.1:4243/ws/echo)</li>
 </ul>

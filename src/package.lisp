@@ -25,6 +25,9 @@
    #:server-address
    ;; both front ends: a server's or a taskmaster's statistics
    #:stats
+   ;; both front ends: readiness, draining, a graceful stop on SIGTERM
+   #:ready-p #:drain #:readiness-response #:running-servers #:stop-all-softly
+   #:stop-on-sigterm
    ;; both front ends: a thunk run on a worker later, with no thread waiting
    #:after
    #:cancel-timer
@@ -35,4 +38,6 @@
    #:socket-pending #:socket-close
    ;; native app API: WebSockets (RFC 6455)
    #:websocket-request-p #:accept-websocket #:websocket #:ws-send #:ws-ping #:ws-close
-   #:ws-pending #:ws-protocol #:ws-env #:ws-user-data))
+   #:ws-pending #:ws-protocol #:ws-env #:ws-user-data
+   ;; both front ends: metrics in Prometheus' text format (the native app here)
+   #:metrics-text #:metrics-app))

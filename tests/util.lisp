@@ -254,10 +254,11 @@ served from disk): /tmp/gallop-tests-PID/, removed when RUN-ALL-TESTS ends."
 
 (defun run-all-tests (&optional (tier :test))
   "Run a tier of tests: :TEST, the deterministic suite GALLOP (`make test`),
-or :STRESS, the suite STRESS of system gallop/stress (`make test-stress`).
+:STRESS, the suite STRESS of system gallop/stress (`make test-stress`), or
+:RESTARTS, its restart drills alone (`make test-restarts`).
 True when all passed.  Prints 'N passed, N failed'.  Removes RUN-DIRECTORY
 after the run, passed or not."
-  (let* ((suite (ecase tier (:test 'gallop) (:stress 'stress)))
+  (let* ((suite (ecase tier (:test 'gallop) (:stress 'stress) (:restarts 'restarts)))
          (results (unwind-protect (let ((*print-names* t)) (run suite))
                     (uiop:delete-directory-tree (run-directory) :validate t
                                                                 :if-does-not-exist :ignore)))

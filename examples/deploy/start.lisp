@@ -13,16 +13,24 @@
   (setf (hunchentoot:content-type*) "text/plain")
   "Hey!")
 
+;; 200 while serving, 503 once the process began to stop: for a load
+;; balancer's health check.
+(hunchentoot:define-easy-handler (ready :uri "/ready") ()
+  (gallop:readiness))
+
 (defvar *acceptor*
   (hunchentoot:start (make-instance 'gallop:easy-acceptor
                                     :address "127.0.0.1" :port 8080
                                     :activated-socket t
                                     :access-log-destination *standard-output*)))
 
-;; SIGTERM (systemctl stop or restart) makes SBCL exit, which runs the exit
-;; hooks: requests in progress finish, then the process ends.  Connections
-;; that arrive meanwhile wait in gallop.socket's queue for the next process.
-(push (lambda () (hunchentoot:stop *acceptor* :soft t)) sb-ext:*exit-hooks*)
+;; SIGTERM (systemctl stop or restart): a soft stop, then exit.  Requests
+;; that arrived are answered (with Connection: close), those in progress
+;; finish (within :stop-timeout, 20 s), and connections that arrive
+;; meanwhile wait in gallop.socket's queue for the next process.  Behind a
+;; load balancer that polls /ready, :delay keeps serving that long after
+;; /ready turned 503.
+(gallop:stop-on-sigterm :delay 0)
 
 ;; The server's threads do the work; this one waits.
 (handler-case (loop (sleep 60))

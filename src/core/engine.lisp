@@ -17,11 +17,12 @@
 ;;;;  - PENDING counts accepted connections no worker has served yet: the
 ;;;;    queue that MAX-QUEUE bounds.  IN-FLIGHT counts requests inside the
 ;;;;    request handler.
-;;;;  - REQUESTS and IN-FLIGHT are kept in stripes (TALLY), one per group of
-;;;;    workers, and summed on read: a connection counts its requests in the
-;;;;    stripe of its group (CONNECTION-TALLY, chosen when it is made), so a
-;;;;    request begins and ends in the same stripe, and workers on different
-;;;;    CPUs write no common cache line per request.
+;;;;  - REQUESTS and IN-FLIGHT, and the metrics' counts (TALLY-COUNTS), are
+;;;;    kept in stripes (TALLY), one per group of workers, and summed on
+;;;;    read: a connection counts its requests in the stripe of its group
+;;;;    (CONNECTION-TALLY, chosen when it is made), so a request begins and
+;;;;    ends in the same stripe, and workers on different CPUs write no
+;;;;    common cache line per request.
 
 (in-package #:gallop.core)
 
@@ -57,17 +58,73 @@ flight, so a fast client's downloads keep their speed.")
   "Bodies over this get 413.  Bodies are streamed, so this bounds a
 client's upload, not the server's memory.")
 
+;;; What a stripe counts for the metrics (metrics.lisp), besides its request
+;;; counters: per answer, its method and status class and which duration
+;;; bucket it fell in, and the octets received and sent.  They are the cells
+;;; of one word vector per stripe (TALLY-COUNTS), each bumped with one atomic
+;;; add, no lock and no allocation; a scrape sums the stripes.  The vector
+;;; has +COUNTS-PAD+ unused words either side of its cells, so that its
+;;; cells share no cache line with another stripe's or with any other object.
+
+(sb-int:defconstant-eqx +counted-methods+
+    #("GET" "HEAD" "POST" "PUT" "DELETE" "PATCH" "OPTIONS" "other")
+  #'equalp
+  "The methods answers are counted by, as METHOD-INDEX numbers them; every
+other method counts as the last.")
+
+(defconstant +status-classes+ 5
+  "Status classes answers are counted by: 1xx to 5xx.")
+
+(sb-int:defconstant-eqx +duration-bounds-ms+
+    #(1 2 5 10 25 50 100 250 500 1000 2500 5000 10000)
+  #'equalp
+  "The upper bounds of the request-duration buckets, in whole milliseconds:
+a bucket holds the durations up to its bound, and one more bucket the
+longer ones.  Durations are whole milliseconds, so the bucket of 2.5 ms
+holds those up to 2.")
+
+(sb-int:defconstant-eqx +duration-bound-labels+
+    #("0.001" "0.0025" "0.005" "0.01" "0.025" "0.05" "0.1" "0.25" "0.5" "1" "2.5" "5" "10")
+  #'equalp
+  "The bounds of +DURATION-BOUNDS-MS+ as the le labels of the histogram, in seconds.")
+
+(defconstant +counts-pad+ 8
+  "Unused words before and after the cells of a stripe's counts.")
+
+;;; The cells, as indexes into a stripe's counts.
+(defconstant +answer-cells+ +counts-pad+
+  "The first of the answer counts, (+ +ANSWER-CELLS+ (* +STATUS-CLASSES+
+METHOD-INDEX) CLASS-INDEX).")
+(defconstant +bucket-cells+ (+ +answer-cells+ (* (length +counted-methods+) +status-classes+))
+  "The first of the duration buckets' counts (not cumulative).")
+(defconstant +duration-ms-cell+ (+ +bucket-cells+ (length +duration-bounds-ms+) 1)
+  "Milliseconds of all the durations counted.")
+(defconstant +bytes-in-cell+ (+ +duration-ms-cell+ 1)
+  "Octets read from clients' connections (see CONNECTION-RECV).")
+(defconstant +bytes-out-cell+ (+ +bytes-in-cell+ 1)
+  "Octets clients' connections took (see CONNECTION-SEND).")
+(defconstant +tls-handshakes-cell+ (+ +bytes-out-cell+ 1)
+  "TLS handshakes completed.")
+(defconstant +counts-end+ (+ +tls-handshakes-cell+ 1)
+  "The index after the last cell.")
+
+(deftype counts () `(simple-array sb-ext:word (,(+ +counts-end+ +counts-pad+))))
+
+(defun make-counts ()
+  (make-array (+ +counts-end+ +counts-pad+) :element-type 'sb-ext:word :initial-element 0))
+
 (defstruct (tally (:constructor make-tally ()) (:copier nil))
   "One stripe of an engine's request counters: those of the connections of
-one group of workers (see the header).  Changed atomically (another thread
-may end a request: a suspended one's answerer, a worker of another group
-that stole the event).  Seven words either side, so that stripes written on
-different CPUs share no 64-octet cache line with each other or with the
-engine's settings, which every request reads."
+one group of workers (see the header), and its COUNTS (above).  Changed
+atomically (another thread may end a request: a suspended one's answerer, a
+worker of another group that stole the event).  Seven words either side, so
+that stripes written on different CPUs share no 64-octet cache line with
+each other or with the engine's settings, which every request reads."
   (pad-before-1 0) (pad-before-2 0) (pad-before-3 0) (pad-before-4 0)
   (pad-before-5 0) (pad-before-6 0) (pad-before-7 0)
   (requests 0 :type sb-ext:word)
   (in-flight 0 :type sb-ext:word)
+  (counts (make-counts) :type counts :read-only t)
   (pad-after-1 0) (pad-after-2 0) (pad-after-3 0) (pad-after-4 0)
   (pad-after-5 0) (pad-after-6 0) (pad-after-7 0))
 
@@ -96,6 +153,19 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (housekeeper nil)
   (wheel nil)
   (state :stopped :type (member :stopped :running :stopping))
+  ;; Set before a soft stop (ENGINE-DRAIN) so that a readiness check fails
+  ;; while the server still serves, and a load balancer stops sending first.
+  (draining nil)
+  ;; True when the listen socket is the engine's to end (ENGINE-START's
+  ;; OWN-LISTENER: not one a supervisor passed and keeps); then a soft stop
+  ;; sets FINAL-ACCEPT, and the housekeeper's last act is FINAL-ACCEPT.
+  (own-listener nil)
+  (final-accept nil)
+  ;; Set by the housekeeper once it stopped accepting, at a stop's start; it
+  ;; then serves on (timers, deadlines, lingering closes) until ENGINE-STOP
+  ;; sets HOUSEKEEPER-EXIT.
+  (accepting-ended nil)
+  (housekeeper-exit nil)
   ;; settings, in milliseconds and octets: MAKE-ENGINE sets them from the
   ;; user's settings and their defaults, which are in one place (settings.lisp)
   (header-timeout-ms 0 :type fixnum)
@@ -103,6 +173,8 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (read-timeout-ms 0 :type fixnum)
   (write-timeout-ms 0 :type fixnum)
   (handler-timeout-ms 0 :type fixnum) ; 0: handlers run as long as they like
+  (stop-timeout-ms 0 :type fixnum)
+  (stop-idle-grace-ms 0 :type fixnum)
   (linger-ms 2000 :type fixnum)
   (max-head-bytes 0 :type fixnum)
   (max-body-bytes 0 :type fixnum)
@@ -236,6 +308,57 @@ requests begin and end in other stripes, the sum is as if those had come in
 another order; a soft stop, which waits for zero, has the same race with a
 request that begins just after it looked."
   (loop for tally across (engine-tallies engine) sum (tally-in-flight tally)))
+
+;;; Counting an answer (see TALLY-COUNTS): a few typed steps and three
+;;; atomic adds on the stripe of the connection, no generic call.
+
+(declaim (inline method-index status-class duration-bucket))
+(defun method-index (method)
+  "The index of METHOD (a request's method keyword, or NIL) in +COUNTED-METHODS+."
+  (case method
+    (:get 0) (:head 1) (:post 2) (:put 3) (:delete 4) (:patch 5) (:options 6)
+    (t 7)))
+
+(defun status-class (status)
+  "The class index of the status code STATUS: 0 for 1xx to 4 for 5xx.  A
+status out of that range counts as 5xx, as the native layer answers it 500."
+  (if (and (typep status 'fixnum) (<= 100 status 599))
+      (1- (floor status 100))
+      4))
+
+(defun duration-bucket (ms)
+  "The index of the bucket of a duration of MS milliseconds (see
++DURATION-BOUNDS-MS+)."
+  (declare (type fixnum ms) (optimize speed))
+  (let ((bounds (load-time-value (coerce +duration-bounds-ms+ '(simple-array fixnum (*))) t)))
+    (declare (type (simple-array fixnum (*)) bounds))
+    (dotimes (i (length bounds) (length bounds))
+      (when (<= ms (aref bounds i))
+        (return i)))))
+
+(declaim (inline count-answer-in))
+(defun count-answer-in (tally method status ms)
+  "Count in TALLY an answer with STATUS to a request of METHOD that took MS
+milliseconds."
+  (declare (type fixnum ms))
+  (let ((counts (tally-counts tally))
+        (ms (max 0 ms)))
+    (sb-ext:atomic-incf (aref counts (+ +answer-cells+
+                                        (* +status-classes+ (method-index method))
+                                        (status-class status))))
+    (sb-ext:atomic-incf (aref counts (+ +bucket-cells+ (duration-bucket ms))))
+    (sb-ext:atomic-incf (aref counts +duration-ms-cell+) ms)
+    nil))
+
+(defun engine-counts (engine)
+  "ENGINE's counts for the metrics, its stripes summed: a fresh simple vector
+indexed as a stripe's TALLY-COUNTS are."
+  (let ((sum (make-array +counts-end+ :initial-element 0)))
+    (loop for tally across (engine-tallies engine)
+          do (let ((counts (tally-counts tally)))
+               (loop for i from +answer-cells+ below +counts-end+
+                     do (incf (svref sum i) (aref counts i)))))
+    sum))
 
 (defconstant +max-log-line+ 8192
   "The most characters of one message Gallop writes to a log: a condition's

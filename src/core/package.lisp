@@ -48,7 +48,7 @@
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
-   #:engine #:make-engine #:engine-start #:engine-stop
+   #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p
    ;; TLS on the event loop (openssl.lisp)
    #:make-tls-context #:free-tls-context #:tls-context #:engine-tls #:connection-tls-p
    ;; application timers (timers.lisp)
@@ -58,6 +58,8 @@
    #:setting-default
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
    #:engine-running-p #:engine-pool #:engine-stats
+   ;; metrics (metrics.lisp): counted per answer, written in Prometheus' format
+   #:connection-count-answer #:engine-metrics #:+metrics-content-type+
    #:reason-phrase #:+response-100+
    #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
    #:timeout-line-due #:backtrace-due-p #:+backtraces-per-second+ #:+max-log-line+ #:cut-log-line

@@ -50,6 +50,8 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                 :read-timeout-ms (ms read-timeout)
                                 :write-timeout-ms (ms write-timeout)
                                 :handler-timeout-ms (if handler-timeout (ms handler-timeout) 0)
+                                :stop-timeout-ms (ms stop-timeout)
+                                :stop-idle-grace-ms (ms stop-idle-grace)
                                 :max-head-bytes max-head-bytes
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
@@ -88,10 +90,12 @@ every buffer grown for a long head; past it, such a connection gets 503."
 
 ;;; Start and stop
 
-(defun engine-start (engine &key listen-fd)
+(defun engine-start (engine &key listen-fd own-listener)
   "Start ENGINE's pool and housekeeper.  With LISTEN-FD, the housekeeper
 accepts on it (it is made non-blocking); without, the layer above accepts and
-calls ENGINE-ADOPT-FD."
+calls ENGINE-ADOPT-FD.  OWN-LISTENER: LISTEN-FD is the engine's to end, not
+shared with a supervisor that keeps it for the next process, so a soft stop
+empties its queue and shuts it (FINAL-ACCEPT)."
   (assert (eq (engine-state engine) :stopped))
   (let ((limit (raise-fd-limit)))
     (when (< limit 10000)
@@ -101,7 +105,12 @@ calls ENGINE-ADOPT-FD."
   (setf (engine-wheel engine) (make-wheel)
         (engine-housekeeper-epfd engine) (epoll-create)
         (engine-stop-fd engine) (make-eventfd)
-        (engine-listen-fd engine) (or listen-fd -1))
+        (engine-listen-fd engine) (or listen-fd -1)
+        (engine-own-listener engine) (and listen-fd own-listener t)
+        (engine-final-accept engine) nil
+        (engine-accepting-ended engine) nil
+        (engine-housekeeper-exit engine) nil
+        (engine-draining engine) nil)
   (epoll-ctl (engine-housekeeper-epfd engine) +epoll-ctl-add+ (engine-stop-fd engine)
              +epollin+ +stop-data+)
   ;; Edge-triggered: each signal wakes the housekeeper once, none is read.
@@ -155,19 +164,53 @@ before it interrupts the ones still running.")
                  (log-engine-error engine "Stopping: interrupting the handler of ~A" c)
                  (ignore-errors (interrupt-handler c thread serial nil))))))
 
+(defun stop-pending-count (engine)
+  "ENGINE's connections a soft stop waits for: those parked (idle, or with
+an answer to send or a request coming), served, or lingering after a last
+answer; not those a handler detached, nor the silent ones only the
+housekeeper watches."
+  (loop for c across (engine-table engine)
+        count (and c (member (connection-state c) '(:parked :active :dirty :draining)))))
+
+(defun end-housekeeper (engine)
+  "Let ENGINE's housekeeper go (it stopped accepting at the stop's start),
+and join it."
+  (setf (engine-housekeeper-exit engine) t)
+  (signal-eventfd (wheel-wake-fd (engine-wheel engine)))
+  (when (engine-housekeeper engine)
+    (sb-thread:join-thread (engine-housekeeper engine) :default nil)
+    (setf (engine-housekeeper engine) nil)))
+
+(defun engine-drain (engine)
+  "Mark ENGINE as draining: ENGINE-READY-P is false from now on while it
+still serves as before, so that a readiness check tells a load balancer to
+stop sending before a soft stop begins."
+  (setf (engine-draining engine) t)
+  engine)
+
+(defun engine-ready-p (engine)
+  "True while ENGINE runs and is not draining (ENGINE-DRAIN, or a stop)."
+  (and (engine-running-p engine) (not (engine-draining engine))))
+
 (defun engine-stop (engine &key soft)
   "Stop ENGINE: stop accepting, close idle connections, let in-flight requests
-finish (when SOFT: with those already sent on idle connections, answered
-with Connection: close) or cut their sockets (otherwise; handlers still running a
-second later are interrupted with HANDLER-TIMEOUT), and join every thread.
-Connections a handler detached are left to it.  The listen socket itself
-belongs to the caller, who closes it afterwards."
-  (when (eq (engine-state engine) :running)
-    (setf (engine-state engine) :stopping)
+finish or cut their sockets (handlers still running a second later are
+interrupted with HANDLER-TIMEOUT), and join every thread.  A SOFT stop first
+accepts what waits on a listen socket of its own (FINAL-ACCEPT), keeps idle
+keep-alive connections for STOP-IDLE-GRACE, answers every request that
+arrives meanwhile with Connection: close, and waits for requests in flight
+and for answers their clients are still reading: all within STOP-TIMEOUT,
+after which it cuts the rest as a hard stop does (so a stop can take that,
+the hard stop's second, and the workers' exits).  Connections a handler
+detached are left to it.  The listen socket itself belongs to the caller,
+who closes it afterwards."
+  ;; The state first: a thread that finds the engine draining finds its
+  ;; answers saying Connection: close.  One caller stops it.
+  (when (eq :running (sb-ext:compare-and-swap (engine-state engine) :running :stopping))
+    (setf (engine-draining engine) t
+          (engine-final-accept engine) (and soft (engine-own-listener engine))
+          (engine-housekeeper-exit engine) (not soft))
     (signal-eventfd (engine-stop-fd engine))
-    (when (engine-housekeeper engine)
-      (sb-thread:join-thread (engine-housekeeper engine) :default nil)
-      (setf (engine-housekeeper engine) nil))
     ;; Connections that switched protocols under their handler (a
     ;; WebSocket read in its handler's own loop) never end by themselves:
     ;; their clients see them closed, their handlers end.
@@ -175,26 +218,41 @@ belongs to the caller, who closes it afterwards."
           when (and c (member (connection-state c) '(:active :dirty))
                     (connection-switched-p c))
             do (shutdown-fd (connection-fd c) +shut-rdwr+))
-    (cond (soft
-           ;; A request that arrived on an idle connection just before the
-           ;; stop is served (with Connection: close) rather than cut off:
-           ;; close only the idle connections with nothing to read, until
-           ;; the others were served or the grace ran out.
-           (let ((end (+ (now-ms) +soft-stop-input-grace-ms+)))
-             (loop while (and (plusp (close-idle-connections engine :keep-readable t))
-                              (< (now-ms) end))
-                   do (sleep 0.005)))
-           (close-idle-connections engine)
-           (wait-for-in-flight engine))
-          (t
-           (close-idle-connections engine)
-           (loop for c across (engine-table engine)
-                 when (and c (member (connection-state c) '(:active :dirty)))
-                   do (shutdown-fd (connection-fd c) +shut-rdwr+))
-           ;; A handler that is not reading or writing (sleeping, computing,
-           ;; waiting on a database) didn't notice: interrupt it.
-           (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
-             (interrupt-running-handlers engine))))
+    (let* ((start (now-ms))
+           (deadline (+ start (if soft (engine-stop-timeout-ms engine) 0)))
+           (idle-end (min deadline (+ start (engine-stop-idle-grace-ms engine))))
+           (housekeeper (engine-housekeeper engine)))
+      (when soft
+        ;; What the housekeeper's last accept takes is served too.
+        (loop until (or (engine-accepting-ended engine)
+                        (null housekeeper)
+                        (not (sb-thread:thread-alive-p housekeeper)))
+              do (sleep 0.001))
+        ;; A keep-alive client may be sending its next request right now:
+        ;; closing its connection would cut that request off.  Keep the
+        ;; idle ones until IDLE-END; each request served meanwhile is
+        ;; answered with Connection: close, and its client goes elsewhere.
+        ;; Then close the idle ones, but serve those whose clients had
+        ;; already sent more, until nothing is left or the deadline.
+        (loop
+          (let ((now (now-ms)))
+            (when (>= now deadline) (return))
+            (when (>= now idle-end)
+              (close-idle-connections engine :keep-readable t :parked-only t))
+            (when (and (zerop (stop-pending-count engine))
+                       (zerop (engine-in-flight engine)))
+              (return))
+            (sleep 0.005))))
+      (end-housekeeper engine)
+      (close-idle-connections engine)
+      (unless (and soft (wait-for-in-flight engine (max 0 (- deadline (now-ms)))))
+        (loop for c across (engine-table engine)
+              when (and c (member (connection-state c) '(:active :dirty)))
+                do (shutdown-fd (connection-fd c) +shut-rdwr+))
+        ;; A handler that is not reading or writing (sleeping, computing,
+        ;; waiting on a database) didn't notice: interrupt it.
+        (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
+          (interrupt-running-handlers engine))))
     (pool-stop (engine-pool engine))
     ;; Timers still pending are dropped: their server is gone.
     (let ((timers (shiftf (pool-timers (engine-pool engine)) nil)))

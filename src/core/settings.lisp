@@ -84,6 +84,15 @@ send (Kestrel's MinRequestBodyDataRate and MinResponseDataRate); slower, it
 gets 408 or is closed.  NIL: no minimum.")
       (min-data-rate-grace 5
        "Seconds before MIN-DATA-RATE applies.")
+      (stop-timeout 20
+       "Seconds a soft stop may take: for requests in flight, for those clients
+had already sent, and for idle keep-alive connections' next requests.  Past
+it the rest are cut as a hard stop cuts them.")
+      (stop-idle-grace 1
+       "Seconds a soft stop keeps idle keep-alive connections open (within
+STOP-TIMEOUT), so that a request a client sends on one meanwhile is
+answered, with Connection: close, rather than met by a close.  Clients that
+send nothing are closed after it.")
       (max-queue-length 1024
        "The most accepted connections waiting for a worker (their whole request
 head sent, no worker free) before new ones get an immediate 503 with

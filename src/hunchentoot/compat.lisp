@@ -44,7 +44,8 @@
      "a deferred answer is written by Hunchentoot's own code" "defer.lisp")
     ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special
      "bound by the request loop, and again for a deferred answer" "request-loop.lisp, defer.lisp")
-    ("HUNCHENTOOT" "*HEADERS-SENT*" :special "the same; and for HANDLER-DONE" "defer.lisp, acceptor.lisp")
+    ("HUNCHENTOOT" "*HEADERS-SENT*" :special "the same; and for HANDLER-DONE"
+     "defer.lisp, acceptor.lisp, taskmaster.lisp")
     ("HUNCHENTOOT" "*FINISH-PROCESSING-SOCKET*" :special "the same"
      "request-loop.lisp, defer.lisp, acceptor.lisp")
     ("HUNCHENTOOT" "*CLOSE-HUNCHENTOOT-STREAM*" :special "the same" "request-loop.lisp, defer.lisp")
@@ -319,6 +320,10 @@ PROCESS-REQUEST catches it (a HEAD request's throws)."
 answer of its own)."
   (setf (symbol-value (find-symbol "*HEADERS-SENT*" '#:hunchentoot)) t))
 
+(defun hunchentoot-headers-sent-p ()
+  "True once the current request's head went out."
+  (symbol-value (find-symbol "*HEADERS-SENT*" '#:hunchentoot)))
+
 (defun hunchentoot-keep-alive-p ()
   "After START-OUTPUT: true when Hunchentoot decided to keep the connection."
   (not (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot))))
@@ -412,3 +417,12 @@ when the handler signals CONDITION, with BACKTRACE (a string, or NIL)."
 Hunchentoot's SET-TIMEOUTS to put a timeout."
   (sb-impl::%make-fd-stream :fd -1 :name "gallop: timeouts of a switched connection"))
 
+;;; Hunchentoot's STOP (both versions) connects to the listen socket to wake
+;;; its accepting thread, and logs an error when that fails.  A soft stop of
+;;; Gallop's has shut the socket by then (so that what its queue held was
+;;; served), and the connect is refused: that message, and only it, is not
+;;; passed on (ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).
+(defun wake-for-shutdown-message ()
+  "The format string of the message Hunchentoot logs when the wake-up
+connection of its STOP fails."
+  "Wake-for-shutdown connect failed: ~A")

@@ -80,12 +80,18 @@ connection wrapped by the acceptor itself (see the README)."
                 (hunchentoot:*reply* (deferred-reply deferred))
                 (hunchentoot:*session* (deferred-session deferred)))
             (with-hunchentoot-output-specials (c)
+              ;; Written while the server stops: the connection then ends,
+              ;; and the head says so.
+              (unless (gallop.core:engine-running-p (gallop.core:connection-engine c))
+                (setf (hunchentoot:header-out :connection) "Close"))
               (hunchentoot-start-output
                (hunchentoot:return-code*)
                (or content (hunchentoot:acceptor-status-message
                             hunchentoot:*acceptor* (hunchentoot:return-code*))))
               (finish-output c)
-              (setf keep-alive (hunchentoot-keep-alive-p)
+              (setf keep-alive (and (hunchentoot-keep-alive-p)
+                                    (not (connection-token-p
+                                          (hunchentoot:header-out :connection) "close")))
                     sent t)))
         (error (e)
           (if (client-abort-condition-p e)

@@ -205,7 +205,11 @@ number in decimal, anything else as PRINC writes it."
 Hunchentoot's own does, with the head written into the connection's buffer;
 else ORIGINAL, Hunchentoot's own."
   (if (not (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*)))
-      (apply original acceptor stream status-code args)
+      (progn
+        ;; Every answer on a Gallop connection is counted for the metrics.
+        (when (typep stream 'gallop.core:connection)
+          (gallop.core:connection-count-answer stream status-code))
+        (apply original acceptor stream status-code args))
       (let ((c stream))
         (when (and (= status-code 101) (not (gallop.core:connection-may-switch-p c)))
           ;; No thread for another switched connection (MAX-SWITCHED-
@@ -220,6 +224,7 @@ else ORIGINAL, Hunchentoot's own."
                                       (map 'octets #'char-code
                                            (format nil "503 Service Unavailable~%"))
                                       t))))
+        (gallop.core:connection-count-answer c status-code)
         ;; Hunchentoot's own steps, in its order:
         (when content
           (setf (hunchentoot:content-length*) (length content)))

@@ -15,5 +15,8 @@
             acceptor-reuse-port
             acceptor-activated-socket
             acceptor-streams-body-p
-            defer-request)
+            readiness
+            defer-request
+            metrics-handler
+            create-metrics-dispatcher)
           '#:gallop))

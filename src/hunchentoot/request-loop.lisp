@@ -14,7 +14,9 @@
 ;;;;  - the peer and local addresses are Hunchentoot's strings, made once a
 ;;;;    connection from what accept returned;
 ;;;;  - the loop notes when it ended because no further request was there
-;;;;    (*REQUESTS-ENDED*): the connection is then kept.
+;;;;    (*REQUESTS-ENDED*): the connection is then kept;
+;;;;  - it ends after an answer that said Connection: close, set by a
+;;;;    handler or by Gallop while it stops (Hunchentoot would read on).
 ;;;; The method is specialised on HUNCHENTOOT:ACCEPTOR, as Hunchentoot's is,
 ;;;; and on Gallop's CONNECTION-USOCKET (socket.lisp), which only Gallop
 ;;;; passes: so it is more specific than Hunchentoot's method and than none
@@ -76,29 +78,39 @@ makes it (an error when ACCEPTOR takes no chunked input)."
                      (unless method
                        (setf *requests-ended* t)
                        (return))
-                     (let ((hunchentoot:*reply*
-                             (make-instance (hunchentoot:acceptor-reply-class acceptor)))
-                           (hunchentoot:*session* nil))
-                       (setf %hunchentoot-stream (chunked-input acceptor %hunchentoot-stream headers))
-                       (call-counted-request
-                        acceptor
-                        (lambda ()
-                          (hunchentoot:process-request
-                           ;; What Hunchentoot's ACCEPTOR-MAKE-REQUEST makes.
-                           (make-instance (hunchentoot:acceptor-request-class acceptor)
-                                          :acceptor acceptor
-                                          :local-addr (first local) :local-port (second local)
-                                          :remote-addr (first remote) :remote-port (second remote)
-                                          :headers-in headers
-                                          :content-stream %hunchentoot-stream
-                                          :method method
-                                          :uri uri
-                                          :server-protocol protocol)))))
-                     (finish-output %hunchentoot-stream)
-                     (setf %hunchentoot-stream
-                           (hunchentoot:reset-connection-stream acceptor %hunchentoot-stream))
-                     (when %finish-processing-socket
-                       (return))))))
+                     (let ((closing
+                             (let ((hunchentoot:*reply*
+                                     (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+                                   (hunchentoot:*session* nil))
+                               (setf %hunchentoot-stream
+                                     (chunked-input acceptor %hunchentoot-stream headers))
+                               (call-counted-request
+                                acceptor
+                                (lambda ()
+                                  (hunchentoot:process-request
+                                   ;; What Hunchentoot's ACCEPTOR-MAKE-REQUEST makes.
+                                   (make-instance (hunchentoot:acceptor-request-class acceptor)
+                                                  :acceptor acceptor
+                                                  :local-addr (first local)
+                                                  :local-port (second local)
+                                                  :remote-addr (first remote)
+                                                  :remote-port (second remote)
+                                                  :headers-in headers
+                                                  :content-stream %hunchentoot-stream
+                                                  :method method
+                                                  :uri uri
+                                                  :server-protocol protocol))))
+                               (connection-token-p (hunchentoot:header-out :connection)
+                                                   "close"))))
+                       (finish-output %hunchentoot-stream)
+                       (setf %hunchentoot-stream
+                             (hunchentoot:reset-connection-stream acceptor %hunchentoot-stream))
+                       ;; An answer that said Connection: close ends the
+                       ;; connection (Hunchentoot would read on): the engine
+                       ;; keeps one whose answer promised keep-alive, even
+                       ;; when it began stopping meanwhile.
+                       (when (or %finish-processing-socket closing)
+                         (return)))))))
           (when %close-hunchentoot-stream
             (flet ((close-stream (stream)
                      ;; At the end of the requests: errors flushing or

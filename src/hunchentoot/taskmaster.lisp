@@ -211,7 +211,10 @@ first.  The default method says NIL.")
     (cond ((typep acceptor 'acceptor)
            (gallop.core:engine-start
             engine :listen-fd (gallop.core:listen-socket-fd
-                               (usocket:socket (acceptor-listen-usocket acceptor)))))
+                               (usocket:socket (acceptor-listen-usocket acceptor)))
+                   ;; A socket a supervisor passed is its to keep for the
+                   ;; next process, with the connections queued on it.
+                   :own-listener (null (slot-value acceptor 'passed-fd))))
           (t
            (gallop.core:engine-start engine)
            ;; Connections cost no thread here, so let the kernel queue bursts
@@ -224,6 +227,7 @@ first.  The default method says NIL.")
                  (hunchentoot:start-thread
                   tm (lambda () (hunchentoot:accept-connections acceptor))
                   :name (format nil "gallop-listener-~A" (hunchentoot:acceptor-port acceptor))))))
+    (note-running acceptor t)
     tm))
 
 (defmethod hunchentoot:handle-incoming-connection ((tm taskmaster) socket)
@@ -244,6 +248,7 @@ first.  The default method says NIL.")
                                                     :remote-port port))))))
 
 (defmethod hunchentoot:shutdown ((tm taskmaster))
+  (note-running (hunchentoot:taskmaster-acceptor tm) nil)
   (with-slots (listener engine) tm
     (when listener
       (bt:join-thread listener)
@@ -258,9 +263,42 @@ first.  The default method says NIL.")
 
 (defmethod hunchentoot:stop :before ((acceptor served-acceptor) &key soft)
   ;; SHUTDOWN is not told whether the stop is soft: note it for our taskmaster.
+  ;; A soft stop is Gallop's, here, before Hunchentoot's: it ends the listen
+  ;; socket without resetting what waits on it, and its wait for requests
+  ;; in progress is bounded by STOP-TIMEOUT (Hunchentoot's is not).
   (let ((tm (acceptor-gallop-taskmaster acceptor)))
     (when tm
-      (setf (taskmaster-soft-stop tm) soft))))
+      (setf (taskmaster-soft-stop tm) soft)
+      (let ((engine (taskmaster-engine tm)))
+        (when (and soft engine)
+          (note-running acceptor nil)
+          (gallop.core:engine-stop engine :soft t))))))
+
+(defun wake-for-shutdown-failure-p (acceptor format-string)
+  "True for the message Hunchentoot's STOP logs when its wake-up connection
+to the listen socket fails (WAKE-FOR-SHUTDOWN-MESSAGE), once Gallop's soft
+stop of ACCEPTOR stopped its engine."
+  (and (equal format-string (wake-for-shutdown-message))
+       (let ((engine (server-engine-of acceptor)))
+         (and engine (not (gallop.core:engine-running-p engine))))))
+
+(defmethod server-engine-of ((acceptor hunchentoot:acceptor))
+  (let ((tm (acceptor-gallop-taskmaster acceptor)))
+    (and tm (taskmaster-engine tm))))
+
+(defmethod stop-softly ((acceptor hunchentoot:acceptor))
+  (hunchentoot:stop acceptor :soft t))
+
+(defun readiness (&optional (acceptor hunchentoot:*acceptor*))
+  "The body of a Hunchentoot handler for a readiness URL: \"ready\" while
+ACCEPTOR (the one serving the request) is READY-P; otherwise the return code
+is set to 503 and it is \"draining\".
+  (hunchentoot:define-easy-handler (ready :uri \"/ready\") () (gallop:readiness))"
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:header-out :cache-control) "no-store")
+  (cond ((ready-p acceptor) "ready")
+        (t (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+)
+           "draining")))
 
 (defmethod hunchentoot:too-many-taskmaster-requests ((tm taskmaster) socket)
   (declare (ignore socket))
@@ -286,10 +324,13 @@ first.  The default method says NIL.")
     (if (null c)
         (call-next-method)
         (flet ((closing ()
-                 (when (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
+                 ;; Unless the head went out already (SEND-HEADERS): then
+                 ;; what it said holds.
+                 (when (and (not (hunchentoot-headers-sent-p))
+                            (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
                            ;; HUNCHENTOOT:STOP sets this before it stops us
                            (hunchentoot-shutdown-p acceptor)
-                           (gallop.core:connection-close-after-p c))
+                           (gallop.core:connection-close-after-p c)))
                    (setf (hunchentoot:header-out :connection) "Close"))))
           (handler-case (multiple-value-call
                             ;; Hunchentoot 1.2.38 reads three values here
@@ -364,7 +405,11 @@ does)."
   (flet ((bounded ()
            (handler-case (gallop.core:format-log-line format-string format-arguments)
              (error () (return-from hunchentoot:acceptor-log-message (call-next-method))))))
-    (cond ((null *connection*) (call-next-method))
+    (cond ((wake-for-shutdown-failure-p acceptor format-string)
+           ;; Gallop's soft stop shut the listen socket already: Hunchentoot's
+           ;; wake-up connection to it is refused, as it should be.
+           nil)
+          ((null *connection*) (call-next-method))
           ((some #'client-abort-condition-p format-arguments)
            (gallop.core:note-client-abort (gallop.core:connection-engine *connection*)))
           ((null (hunchentoot:acceptor-message-log-destination acceptor))

@@ -230,7 +230,9 @@ LF too: only header values are neutralised)."
 
 (defun %write-head (c status headers content-length chunked keep-alive http-1.0 ascii-body)
   "WRITE-HEAD with positional arguments, for RESPOND: once per request, where
-parsing keyword arguments cost more than some of the writing."
+parsing keyword arguments cost more than some of the writing.  Every answer
+of the native layer begins here, so it is counted here for the metrics."
+  (gallop.core:connection-count-answer c status)
   (let ((status-line (status-line status))
         (date-line (date-line)))
     (multiple-value-bind (size has-length)

@@ -398,12 +398,20 @@ the one on PORT (any, when PORT is 0), a string the one of that name
                                (gallop.core:setting-arguments))))
             (setf (server-engine server) engine)
             (gallop.core:engine-start engine
-                                      :listen-fd (sb-bsd-sockets:socket-file-descriptor socket))))
+                                      :listen-fd (sb-bsd-sockets:socket-file-descriptor socket)
+                                      :own-listener (not passed))))
+        (note-running server t)
         server))))
 
 (defun stop (server &key soft)
-  "Stop SERVER: stop accepting, close idle connections, let requests in flight
-finish when SOFT, join every thread, and free the port."
+  "Stop SERVER: stop accepting, close idle connections, join every thread,
+and free the port.  SOFT: a graceful stop, within the STOP-TIMEOUT setting
+\(then the rest is cut): the connections waiting on the listen socket are
+accepted and served before it is shut (unless a supervisor passed it: then
+they wait for the next process); idle keep-alive connections are kept for
+STOP-IDLE-GRACE; every request that arrives meanwhile is answered with
+Connection: close; requests in flight finish."
+  (note-running server nil)
   (when (server-engine server)
     (gallop.core:engine-stop (server-engine server) :soft soft)
     (setf (server-engine server) nil))

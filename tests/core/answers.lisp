@@ -386,11 +386,11 @@ its request is served too."
 ;;; answered, with Connection: close, and the connection then ends.
 
 (defun front-end-stopping-p (kind server)
-  (ecase kind
-    (:native (not (gallop.core:engine-running-p (gallop::server-engine server))))
-    ;; Hunchentoot's STOP first waits for the requests in progress, then
-    ;; stops the taskmaster: its shutdown flag is what is set at once.
-    (:easy (hunchentoot::acceptor-shutdown-p server))))
+  "True once SERVER's engine stops (for both front ends, a soft stop is the
+engine's, before Hunchentoot's own STOP sets its shutdown flag)."
+  (declare (ignore kind))
+  (let ((engine (gallop::server-engine-of server)))
+    (or (null engine) (not (gallop.core:engine-running-p engine)))))
 
 (defun check-soft-stop (kind)
   (with-globals ((*wire-entered* (sb-thread:make-semaphore))

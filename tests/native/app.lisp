@@ -465,10 +465,13 @@ drop-in names are exported too, each with its definition."
                          (read-from-string output t nil :start (+ at (length "EXPORTS=")))))))))
     (let ((native (exports "gallop/native"))
           (full (exports "gallop")))
-      (is (equal '("ACCEPT-WEBSOCKET" "AFTER" "CANCEL-TIMER" "ENV-SOCKET" "HANDLER-TIMEOUT"
-                   "SERVER" "SERVER-ADDRESS" "SERVER-POOL" "SERVER-PORT" "SOCKET-CLOSE"
+      (is (equal '("ACCEPT-WEBSOCKET" "AFTER" "CANCEL-TIMER" "DRAIN" "ENV-SOCKET"
+                   "HANDLER-TIMEOUT" "METRICS-APP" "METRICS-TEXT" "READINESS-RESPONSE"
+                   "READY-P" "RUNNING-SERVERS" "SERVER" "SERVER-ADDRESS" "SERVER-POOL"
+                   "SERVER-PORT" "SOCKET-CLOSE"
                    "SOCKET-CLOSE-CALLBACK" "SOCKET-PENDING" "SOCKET-READ-CALLBACK"
-                   "SOCKET-WRITE" "START" "STATS" "STOP" "WEBSOCKET" "WEBSOCKET-REQUEST-P"
+                   "SOCKET-WRITE" "START" "STATS" "STOP" "STOP-ALL-SOFTLY" "STOP-ON-SIGTERM"
+                   "WEBSOCKET" "WEBSOCKET-REQUEST-P"
                    "WS-CLOSE" "WS-ENV" "WS-PENDING" "WS-PING" "WS-PROTOCOL" "WS-SEND"
                    "WS-USER-DATA")
                  (mapcar #'first native)))

@@ -318,7 +318,9 @@ then the connection must close after the answer."
                           request) c
     (incf in-start head-left)
     (setf head-left 0
-          (conn-slot c rate-start) 0)
+          (conn-slot c rate-start) 0
+          ;; For the metrics: what C reads next is not this request.
+          (request-begun request) 0)
     (release-request-fields request)
     (when (conn-slot c spool)
       ;; The engine read the whole body: what the handler left of it goes.

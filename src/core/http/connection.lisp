@@ -273,7 +273,8 @@ read requests from and write responses to."))
       (synth-done . request-synth-done) (synth-octet . request-synth-octet)
       (framing-broken . request-framing-broken) (message . request-message)
       (spool . request-spool) (gathering . request-gathering) (progress . request-progress)
-      (rate-start . request-rate-start) (rate-octets . request-rate-octets))
+      (rate-start . request-rate-start) (rate-octets . request-rate-octets)
+      (begun . request-begun) (answered . request-answered))
     "The names CONN-SLOT reads in the connection's REQUEST record (request.lisp)
 rather than in the connection itself: the request being served, not the
 transport, so that code reading a request's state names it the same way."))
@@ -355,6 +356,46 @@ it serves (see *REQUEST-FIELDS*)."
 (defmethod print-object ((c connection) stream)
   (print-unreadable-object (c stream :type t :identity t)
     (format stream "fd ~D ~(~A~)" (connection-fd c) (connection-state c))))
+
+;;; The metrics' counts (engine.lisp, TALLY-COUNTS), in C's stripe.
+
+(declaim (inline tally-add))
+(defun tally-add (c cell n)
+  "Add N to CELL of the counts of C's stripe (+BYTES-IN-CELL+ ...)."
+  (declare (type fixnum n))
+  (sb-ext:atomic-incf (aref (tally-counts (the tally (connection-tally c))) cell) n))
+
+(defun connection-count-answer (c status)
+  "Called by a layer above where it begins the answer STATUS to the request
+C serves, once per request, and by the engine for its own answers: count it
+for the metrics, by the request's method (\"other\" before its head was
+checked) and STATUS's class, and its duration, from the head being checked
+\(else from the first octet of a head still partial, else 0) to now.
+Interim answers (100 Continue) are not counted; a 101 is.
+  Both ends of a duration are read on the coarse clock (NOW-MS), which
+moves a kernel tick (1 to 10 ms) at a time and costs a fraction of a
+precise read: a request begun and answered within one tick reads 0 ms, and
+so falls in the first bucket (up to 1 ms); one that spans a tick's end
+reads a tick or more, whatever it took."
+  (let* ((request (conn-slot c request))
+         (begun (request-begun request))
+         (since (if (plusp begun) begun (or (conn-slot c head-started) 0))))
+    (declare (type fixnum begun since))
+    (setf (request-answered request) t)
+    (count-answer-in (connection-tally c)
+                     (and (plusp begun) (request-method request))
+                     status
+                     (if (plusp since) (- (the fixnum (now-ms)) since) 0))))
+
+(defun count-refusal (c response)
+  "Count RESPONSE, one of the engine's own answers (its status line at the
+start), sent to the request C was reading, unless an answer to it was
+counted already."
+  (declare (type octets response))
+  (unless (and (plusp (conn-slot c begun)) (conn-slot c answered))
+    (connection-count-answer c (+ (* 100 (- (aref response 9) 48))
+                                  (* 10 (- (aref response 10) 48))
+                                  (- (aref response 11) 48)))))
 
 (defun connection-local-address (c)
   (with-connection-slots (local-address local-port fd) c
@@ -638,35 +679,54 @@ as it compacts them, which on average would buy it minutes."
 ;;; three, which answer as recv(2), send(2) and sendfile(2) do (a count, 0 at
 ;;; the end of the stream, or -1 and an errno), so everything above them is
 ;;; the same on both.  (A draining connection is read raw: what it sends is
-;;; discarded, TLS or not.)
+;;; discarded, TLS or not.)  They count the octets read and sent for the
+;;; metrics (TALLY-ADD), as does the one send that bypasses them, a raw
+;;; connection's blocking send (SEND-ALL).  On the engine's TLS they are the
+;;; plaintext's octets (OpenSSL reads and writes the socket itself); through
+;;; a TLS library above the engine, the raw connection's, its TLS records.
 
 (declaim (inline connection-recv connection-send))
 (defun connection-recv (c buffer start end)
   "Read into BUFFER[START,END) from C without waiting (see above).  On TLS,
 the handshake moves on first; a count short of END-START means the socket
 is drained, as on a plain socket."
-  (if (zerop (the fixnum (conn-slot c tls)))
-      (read-into (conn-slot c fd) buffer start end)
-      (tls-recv c buffer start end)))
+  (multiple-value-bind (n errno)
+      (if (zerop (the fixnum (conn-slot c tls)))
+          (read-into (conn-slot c fd) buffer start end)
+          (tls-recv c buffer start end))
+    (declare (type fixnum n))
+    (when (plusp n)
+      (tally-add c +bytes-in-cell+ n))
+    (values n errno)))
 
 (defun connection-send (c buffer start end)
   "Send BUFFER[START,END) on C without waiting (see above).  On TLS, what
 returned EAGAIN must be sent again with the same octets first."
-  (if (zerop (the fixnum (conn-slot c tls)))
-      (send-from (conn-slot c fd) buffer start end)
-      (tls-send c buffer start end)))
+  (multiple-value-bind (n errno)
+      (if (zerop (the fixnum (conn-slot c tls)))
+          (send-from (conn-slot c fd) buffer start end)
+          (tls-send c buffer start end))
+    (declare (type fixnum n))
+    (when (plusp n)
+      (tally-add c +bytes-out-cell+ n))
+    (values n errno)))
 
 (defun connection-send-file-chunk (c file-fd offset count)
   "Send up to COUNT bytes of the file open on FILE-FD from OFFSET on C
 without waiting (see above).  TLS reads the file into a buffer first, and on
 EAGAIN reads the same octets again the next time."
-  (cond ((zerop (the fixnum (conn-slot c tls)))
-         (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024))))
-        ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
-        (t (let ((scratch (acquire-buffer)))
-             (multiple-value-prog1 (multiple-value-call #'tls-outcome c
-                                     (ssl-send-file (connection-ssl c) file-fd offset count scratch))
-               (release-buffer scratch))))))
+  (multiple-value-bind (n errno)
+      (cond ((zerop (the fixnum (conn-slot c tls)))
+             (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024))))
+            ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
+            (t (let ((scratch (acquire-buffer)))
+                 (multiple-value-prog1 (multiple-value-call #'tls-outcome c
+                                         (ssl-send-file (connection-ssl c) file-fd offset count scratch))
+                   (release-buffer scratch)))))
+    (declare (type fixnum n))
+    (when (plusp n)
+      (tally-add c +bytes-out-cell+ n))
+    (values n errno)))
 
 (defun connection-ssl (c)
   "The address of C's SSL object, made now if it is not yet (the first read
@@ -714,7 +774,8 @@ timeout): a handshake message is a few KiB, which a fresh socket takes."
                   (return (tls-outcome c -1 +econnreset+)))
                 (return (tls-outcome c n errno))))
           (ecase (ssl-handshake address)
-            (:done (setf (conn-slot c tls-phase) :open))
+            (:done (setf (conn-slot c tls-phase) :open)
+             (tally-add c +tls-handshakes-cell+ 1))
             (:want-read
              ;; The handshake counts as part of the first request's head:
              ;; the header timeout bounds both (see PARK).
@@ -1067,7 +1128,8 @@ was queued.  On a RAW connection, blocks until all is sent."
       (let ((timeout (engine-write-timeout-ms engine)))
         (loop while (< start end)
               do (multiple-value-bind (n errno) (send-from fd buffer start end)
-                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n)
+                          (tally-add c +bytes-out-cell+ n))
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))

@@ -314,8 +314,11 @@ gets 413."
 
 (defun check-head (c)
   "Check the complete request head buffered in connection C (PARSE-HEAD, into
-C's request record).  Returns the status that refuses it, or NIL."
+C's request record).  Returns the status that refuses it, or NIL.  The
+request begins here for the metrics (BEGUN, see CONNECTION-COUNT-ANSWER)."
   (with-connection-slots (inbuf in-start scan engine request) c
+    (setf (request-begun request) (now-ms)
+          (request-answered request) nil)
     (%parse-head inbuf in-start scan request
                  (engine-methods engine) (engine-max-body-bytes engine))))
 

@@ -45,12 +45,15 @@ read yet (SSL_pending)."
           (conn-slot c cipher) cipher
           (conn-slot c pending) pending
           (conn-slot c fresh) nil)
+    ;; SOURCE is made once the library's handshake is done.
+    (tally-add c +tls-handshakes-cell+ 1)
     c))
 
 (defun answer-through-source (c response)
   "Answer the refused request on C with RESPONSE (one of the engine's own
 answers) and make C end after it."
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
+  (count-refusal c response)
   (ignore-errors (send-to-source c response 0 (length response)))
   (setf (conn-slot c close-after) t)
   nil)

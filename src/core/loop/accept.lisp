@@ -29,20 +29,21 @@ are not work\")."
            (max 0 (- (pool-max-threads pool) (pool-thread-count pool)))))))
 
 (defun engine-adopt-fd (engine fd &key remote-address remote-port close-hook user-data
-                                    (nonblocking nil))
+                                    (nonblocking nil) late)
   "Take a freshly accepted socket FD into ENGINE: it waits in epoll until its
 first request head is complete (in its group's set; or, while no worker is
 free and it has sent nothing, in the housekeeper's: WATCH-SILENT).
 CLOSE-HOOK, if given, is called to release the fd instead of close(2).
-Returns the connection, or NIL if it was refused (engine not running, fd
-beyond the table)."
+LATE: FD was accepted by a soft stop's FINAL-ACCEPT, and is served although
+the engine is stopping.  Returns the connection, or NIL if it was refused
+\(engine not running, fd beyond the table)."
   (unless nonblocking (set-nonblocking fd))
   (when (minusp (engine-listen-fd engine))
     ;; Accepted by the layer above: sockets accepted from the engine's own
     ;; listen socket inherit this from it (ENGINE-START).
     (set-notsent-lowat fd +kernel-unsent-bytes+))
   (let ((table (engine-table engine)))
-    (when (or (not (engine-running-p engine)) (>= fd (length table)))
+    (when (or (not (or (engine-running-p engine) late)) (>= fd (length table)))
       (if close-hook (funcall close-hook) (close-fd fd))
       (return-from engine-adopt-fd nil))
     (let ((c (make-connection engine fd :remote-address remote-address
@@ -56,6 +57,9 @@ beyond the table)."
                  (hand-to-workers c :claim))
                 ((minusp (engine-housekeeper-epfd engine))
                  (hand-to-workers c :pending))
+                (late
+                 ;; The housekeeper is ending: nobody would watch C for it.
+                 (hand-to-workers c (and (eq (peek-fresh c) :complete) :pending)))
                 (t
                  ;; No worker is free: is its request here?
                  (ecase (peek-fresh c)
@@ -123,14 +127,15 @@ octets and their accept were ordered."
               (setf (connection-state c) :active)
               (close-connection c)))))))
 
-(defun engine-shed-fd (engine fd &key close-hook)
+(defun engine-shed-fd (engine fd &key close-hook late)
   "Answer the fresh socket FD with 503 and Retry-After, without a worker, and
-close it after the client has read the answer."
+close it after the client has read the answer.  Once ENGINE stopped running
+\(unless LATE, see ENGINE-ADOPT-FD) FD is only closed: nothing would watch it."
   (set-nonblocking fd)
   (sb-ext:atomic-incf (engine-shed engine))
   (sb-ext:atomic-incf (engine-accepted engine))
   (let ((table (engine-table engine)))
-    (if (>= fd (length table))
+    (if (or (>= fd (length table)) (not (or late (engine-running-p engine))))
         (if close-hook (funcall close-hook) (close-fd fd))
         (let ((c (make-connection engine fd :close-hook close-hook)))
           (setf (conn-slot c fresh) nil
@@ -139,16 +144,22 @@ close it after the client has read the answer."
           (reject-connection c (response-503 engine) :registered nil)))))
 
 
-(defun accept-pending (engine)
-  "Accept every connection waiting on the listen socket."
+(defun accept-pending (engine &key late)
+  "Accept the connections waiting on the listen socket, at most 512.  Returns
+:DRAINED when none is left, :PAUSED when out of fds (see below).  LATE: see
+ENGINE-ADOPT-FD."
   (loop repeat 512
+        ;; A stop began: what waits is left to the final accept, or to the
+        ;; next process on a passed socket.
+        until (not (or late (engine-running-p engine)))
         do (multiple-value-bind (fd address-or-errno port) (accept-connection (engine-listen-fd engine))
              (cond ((>= fd 0)
                     (if (engine-overloaded-p engine)
-                        (engine-shed-fd engine fd)
+                        (engine-shed-fd engine fd :late late)
                         (engine-adopt-fd engine fd :remote-address address-or-errno
-                                                   :remote-port port :nonblocking t)))
-                   ((= address-or-errno +eagain+) (return))
+                                                   :remote-port port :nonblocking t
+                                                   :late late)))
+                   ((= address-or-errno +eagain+) (return :drained))
                    ((member address-or-errno (list +emfile+ +enfile+))
                     ;; Out of fds: stop accepting until the next tick (some may be free by then).
                     (let ((now (now-ms)))
@@ -160,3 +171,18 @@ close it after the client has read the answer."
                                (engine-listen-fd engine) 0 0)
                     (return :paused))
                    (t (return))))))
+
+(defun final-accept (engine)
+  "A soft stop's end of the engine's own listen socket, in the housekeeper:
+accept every connection in its queue, to be served (with Connection: close),
+then shut it.  Shut, a listening socket leaves its SO_REUSEPORT group, so
+the kernel sends new connections to the other sockets on its port (or
+refuses them) instead of queueing them here for a close that would reset
+them.  One arriving between the last accept and the shutdown is still reset,
+unless net.ipv4.tcp_migrate_req moves it (doc/design.md, \"A soft stop
+empties its own listen socket\")."
+  (let ((fd (engine-listen-fd engine)))
+    (when (>= fd 0)
+      (loop repeat 100
+            until (member (accept-pending engine :late t) '(:drained :paused)))
+      (shutdown-fd fd +shut-rd+))))

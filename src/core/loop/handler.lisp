@@ -53,6 +53,7 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
   (when (and (zerop (the fixnum (conn-slot c sent))) (not (engine-raw-p engine)))
     (setf (conn-slot c out-fill) 0)
     (let ((response (response-503 engine)))
+      (count-refusal c response)
       ;; After what is queued (an interim 100 Continue), never before it.
       (ignore-errors (send-all c response 0 (length response) :reference)))))
 
@@ -66,7 +67,7 @@ STORAGE-CONDITION, not an ERROR) is logged and closes C: it must never reach
 the worker's thread, where it would kill the process or park the thread in
 the debugger.  A handler cut short by its deadline closes C too, after a 503
 if it had not answered.  Returns :PARK (C may be parked: SERVE-CONNECTION
-still checks that the engine runs and the request ended cleanly), :CLOSE,
+still checks that the request ended cleanly), :CLOSE,
 :DETACHED or :SUSPENDED."
   (with-connection-slots (boundary stream-closed head-started sent interrupted) c
     (setf boundary nil stream-closed nil head-started nil

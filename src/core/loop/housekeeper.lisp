@@ -134,13 +134,14 @@ memory back\")."
             (engine-trim-ms engine) now)
       (%malloc-trim 0))))
 
-(defun close-idle-connections (engine &key keep-readable)
+(defun close-idle-connections (engine &key keep-readable parked-only)
   "Close every parked and draining connection; with KEEP-READABLE, leave the
 parked ones whose client already sent more (in the socket, or buffered
-and waiting its turn), for a worker to serve, and those whose client is
-still reading an answer.  Returns
-how many parked connections were left.  Used by ENGINE-STOP, once the
-housekeeper has exited."
+and waiting its turn) or is sending a request, for a worker to serve, and
+those whose client is still reading an answer.  Returns how many parked
+connections were left.  Used by ENGINE-STOP: with PARKED-ONLY while the
+housekeeper runs (the waiting and draining connections are its own), and
+without once it has exited."
   (let ((left 0))
     (loop for c across (engine-table engine)
           when c
@@ -151,21 +152,23 @@ housekeeper has exited."
                                (conn-slot c suspended) ; a request still to be answered
                                (conn-slot c waiting-turn) ; a request it sent, not served yet
                                (conn-slot c gathering) ; a request whose body is arriving
+                               (conn-slot c head-started) ; a request whose head is arriving
                                (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)
                       (when (eq (sb-ext:compare-and-swap (%conn-slot c state) :parked :active)
                                 :parked)
                         (close-connection c))))
                  (:waiting
-                  (if (and keep-readable (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
-                      (progn (wake-silent c) (incf left))
-                      (close-connection c)))
-                 (:draining (close-connection c))))
+                  (cond (parked-only)
+                        ((and keep-readable
+                              (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0)))
+                         (wake-silent c)
+                         (incf left))
+                        (t (close-connection c))))
+                 (:draining
+                  (unless parked-only
+                    (close-connection c)))))
     left))
-
-(defconstant +soft-stop-input-grace-ms+ 1000
-  "How long a soft stop keeps serving requests that clients had already sent
-on idle keep-alive connections when it began.")
 
 (defconstant +rest-tick-ms+ 1000
   "The housekeeper's tick while its wheel holds no connection (resting, see
@@ -187,7 +190,20 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
              (dotimes (i n)
                (let ((data (event-data events i)))
                  (cond ((= data +stop-data+)
-                        (return-from housekeeper-loop))
+                        ;; A stop began: accepting ends here (after a final
+                        ;; accept of the engine's own socket, in a soft
+                        ;; stop); the rest goes on until HOUSEKEEPER-EXIT.
+                        ;; STOP-FD stays readable for others: out of the set.
+                        (epoll-ctl epfd +epoll-ctl-del+ (engine-stop-fd engine) 0 0)
+                        (unless (engine-accepting-ended engine)
+                          (when (>= (engine-listen-fd engine) 0)
+                            (unless accept-paused ; then not in the set
+                              (epoll-ctl epfd +epoll-ctl-del+ (engine-listen-fd engine) 0 0))
+                            (setf accept-paused nil)
+                            (when (engine-final-accept engine)
+                              (handler-case (final-accept engine)
+                                (error (e) (log-engine-error engine "Final accept: ~A" e)))))
+                          (setf (engine-accepting-ended engine) t)))
                        ((= data +keeper-wake-data+))  ; WHEEL-SCHEDULE ended the rest
                        ((= data +timer-data+)
                         (handler-case
@@ -196,7 +212,8 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
                                            (lambda (thunk) (pool-submit pool thunk))))
                           (error (e) (log-engine-error engine "Timer error: ~A" e))))
                        ((= data +listen-data+)
-                        (when (eq (accept-pending engine) :paused)
+                        (when (and (not (engine-accepting-ended engine))
+                                   (eq (accept-pending engine) :paused))
                           (setf accept-paused t)))
                        (t (connection-event engine data)))))
              (let ((now (now-ms)))
@@ -209,14 +226,16 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
                    (error (e) (log-engine-error engine "Timer error: ~A" e)))
                  (handler-case (trim-malloc engine now)
                    (error (e) (log-engine-error engine "malloc_trim: ~A" e)))
-                 (when accept-paused
+                 (when (and accept-paused (not (engine-accepting-ended engine)))
                    (setf accept-paused nil)
                    (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
                               +epollin+ +listen-data+))
                  ;; No connection's deadline to look at: rest (once a
                  ;; second) until a push wakes this thread.
                  (unless (wheel-resting wheel)
-                   (wheel-rest wheel))))))
+                   (wheel-rest wheel))))
+             (when (engine-housekeeper-exit engine)
+               (return-from housekeeper-loop))))
       ;; No wake-ups once this thread is gone (ENGINE-STOP closes WAKE-FD).
       (setf (wheel-resting wheel) nil)
       (free-event-buffer events))))

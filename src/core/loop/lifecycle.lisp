@@ -196,6 +196,7 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
     ;; (On TLS, nothing before the handshake is done: no answer can be read
     ;; then.  After the answer, close_notify.)
     (when (and response (not (tls-handshaking-p c)))
+      (count-refusal c response)
       (connection-send c response 0 (length response)))
     (end-tls c)
     (shutdown-fd fd +shut-wr+)

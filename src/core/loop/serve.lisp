@@ -123,8 +123,11 @@ buffered (pipelining) waits its turn behind other ready connections
                (when (conn-slot c upgrade)
                  ;; It switched protocols (upgrade.lisp).
                  (return (serve-upgraded c)))
-               (unless (and (engine-running-p engine) (not (conn-slot c close-after))
-                            (finish-message c))
+               ;; The answer promised keep-alive, so C is kept even if the
+               ;; engine began stopping meanwhile: a close now would meet
+               ;; the client's next request.  A soft stop answers that one
+               ;; with Connection: close; any stop closes C if idle.
+               (unless (and (not (conn-slot c close-after)) (finish-message c))
                  (return (close-after-answer c)))
                (when (conn-slot c unsent)
                  ;; The client has not read this answer yet: no further

@@ -54,6 +54,7 @@ thread; both work already while the handler runs."
       ;; Its sends push on the mailbox until the handler returned.
       (setf (upgrade-reader u) sb-thread:*current-thread*
             (conn-slot c upgrade) u)
+      (connection-count-answer c 101)
       u)))
 
 (defun connection-set-upgraded-idle-timeout (c seconds)

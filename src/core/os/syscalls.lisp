@@ -54,6 +54,7 @@
 (defconstant +msg-nosignal+ #x4000)
 (defconstant +msg-peek+ #x2)
 (defconstant +msg-dontwait+ #x40)
+(defconstant +shut-rd+ 0)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
 (defconstant +pollin+ #x001)

@@ -1,0 +1,235 @@
+;;;; stop.lisp -- a soft stop drops nothing: what waits on the listen socket
+;;;; is served before the socket is shut, requests on idle keep-alive
+;;;; connections are answered with Connection: close, the readiness URL
+;;;; fails while it drains, and STOP-TIMEOUT bounds it; on both front ends.
+
+(in-package #:gallop-tests)
+
+(in-suite production)
+
+(defvar *stop-gate* nil "A semaphore /stop-block waits on (at most 120 s).")
+(defvar *stop-entered* nil "A semaphore /stop-block signals when it starts.")
+
+(defun stop-block ()
+  (when *stop-entered* (sb-thread:signal-semaphore *stop-entered*))
+  (when *stop-gate* (sb-thread:wait-on-semaphore *stop-gate* :timeout 120)))
+
+(defparameter *stop-big-body* (make-string (* 1024 1024) :initial-element #\x)
+  "What /stop-big answers: more than the socket takes at once.")
+
+(defun stop-native-app (env)
+  (let ((path (getf env :path-info)))
+    (cond ((string= path "/ready") (gallop:readiness-response env))
+          ((string= path "/stop-big")
+           (stop-block)
+           (list 200 '(:content-type "text/plain") (list *stop-big-body*)))
+          ((string= path "/stop-block") (stop-block) '(200 (:content-type "text/plain") ("Hey!")))
+          (t '(200 (:content-type "text/plain") ("Hey!"))))))
+
+(hunchentoot:define-easy-handler (handle-stop-ready :uri "/ready") ()
+  (gallop:readiness))
+
+(hunchentoot:define-easy-handler (handle-stop-big :uri "/stop-big") ()
+  (stop-block)
+  (setf (hunchentoot:content-type*) "text/plain")
+  *stop-big-body*)
+
+(hunchentoot:define-easy-handler (handle-stop-block :uri "/stop-block") ()
+  (stop-block)
+  (setf (hunchentoot:content-type*) "text/plain")
+  "Hey!")
+
+(defun start-stop-server (kind port &rest settings &key reuse-port &allow-other-keys)
+  "Front end KIND (:NATIVE, :EASY) on 127.0.0.1:PORT (0: any) with SETTINGS
+\(GALLOP:START's keywords, GALLOP:TASKMASTER's initargs), and REUSE-PORT."
+  (let ((settings (loop for (key value) on settings by #'cddr
+                        unless (eq key :reuse-port) append (list key value))))
+    (ecase kind
+      (:native (apply #'gallop:start #'stop-native-app :address "127.0.0.1" :port port
+                                                       :log (message-log-destination)
+                                                       :reuse-port reuse-port settings))
+      ;; MAKE-SERVER's own :PORT 0 comes after, and so loses.
+      (:easy (hunchentoot:start
+              (make-server 'gallop:easy-acceptor
+                           :port port :reuse-port reuse-port
+                           :taskmaster (apply #'make-instance 'gallop:taskmaster settings)))))))
+
+(defun stop-server (kind server &key soft)
+  (ecase kind
+    (:native (gallop:stop server :soft soft))
+    (:easy (when (hunchentoot:started-p server) (hunchentoot:stop server :soft soft)))))
+
+(defun server-port-of (kind server)
+  (ecase kind
+    (:native (gallop:server-port server))
+    (:easy (port-of server))))
+
+(defun pause-accepting (server)
+  "Take SERVER's listen socket out of its housekeeper's epoll set: connections
+wait in the socket's queue, as they do while the housekeeper is busy."
+  (let ((engine (gallop::server-engine-of server)))
+    (gallop.core::epoll-ctl (gallop.core::engine-housekeeper-epfd engine)
+                            gallop.core::+epoll-ctl-del+
+                            (gallop.core::engine-listen-fd engine) 0 0)))
+
+(defun soft-stop-in-thread (kind server)
+  (sb-thread:make-thread (lambda () (stop-server kind server :soft t)) :name "soft stop"))
+
+(defun joined-p (thread &key (timeout 60))
+  "True when THREAD ended within TIMEOUT seconds (a bound no correct stop
+comes near: a stop that waits for a grace it should have left hangs)."
+  (not (eq :timeout (sb-thread:join-thread thread :default :timeout :timeout timeout))))
+
+(test a-soft-stop-serves-what-waits-on-its-listen-socket
+  "Two servers share a port (:REUSE-PORT).  One stops accepting, and 16
+clients connect and send a request: those the kernel gave to its queue wait
+there.  Its soft stop accepts and answers them (with Connection: close)
+before it shuts the socket, where closing it would reset them; afterwards
+the kernel gives every new connection to the other server."
+  (dolist (kind '(:native :easy))
+    (let* ((a (start-stop-server kind 0 :reuse-port t))
+           (port (server-port-of kind a))
+           (b (start-stop-server kind port :reuse-port t))
+           (clients '()))
+      (unwind-protect
+           (progn
+             (pause-accepting a)
+             (dotimes (i 16)
+               (let ((client (connect port)))
+                 (push client clients)
+                 (send client (crlf "GET /yo HTTP/1.1" "Host: x"))))
+             (let ((stopper (soft-stop-in-thread kind a))
+                   (closing 0))
+               (dolist (client clients)
+                 (let ((answer (read-wire-or-error client)))
+                   (is (exact-answer-p answer "Hey!") "~(~A~): ~A" kind answer)
+                   (when (and (wire-response-p answer)
+                              (equalp "close" (wire-header answer "Connection")))
+                     (incf closing))))
+               (is (joined-p stopper) "~(~A~): the soft stop ended" kind)
+               ;; 16 clients all sent to the other server: once in 65,536.
+               (is (plusp closing) "~(~A~): the stopped server answered none" kind))
+             (let ((answers (spread-over port 16)))
+               (is (every (lambda (answer) (exact-answer-p answer "Hey!")) answers)
+                   "~(~A~) after the stop: ~S" kind
+                   (find-if-not (lambda (answer) (exact-answer-p answer "Hey!")) answers))))
+        (mapc #'usocket:socket-close clients)
+        (stop-server kind b)
+        (stop-server kind a)))))
+
+(test a-soft-stop-answers-idle-connections-with-connection-close
+  "During a soft stop, idle keep-alive connections stay open (here, for a
+grace longer than the test): a request sent on one is answered, with
+Connection: close, then the connection ends; the readiness URL answers 503
+from the start of the stop, and new connections are refused.  The stop
+ends once no connection is left, not at the end of the grace."
+  (dolist (kind '(:native :easy))
+    (let* ((server (start-stop-server kind 0 :stop-idle-grace 600))
+           (port (server-port-of kind server))
+           (ready (connect port))
+           (yo (connect port))
+           (stopper nil))
+      (unwind-protect
+           (progn
+             (send ready (crlf "GET /ready HTTP/1.1" "Host: x"))
+             (let ((answer (read-wire-or-error ready)))
+               (is (exact-answer-p answer "ready") "~(~A~) running: ~A" kind answer))
+             (send yo (crlf "GET /yo HTTP/1.1" "Host: x"))
+             (is (exact-answer-p (read-wire-or-error yo) "Hey!"))
+             (setf stopper (soft-stop-in-thread kind server))
+             (is (wait-until (lambda ()
+                               (let ((engine (gallop::server-engine-of server)))
+                                 (or (null engine)
+                                     (gallop.core::engine-accepting-ended engine))))
+                             :timeout 30)
+                 "~(~A~): accepting ended" kind)
+             (is (not (gallop:ready-p server)))
+             (send ready (crlf "GET /ready HTTP/1.1" "Host: x"))
+             (let ((answer (read-wire-or-error ready :close t)))
+               (is (and (wire-response-p answer)
+                        (= 503 (wire-status answer))
+                        (string= "draining" (wire-body-string answer))
+                        (equalp "close" (wire-header answer "Connection")))
+                   "~(~A~) draining: ~A" kind answer))
+             (send yo (crlf "GET /yo HTTP/1.1" "Host: x"))
+             (let ((answer (read-wire-or-error yo :close t)))
+               (is (and (exact-answer-p answer "Hey!")
+                        (equalp "close" (wire-header answer "Connection")))
+                   "~(~A~) the request on an idle connection: ~A" kind answer))
+             (is (null (ignore-errors (usocket:socket-close (connect port)) t))
+                 "~(~A~): a new connection was accepted" kind)
+             (is (joined-p stopper) "~(~A~): the soft stop ended" kind))
+        (usocket:socket-close ready)
+        (usocket:socket-close yo)
+        (when (and stopper (sb-thread:thread-alive-p stopper))
+          (sb-thread:join-thread stopper :default nil))
+        (stop-server kind server)))))
+
+(test a-soft-stop-cuts-what-outlasts-its-stop-timeout
+  "A handler that would run for two minutes does not hold a soft stop past
+STOP-TIMEOUT (1 s here): its connection is cut and its handler interrupted."
+  (dolist (kind '(:native :easy))
+    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
+                   (*stop-entered* (sb-thread:make-semaphore)))
+      (let* ((server (start-stop-server kind 0 :stop-timeout 1))
+             (port (server-port-of kind server))
+             (client (connect port :timeout 60)))
+        (unwind-protect
+             (progn
+               (send client (crlf "GET /stop-block HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+               (let ((stopper (soft-stop-in-thread kind server))
+                     (start (get-internal-real-time)))
+                 (is (joined-p stopper) "~(~A~): the soft stop ended" kind)
+                 ;; Ten times the timeout, and half the default one: a stop
+                 ;; that ignored it would take 20 s.
+                 (is (< (- (get-internal-real-time) start)
+                        (* 10 internal-time-units-per-second))
+                     "~(~A~): the soft stop took ~,1F s" kind
+                     (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
+               (let ((answer (read-wire-or-error client)))
+                 (is (not (wire-response-p answer)) "~(~A~): ~A" kind answer)))
+          (sb-thread:signal-semaphore *stop-gate* 10)
+          (usocket:socket-close client)
+          (stop-server kind server))))))
+
+(test a-soft-stop-waits-for-a-slow-reader-of-a-late-answer
+  "A handler still running when the idle grace ends answers 1 MiB to a client
+that reads nothing yet: the soft stop waits for the client to read it all
+\(within STOP-TIMEOUT) rather than closing the connection under it."
+  (dolist (kind '(:native :easy))
+    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
+                   (*stop-entered* (sb-thread:make-semaphore)))
+      (let* ((server (start-stop-server kind 0 :stop-idle-grace 0.05))
+             (port (server-port-of kind server))
+             (client (connect port :timeout 60))
+             (stopper nil))
+        (unwind-protect
+             (progn
+               (send client (crlf "GET /stop-big HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+               (setf stopper (soft-stop-in-thread kind server))
+               ;; Past the grace (a bound, not a wait for an event: the
+               ;; stop must not end while the handler runs, whenever it
+               ;; returns).
+               (sleep 0.5)
+               (sb-thread:signal-semaphore *stop-gate*)
+               (is (wait-until (lambda ()
+                                 (let ((engine (gallop::server-engine-of server)))
+                                   (and engine
+                                        (zerop (gallop.core::engine-in-flight engine)))))
+                               :timeout 30))
+               (sleep 0.2)
+               (let ((answer (read-wire-or-error client :close t)))
+                 (is (and (wire-response-p answer)
+                          (= 200 (wire-status answer))
+                          (= (length *stop-big-body*) (length (wire-body answer))))
+                     "~(~A~): ~A" kind (if (wire-response-p answer)
+                                           (length (wire-body answer))
+                                           answer)))
+               (is (joined-p stopper) "~(~A~): the soft stop ended" kind))
+          (sb-thread:signal-semaphore *stop-gate* 10)
+          (usocket:socket-close client)
+          (when (and stopper (sb-thread:thread-alive-p stopper))
+            (sb-thread:join-thread stopper :default nil))
+          (stop-server kind server))))))
