@@ -4,7 +4,8 @@
 # does to throughput on a machine whose speed moves from run to run.
 #
 #   [DURATION=3] [REPS=8] [CONNS_LIST="100 400"] [SLEEP_MS=0] [KIND=native] \
-#     [SETUP=shared] [HOG=1] [POST_BYTES=N] [CLOSE=1] bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
+#     [SETUP=shared] [HOG=1] [POST_BYTES=N] [CLOSE=1] [ENV_A=..] [ENV_B=..] \
+#     bench/checkouts-ab.sh CHECKOUT-A [CHECKOUT-B]
 #
 # Two bench/server.lisp servers of KIND (native: gallop:start; gallop: the
 # easy-acceptor; gallop-tm), A from CHECKOUT-A and B from CHECKOUT-B (default:
@@ -23,7 +24,10 @@
 # the shared setup only).  POST_BYTES=N: every request POSTs an N-octet
 # form body (a=b&a=b...), keep-alive, to the servers' /upload (which reads
 # it) and to nginx's /yo (which discards it).  CLOSE=1: every request asks
-# Connection: close (a connection per request, as make bench's close rows).  Ports 19001-19003.  Needs wrk and nginx
+# Connection: close (a connection per request, as make bench's close rows).
+# ENV_A, ENV_B: VAR=VALUE words set in the environment of server A or B
+# only (bench/server.lisp's settings), to compare one checkout with itself
+# under two settings.  Ports 19001-19003.  Needs wrk and nginx
 # (scripts/deps.sh wrk nginx-light).
 set -u
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,10 +51,12 @@ if [ "${HOG:-0}" = 1 ]; then
 fi
 PORTS=(19001 19002 19003); NAMES=(A B nginx)
 i=0
+ENVS=("${ENV_A:-}" "${ENV_B:-}")
 for checkout in "$A" "$B"; do
   rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
   # Standard input is a FIFO this script holds: the server exits with it.
-  (cd "$checkout" && exec "${PIN[@]}" scripts/lisp.sh --load bench/server.lisp \
+  # shellcheck disable=SC2086 # ENV_A and ENV_B are words
+  (cd "$checkout" && exec env ${ENVS[$i]} "${PIN[@]}" scripts/lisp.sh --load bench/server.lisp \
      --end-toplevel-options "$KIND" "${PORTS[$i]}" "$SL" < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
   KIDS+=($!); i=$((i + 1))
 done
@@ -69,6 +75,7 @@ MASTER=$(cat "$TMP/nginx/nginx.pid")
 PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")
 echo "A: $A ($(git -C "$A" rev-parse --short HEAD 2>/dev/null))"
 echo "B: $B ($(git -C "$B" rev-parse --short HEAD 2>/dev/null))"
+[ -z "${ENV_A:-}${ENV_B:-}" ] || echo "ENV_A: ${ENV_A:-}  ENV_B: ${ENV_B:-}"
 echo "KIND=$KIND SLEEP_MS=$SL SETUP=${SETUP:-shared} HOG=${HOG:-0}: ${WRK[*]} -cN -d${DUR}s"
 hz=$(getconf CLK_TCK)
 PATHS=(/yo /yo /yo); WRK_S=()

@@ -43,6 +43,8 @@
 ;;;; BENCH_REUSE_PORT=1 (native and gallop) binds with :REUSE-PORT, so that
 ;;;; several of these processes serve one port (tests/stress/restart.lisp).
 ;;;; Gallop's kinds stop gracefully on SIGTERM (GALLOP:STOP-ON-SIGTERM).
+;;;; BENCH_ACCESS_LOG=PATH (native) writes the access log to PATH, in the
+;;;; Combined Log Format, or in JSON lines with BENCH_ACCESS_LOG_FORMAT=json.
 ;;;; BENCH_GALLOP_OPTIONS, a property list, adds any other Gallop settings
 ;;;; (experiments: "(:max-thread-count 2 :standby-thread-count 2)").
 ;;;; GALLOP_EPOLL_SETS sets the number of epoll sets (worker groups) of
@@ -379,6 +381,13 @@ alike, then BENCH_GALLOP_OPTIONS."
                                :address "127.0.0.1" :port *port* :log *message-log*
                                :reuse-port *reuse-port*
                                (append (gallop-options) (native-timeout-args)
+                                       (let ((path (uiop:getenv "BENCH_ACCESS_LOG")))
+                                         (and path (plusp (length path))
+                                              (list :access-log path
+                                                    :access-log-format
+                                                    (if (equal (uiop:getenv "BENCH_ACCESS_LOG_FORMAT")
+                                                               "json")
+                                                        :json :combined))))
                                        (and *tls* (list :ssl-certificate-file (first *tls*)
                                                         :ssl-privatekey-file (second *tls*))))))
                   (funcall (find-symbol "START" "HUNCHENTOOT") *acceptor*))

@@ -28,6 +28,8 @@
    ;; both front ends: readiness, draining, a graceful stop on SIGTERM
    #:ready-p #:drain #:readiness-response #:running-servers #:stop-all-softly
    #:stop-on-sigterm
+   ;; native app API: the access log's files opened again (logrotate)
+   #:reopen-access-logs #:reopen-logs-on-sighup
    ;; both front ends: a thunk run on a worker later, with no thread waiting
    #:after
    #:cancel-timer

@@ -163,7 +163,8 @@ its user data."
   "The environment property list of the request C serves, built from its
 record (GALLOP.CORE:REQUEST, read once by the core, never scanned again
 here), and whether the client wants the connection kept alive, and whether
-it is HTTP/1.0, and whether it expects 100-continue."
+it is HTTP/1.0, and whether it expects 100-continue, and its User-Agent and
+Referer (or NIL)."
   (let ((buffer (gallop.core:connection-head c)))
     (declare (type octets buffer))
     (let* ((r (gallop.core:connection-request c))
@@ -177,7 +178,9 @@ it is HTTP/1.0, and whether it expects 100-continue."
            (headers (make-hash-table :test 'equal))
            (fields 0)                   ; put in HEADERS so far
            (content-type nil)
-           (host nil))
+           (host nil)
+           (agent nil)                  ; for the access log, without a lookup
+           (referer nil))
       (declare (type fixnum target-start target-end query-start fields))
       ;; header fields: lower-case names; repeated fields joined with ", "
       (gallop.core:do-request-fields (name-start name-end value-start value-end) r
@@ -196,7 +199,11 @@ it is HTTP/1.0, and whether it expects 100-continue."
           (cond ((eq name (load-time-value (common-header-name "host") t))
                  (setf host joined))
                 ((eq name (load-time-value (common-header-name "content-type") t))
-                 (setf content-type joined)))))
+                 (setf content-type joined))
+                ((eq name (load-time-value (common-header-name "user-agent") t))
+                 (setf agent joined))
+                ((eq name (load-time-value (common-header-name "referer") t))
+                 (setf referer joined)))))
       (let* ((keep-alive (and (gallop.core:request-keep-alive r)
                               (not (gallop.core:connection-close-after-p c))))
              (env (list :request-method (gallop.core:request-method r)
@@ -216,4 +223,5 @@ it is HTTP/1.0, and whether it expects 100-continue."
                         :headers headers
                         :clack.streaming t
                         :gallop.connection c)))
-        (values env keep-alive http-1.0 (gallop.core:request-expect-continue r))))))
+        (values env keep-alive http-1.0 (gallop.core:request-expect-continue r)
+                agent referer)))))

@@ -31,39 +31,50 @@
          (status (if (integerp status) status 500))
          (keep-alive (and (exchange-keep-alive ex)
                           (accepting-p (exchange-server ex))
-                          (not (connection-token-p (header-value headers :connection) "close")))))
+                          (not (connection-token-p (header-value headers :connection) "close"))))
+         (log (server-access-log (exchange-server ex)))
+         (sent 0))
+    (declare (type fixnum sent))
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t)
-    (cond
-      ((or (pathnamep body) (and (consp body) (eq (car body) :file)))
-       (let ((path (if (pathnamep body) body (second body))))
-         (with-open-file (file path :element-type '(unsigned-byte 8))
-           (let ((size (file-length file)))
-             (write-head c status headers :content-length size :keep-alive keep-alive
-                                          :http-1.0 (exchange-http-1.0 ex))
-             (unless (exchange-head-p ex)
-               (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
-      ((and (consp body) (null (cdr body)) (simple-ascii-string-p (car body)))
-       ;; The common case, one ASCII string: no UTF-8 encoding, no copy.
-       (let ((string (car body))
-             (no-body (no-body-status-p status)))
-         (%write-head c status headers (unless no-body (length string)) nil
-                      keep-alive (exchange-http-1.0 ex)
-                      (unless (or no-body (exchange-head-p ex)) string))))
-      (t
-       (let* ((chunks (cond ((null body) '())
-                            ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
-                            ((listp body) (mapcar #'body-octets body))
-                            (t (list (body-octets body)))))
-              (length (loop for chunk in chunks sum (length (the octets chunk)))))
-         (write-head c status headers
-                     :content-length (unless (no-body-status-p status) length)
-                     :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
-         (unless (or (exchange-head-p ex) (no-body-status-p status))
-           ;; The body is the app's to give up (README): what the client does
-           ;; not read at once waits as it is, not copied.
-           (dolist (chunk chunks)
-             (gallop.core:connection-write-octets c chunk 0 (length chunk) :reference))))))
+    ;; The access log's line, whether or not the client took the answer.
+    (unwind-protect
+         (cond
+           ((or (pathnamep body) (and (consp body) (eq (car body) :file)))
+            (let ((path (if (pathnamep body) body (second body))))
+              (with-open-file (file path :element-type '(unsigned-byte 8))
+                (let ((size (file-length file)))
+                  (write-head c status headers :content-length size :keep-alive keep-alive
+                                               :http-1.0 (exchange-http-1.0 ex))
+                  (unless (exchange-head-p ex)
+                    (setf sent size)
+                    (gallop.core:connection-send-file c (sb-sys:fd-stream-fd file) 0 size))))))
+           ((and (consp body) (null (cdr body)) (simple-ascii-string-p (car body)))
+            ;; The common case, one ASCII string: no UTF-8 encoding, no copy.
+            (let ((string (car body))
+                  (no-body (no-body-status-p status)))
+              (unless (or no-body (exchange-head-p ex))
+                (setf sent (length string)))
+              (%write-head c status headers (unless no-body (length string)) nil
+                           keep-alive (exchange-http-1.0 ex)
+                           (unless (or no-body (exchange-head-p ex)) string))))
+           (t
+            (let* ((chunks (cond ((null body) '())
+                                 ((and (consp body) (null (cdr body))) (list (body-octets (car body))))
+                                 ((listp body) (mapcar #'body-octets body))
+                                 (t (list (body-octets body)))))
+                   (length (loop for chunk in chunks sum (length (the octets chunk)))))
+              (write-head c status headers
+                          :content-length (unless (no-body-status-p status) length)
+                          :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
+              (unless (or (exchange-head-p ex) (no-body-status-p status))
+                (setf sent length)
+                ;; The body is the app's to give up (README): what the client does
+                ;; not read at once waits as it is, not copied.
+                (dolist (chunk chunks)
+                  (gallop.core:connection-write-octets c chunk 0 (length chunk) :reference))))))
+      (when log
+        (log-access log ex status sent)))
     (gallop.core:connection-flush c)))
 
 (defun complete (ex)
@@ -151,6 +162,11 @@ is finished, or failed), finish it; else give the connection back."
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t
           (exchange-streaming ex) t)
+    (let ((log (server-access-log (exchange-server ex))))
+      (when log
+        (log-access log ex status
+                    (cond ((or (exchange-head-p ex) (no-body-status-p status)) 0)
+                          (length (ignore-errors (parse-integer length)))))))
     (flet ((send (write last)
              ;; Call WRITE (it writes on C) with C claimed (CLAIM), then
              ;; finish the response when LAST or when it failed.
@@ -263,7 +279,8 @@ threads can share it.")
   "The engine's handler: build the environment, read the body, run the app,
 write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
 :SUSPENDED, see GALLOP.CORE:MAKE-ENGINE)."
-  (multiple-value-bind (env keep-alive http-1.0 expect-continue) (make-env server c)
+  (multiple-value-bind (env keep-alive http-1.0 expect-continue agent referer)
+      (make-env server c)
     (let ((ex (make-exchange c server keep-alive http-1.0
                              (eq (gallop.core:request-method (gallop.core:connection-request c))
                                  :head))))
@@ -276,6 +293,10 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
                                      *empty-body*)
                        :clack.io ex     ; the connection as a socket (socket.lisp)
                        env))
+      (when (server-access-log server)
+        (setf (exchange-env ex) env
+              (exchange-agent ex) agent
+              (exchange-referer ex) referer))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
                           (internal-error server ex e)
@@ -343,7 +364,7 @@ string: dotted for IPv4, eight groups of hex digits for IPv6."
 
 (gallop.core:define-settings-function start (app)
     ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*)
-     reuse-port (activated-socket t)
+     reuse-port (activated-socket t) access-log (access-log-format :combined)
      ssl-certificate-file ssl-privatekey-file ssl-privatekey-password)
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
@@ -368,7 +389,10 @@ process listening sockets (systemd's socket activation: LISTEN_FDS), the
 server serves on one of them instead of binding, and ADDRESS, PORT, BACKLOG
 and REUSE-PORT are the supervisor's: ACTIVATED-SOCKET T (the default) takes
 the one on PORT (any, when PORT is 0), a string the one of that name
-\(LISTEN_FDNAMES, an error if it is missing), NIL never takes one."
+\(LISTEN_FDNAMES, an error if it is missing), NIL never takes one.
+ACCESS-LOG, a file (appended to) or a stream, gets a line per answer in
+ACCESS-LOG-FORMAT: :COMBINED (nginx's and Apache's) or :JSON (one object
+a line); see access-log.lisp."
   (check-type app function)
   (let ((tls (and ssl-certificate-file
                   (gallop.core:make-tls-context :certificate-file ssl-certificate-file
@@ -400,6 +424,8 @@ the one on PORT (any, when PORT is 0), a string the one of that name
             (gallop.core:engine-start engine
                                       :listen-fd (sb-bsd-sockets:socket-file-descriptor socket)
                                       :own-listener (not passed))))
+        (when access-log
+          (setf (server-access-log server) (open-access-log access-log access-log-format)))
         (note-running server t)
         server))))
 
@@ -419,6 +445,8 @@ Connection: close; requests in flight finish."
     (close-listen-socket (shiftf (server-socket server) nil)))
   (when (server-tls server)
     (gallop.core:free-tls-context (shiftf (server-tls server) nil)))
+  (when (server-access-log server)
+    (close-access-log (shiftf (server-access-log server) nil)))
   server)
 
 ;;; Timers

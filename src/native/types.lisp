@@ -20,6 +20,7 @@
   (url-scheme "http" :type string)
   (debug nil)
   (log nil)
+  (access-log nil)                      ; an ACCESS-LOG (access-log.lisp), or NIL
   (host-memo nil))                      ; the last Host read, see HOST-VALUE (request.lisp)
 
 (defmethod print-object ((server server) stream)
@@ -69,6 +70,10 @@ with the count of those not logged since the last."
   (state :open :type (member :open :responding :done :suspended)) ; see CLAIM, server.lisp
   (responded nil)
   (streaming nil)
+  ;; For the access log only: the environment, User-Agent and Referer.
+  (env nil)
+  (agent nil)
+  (referer nil)
   ;; Once the app took the connection as a socket (socket.lisp):
   (read-callback nil)
   (close-callback nil)

@@ -1,0 +1,350 @@
+;;;; access-log.lisp -- the native API's access log: one line per answer, in
+;;;; the Combined Log Format nginx and Apache write, or as JSON lines, to a
+;;;; file or a stream (GALLOP:START's :ACCESS-LOG).
+;;;;
+;;;; Off the request path: a worker makes its line (octets, escaped so that
+;;;; a client can neither break a line nor forge one) and pushes it onto the
+;;;; log's queue with one compare-and-swap, no lock.  The log's own thread
+;;;; takes the whole queue every +FLUSH-INTERVAL+ (sooner once +WAKE-BYTES+
+;;;; wait) and writes it with one write(2) (O_APPEND: lines of several
+;;;; processes on one file never mix).  A disk that cannot keep up costs at
+;;;; most +MAX-QUEUED-BYTES+: past it lines are dropped, and counted.  A
+;;;; file is opened again by its name on GALLOP:REOPEN-ACCESS-LOGS (or
+;;;; SIGHUP, GALLOP:REOPEN-LOGS-ON-SIGHUP), for logrotate.
+
+(in-package #:gallop)
+
+(defconstant +flush-interval+ 0.1
+  "Seconds between the writer's passes over a quiet queue.")
+
+(defconstant +wake-bytes+ (* 256 1024)
+  "Octets queued that wake the writer before its interval.")
+
+(defconstant +max-queued-bytes+ (* 32 1024 1024)
+  "Octets queued past which lines are dropped (counted in ACCESS-LOG-DROPPED).")
+
+(defstruct (access-log (:constructor %make-access-log (destination format)) (:copier nil))
+  (destination nil)              ; a pathname (a file, appended to) or a stream
+  ;; The writer's own: what one pass writes, copied together (grown as needed).
+  (buffer (make-array 0 :element-type '(unsigned-byte 8))
+   :type (simple-array (unsigned-byte 8) (*)))
+  (format :combined :type (member :combined :json))
+  (fd -1 :type fixnum)           ; the file's, while open
+  (queue '())                    ; (octets . length) entries, newest first
+  (queued-bytes 0 :type sb-ext:word)
+  (dropped 0 :type sb-ext:word)
+  (reopen nil)
+  (stop nil)
+  (wake (sb-thread:make-semaphore :name "gallop access log"))
+  (thread nil))
+
+(defmethod print-object ((log access-log) stream)
+  (print-unreadable-object (log stream :type t)
+    (format stream "~A" (access-log-destination log))))
+
+(defvar *access-logs* '() "Open access logs, for GALLOP:REOPEN-ACCESS-LOGS.")
+(defvar *access-logs-lock* (sb-thread:make-mutex :name "gallop access logs"))
+
+;;; Writing
+
+(defun open-log-file (path)
+  "An fd appending to PATH (made if missing, mode 0640 before the umask)."
+  (let ((fd (sb-unix:unix-open (namestring (merge-pathnames path))
+                               (logior sb-unix:o_wronly sb-unix:o_creat sb-unix:o_append
+                                       #o2000000) ; O_CLOEXEC
+                               #o640)))
+    (unless fd
+      (error "Cannot open the access log ~A." path))
+    fd))
+
+(defun write-all (fd octets end)
+  "write(2) OCTETS[0,END) to FD, all of it (retrying a short write); NIL on
+an error."
+  (let ((start 0))
+    (loop while (< start end)
+          do (multiple-value-bind (n errno)
+                 (sb-sys:with-pinned-objects (octets)
+                   (sb-unix:unix-write fd octets start (- end start)))
+               (cond (n (incf start n))
+                     ((= errno sb-unix:eintr))
+                     (t (return-from write-all nil)))))
+    t))
+
+(defun take-queue (log)
+  "The lines queued on LOG, oldest first, and their octets; the queue is
+left empty."
+  (let ((entries (loop for old = (access-log-queue log)
+                       until (eq old (sb-ext:compare-and-swap (access-log-queue log) old '()))
+                       finally (return old))))
+    (let ((total (loop for entry in entries sum (the fixnum (cdr entry)))))
+      (sb-ext:atomic-decf (access-log-queued-bytes log) total)
+      (values (nreverse entries) total))))
+
+(defun flush-access-log (log)
+  "Write what LOG's queue holds (in its thread, or at its end)."
+  (multiple-value-bind (entries total) (take-queue log)
+    (when entries
+      (when (< (length (access-log-buffer log)) total)
+        (setf (access-log-buffer log)
+              (make-array (max total (* 2 (length (access-log-buffer log))))
+                          :element-type '(unsigned-byte 8))))
+      (let ((octets (access-log-buffer log))
+            (at 0))
+        (declare (type fixnum at))
+        (loop for (line . length) in entries
+              do (replace octets (the (simple-array (unsigned-byte 8) (*)) line) :start1 at :end2 length)
+                 (incf at length))
+        (let ((destination (access-log-destination log)))
+          (if (streamp destination)
+              (ignore-errors
+               (if (subtypep (stream-element-type destination) 'character)
+                   (write-string (sb-ext:octets-to-string octets :external-format :latin-1
+                                                                 :end total)
+                                 destination)
+                   (write-sequence octets destination :end total))
+               (finish-output destination))
+              (when (>= (access-log-fd log) 0)
+                (write-all (access-log-fd log) octets total))))))))
+
+(defun access-log-loop (log)
+  (loop
+    (sb-thread:wait-on-semaphore (access-log-wake log) :timeout +flush-interval+)
+    (when (and (access-log-reopen log) (not (streamp (access-log-destination log))))
+      (setf (access-log-reopen log) nil)
+      ;; The new file first: a line is never lost between the two.
+      (let ((fd (ignore-errors (open-log-file (access-log-destination log)))))
+        (when fd
+          (sb-unix:unix-close (shiftf (access-log-fd log) fd)))))
+    (flush-access-log log)
+    (when (access-log-stop log)
+      (flush-access-log log)
+      (return))))
+
+(defun open-access-log (destination format)
+  "An access log writing lines of FORMAT (:COMBINED or :JSON) to DESTINATION
+\(a pathname or namestring: a file, appended to; or a stream), with its
+writer thread running."
+  (check-type format (member :combined :json))
+  (let ((log (%make-access-log (if (stringp destination) (pathname destination) destination)
+                               format)))
+    (unless (streamp destination)
+      (setf (access-log-fd log) (open-log-file destination)))
+    (setf (access-log-thread log)
+          (sb-thread:make-thread #'access-log-loop :name "gallop access log" :arguments (list log)))
+    (sb-thread:with-mutex (*access-logs-lock*)
+      (push log *access-logs*))
+    log))
+
+(defun close-access-log (log)
+  "Write what LOG holds, end its thread, and close its file."
+  (sb-thread:with-mutex (*access-logs-lock*)
+    (setf *access-logs* (remove log *access-logs*)))
+  (setf (access-log-stop log) t)
+  (sb-thread:signal-semaphore (access-log-wake log))
+  (sb-thread:join-thread (access-log-thread log) :default nil)
+  (when (>= (access-log-fd log) 0)
+    (sb-unix:unix-close (shiftf (access-log-fd log) -1)))
+  log)
+
+(defun reopen-access-logs ()
+  "Open every access log file again by its name, at once (for logrotate, after
+it moved the files: lines written before go to the moved file, later ones to
+the new)."
+  (dolist (log (sb-thread:with-mutex (*access-logs-lock*) (copy-list *access-logs*)))
+    (setf (access-log-reopen log) t)
+    (sb-thread:signal-semaphore (access-log-wake log)))
+  (values))
+
+(defun reopen-logs-on-sighup ()
+  "Make SIGHUP (logrotate's postrotate: kill -HUP) call
+GALLOP:REOPEN-ACCESS-LOGS.  SBCL's default on SIGHUP is to exit."
+  (sb-sys:enable-interrupt sb-unix:sighup
+                           (lambda (signal info context)
+                             (declare (ignore signal info context))
+                             (reopen-access-logs)))
+  (values))
+
+;;; Making a line
+
+(defvar *log-second* (cons -1 nil)
+  "The last second a line was made in, and its two time stamps (CLF's and
+ISO 8601's) as octets: made once a second, replaced whole.")
+
+(defun log-time-stamps ()
+  "This second's CLF and ISO 8601 time stamps (UTC), as octets."
+  (let ((now (get-universal-time))
+        (cached *log-second*))
+    (if (= now (car cached))
+        (values (cadr cached) (cddr cached))
+        (multiple-value-bind (s m h day month year) (decode-universal-time now 0)
+          (let ((clf (map '(simple-array (unsigned-byte 8) (*)) #'char-code
+                          (format nil "~2,'0D/~A/~D:~2,'0D:~2,'0D:~2,'0D +0000"
+                                  day (svref #("Jan" "Feb" "Mar" "Apr" "May" "Jun" "Jul"
+                                               "Aug" "Sep" "Oct" "Nov" "Dec")
+                                             (1- month))
+                                  year h m s)))
+                (iso (map '(simple-array (unsigned-byte 8) (*)) #'char-code
+                          (format nil "~D-~2,'0D-~2,'0DT~2,'0D:~2,'0D:~2,'0DZ"
+                                  year month day h m s))))
+            (setf *log-second* (cons now (cons clf iso)))
+            (values clf iso))))))
+
+(defun ascii-octets (string)
+  (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
+
+(defmacro with-line-writer ((put put-octets put-text put-escaped) buffer &body body)
+  "BODY with LINE, the octet vector BUFFER (long enough: the caller made sure
+of it), and local functions that append to it: PUT an octet, PUT-OCTETS an
+octet vector, PUT-TEXT a string as it is (ASCII), PUT-ESCAPED a string
+escaped for STYLE :CLF or :JSON.  Returns the line and its length."
+  `(let ((line ,buffer)
+         (at 0))
+     (declare (type (simple-array (unsigned-byte 8) (*)) line) (type fixnum at)
+              ;; No bounds checks: BUFFER is as long as LOG-ACCESS-LINE's
+              ;; bound, every part of the line counted at its longest.
+              (optimize speed (safety 0)))
+     (labels ((,put (octet)
+                (declare (type (unsigned-byte 8) octet))
+                (setf (aref line at) octet)
+                (incf at))
+              (,put-octets (octets)
+                ;; A loop: REPLACE's call costs more than these few octets.
+                (declare (type (simple-array (unsigned-byte 8) (*)) octets))
+                (loop for octet across octets do (,put octet)))
+              (hex (digits code)
+                (declare (type simple-string digits) (type (unsigned-byte 8) code))
+                (,put (char-code (schar digits (ldb (byte 4 4) code))))
+                (,put (char-code (schar digits (ldb (byte 4 0) code)))))
+              (put-code (code style)
+                (declare (type fixnum code))
+                (cond ((and (<= 32 code 126) (/= code 34) (/= code 92))
+                       (,put code))
+                      ((eq style :json)
+                       (if (or (= code 34) (= code 92))
+                           (progn (,put 92) (,put code))
+                           ;; \u00XX: the octet (heads are read as Latin-1)
+                           (progn (,put 92) (,put 117) (,put 48) (,put 48)
+                                  (hex "0123456789abcdef" (logand code 255)))))
+                      (t
+                       ;; nginx's escape=default: \xHH
+                       (,put 92) (,put 120)
+                       (hex "0123456789ABCDEF" (logand code 255)))))
+              (,put-text (string)
+                (typecase string
+                  ((simple-array character (*))
+                   (loop for char across string do (,put (logand 255 (char-code char)))))
+                  (simple-base-string
+                   (loop for char across string do (,put (char-code char))))
+                  (t (loop for char across (the string string)
+                           do (,put (logand 255 (char-code char)))))))
+              (,put-escaped (string style)
+                (typecase string
+                  ((simple-array character (*))
+                   (loop for char across string do (put-code (char-code char) style)))
+                  (simple-base-string
+                   (loop for char across string do (put-code (char-code char) style)))
+                  (t (loop for char across (the string string)
+                           do (put-code (char-code char) style))))))
+       (declare (inline ,put ,put-octets hex put-code)
+                (ignorable #',put-octets #',put-text #',put-escaped))
+       ,@body
+       (values line at))))
+
+(defmacro text-octets (string)
+  "STRING (a literal, ASCII) as octets, made once."
+  `(load-time-value (ascii-octets ,string) t))
+
+(declaim (inline escaped-size))
+(defun escaped-size (string)
+  "The most octets STRING may take escaped (six a character)."
+  (* 6 (length (the string string))))
+
+(defun name-octets (symbol)
+  "SYMBOL's name as octets, kept on its property list: a method or protocol
+keyword (a token of the request line: nothing in it is escaped)."
+  (or (get symbol 'log-octets)
+      (setf (get symbol 'log-octets)
+            (map '(simple-array (unsigned-byte 8) (*)) (lambda (c) (logand 255 (char-code c)))
+                 (symbol-name symbol)))))
+
+(defun log-access (log ex status bytes)
+  "Queue LOG's line for the answer STATUS, BYTES octets of body (NIL: not
+known, a streamed answer), to the request of the exchange EX."
+  (declare (optimize speed))
+  (when (>= (access-log-queued-bytes log) +max-queued-bytes+)
+    (sb-ext:atomic-incf (access-log-dropped log))
+    (return-from log-access))
+  (let (address method uri protocol)
+    ;; One walk down the environment, not one GETF a key.
+    (loop for (key value) on (exchange-env ex) by #'cddr
+          do (case key
+               (:remote-addr (setf address value))
+               (:request-method (setf method value))
+               (:request-uri (setf uri value))
+               (:server-protocol (setf protocol value))))
+    (log-access-line log address method uri protocol
+                     (or (exchange-agent ex) "") (or (exchange-referer ex) "")
+                     status bytes)))
+
+(defun log-access-line (log address method uri protocol agent referer status bytes)
+  (declare (optimize speed))
+  (let* ((method (name-octets method))
+         (protocol (name-octets protocol))
+         (status (if (typep status '(integer 0 999)) status 500))
+         (bytes (and (typep bytes '(integer 0 #.most-positive-fixnum)) bytes))
+         ;; The fixed parts (a JSON line's names, the time, the status and
+         ;; a fixnum of octets: 153 octets) and every variable part escaped.
+         (size (+ 256 (escaped-size referer) (escaped-size agent) (escaped-size uri)
+                  (escaped-size address) (length method) (length protocol))))
+    (declare (type fixnum size))
+    (multiple-value-bind (clf iso) (log-time-stamps)
+      (flet ((fill-line (buffer)
+              (with-line-writer (put put-octets put-text put-escaped) buffer
+                (flet ((put-decimal (n)
+                         (setf at (gallop.core:put-decimal line at n))))
+                  (ecase (access-log-format log)
+                    (:combined
+                     ;; ADDRESS - - [TIME] "METHOD URI PROTOCOL" STATUS BYTES "REFERER" "AGENT"
+                     (put-text address)
+                     (put-octets (text-octets " - - [")) (put-octets clf) (put-octets (text-octets "] \""))
+                     (put-octets method) (put 32) (put-escaped uri :clf) (put 32)
+                     (put-octets protocol) (put-octets (text-octets "\" "))
+                     (put-decimal status) (put 32)
+                     (if bytes (put-decimal bytes) (put 45))
+                     ;; An absent field is "-", as nginx writes it.
+                     (put-octets (text-octets " \""))
+                     (if (plusp (length (the string referer))) (put-escaped referer :clf) (put 45))
+                     (put-octets (text-octets "\" \""))
+                     (if (plusp (length (the string agent))) (put-escaped agent :clf) (put 45))
+                     (put 34))
+                    (:json
+                     (put-octets (text-octets "{\"time\":\"")) (put-octets iso)
+                     (put-octets (text-octets "\",\"remote_addr\":\"")) (put-text address)
+                     (put-octets (text-octets "\",\"method\":\"")) (put-octets method)
+                     (put-octets (text-octets "\",\"uri\":\"")) (put-escaped uri :json)
+                     (put-octets (text-octets "\",\"protocol\":\"")) (put-octets protocol)
+                     (put-octets (text-octets "\",\"status\":")) (put-decimal status)
+                     (put-octets (text-octets ",\"bytes\":"))
+                     (if bytes (put-decimal bytes) (put-octets (text-octets "null")))
+                     (put-octets (text-octets ",\"referer\":\"")) (put-escaped referer :json)
+                     (put-octets (text-octets "\",\"user_agent\":\"")) (put-escaped agent :json)
+                     (put-octets (text-octets "\"}"))))
+                  (put 10)))))
+        ;; Made on the stack, kept at its length: a line costs the heap
+        ;; only its own octets, for as long as it waits.  A long one (a
+        ;; long target or header can make it 6 times as long escaped) is
+        ;; made where it stays.
+        (multiple-value-bind (line length)
+            (if (<= size 8192)
+                (let ((scratch (make-array size :element-type '(unsigned-byte 8))))
+                  (declare (dynamic-extent scratch))
+                  (multiple-value-bind (scratch length) (fill-line scratch)
+                    (values (subseq scratch 0 length) length)))
+                (fill-line (make-array size :element-type '(unsigned-byte 8))))
+        (declare (type fixnum length))
+        (sb-ext:atomic-push (cons line length) (access-log-queue log))
+        (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
+          (declare (type sb-ext:word before))
+          (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
+            (sb-thread:signal-semaphore (access-log-wake log)))))))
+    nil))
