@@ -52,7 +52,7 @@
    ;; TLS on the event loop (openssl.lisp)
    #:make-tls-context #:free-tls-context #:tls-context #:engine-tls #:connection-tls-p
    ;; application timers (timers.lisp)
-   #:schedule-timer #:cancel-timer #:timer #:*worker-pool*
+   #:schedule-timer #:cancel-timer #:timer #:*worker-pool* #:*worker-locals*
    ;; settings (settings.lisp)
    #:+settings+ #:define-settings-function #:setting-arguments #:setting-slot-definitions
    #:setting-default

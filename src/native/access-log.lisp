@@ -3,25 +3,46 @@
 ;;;; file or a stream (GALLOP:START's :ACCESS-LOG).
 ;;;;
 ;;;; Off the request path: a worker makes its line (octets, escaped so that
-;;;; a client can neither break a line nor forge one) and pushes it onto the
-;;;; log's queue with one compare-and-swap, no lock.  The log's own thread
-;;;; takes the whole queue every +FLUSH-INTERVAL+ (sooner once +WAKE-BYTES+
-;;;; wait) and writes it with one write(2) (O_APPEND: lines of several
-;;;; processes on one file never mix).  A disk that cannot keep up costs at
-;;;; most +MAX-QUEUED-BYTES+: past it lines are dropped, and counted.  A
+;;;; a client can neither break a line nor forge one) and appends it to a
+;;;; ring of its own (one per worker thread and log: it alone writes the
+;;;; ring's head, the log's thread alone its tail, so neither takes a lock
+;;;; or an atomic instruction); any other thread (an app answering later)
+;;;; pushes it onto the log's queue with one compare-and-swap.  The log's
+;;;; own thread takes what the rings and the queue hold every
+;;;; +FLUSH-INTERVAL+ (sooner once a ring is 3/4 full, or +WAKE-BYTES+ wait
+;;;; in the queue) and writes it with one write(2) (O_APPEND: lines of
+;;;; several processes on one file never mix).  A disk that cannot keep up
+;;;; costs at most a full ring a worker (+RING-BYTES+) and
+;;;; +MAX-QUEUED-BYTES+: past them lines are dropped, and counted.  A
 ;;;; file is opened again by its name on GALLOP:REOPEN-ACCESS-LOGS (or
 ;;;; SIGHUP, GALLOP:REOPEN-LOGS-ON-SIGHUP), for logrotate.
 
 (in-package #:gallop)
 
-(defconstant +flush-interval+ 0.1
-  "Seconds between the writer's passes over a quiet queue.")
+(defconstant +flush-interval+ 0.05
+  "Seconds between the writer's passes over the rings and the queue.")
 
 (defconstant +wake-bytes+ (* 256 1024)
   "Octets queued that wake the writer before its interval.")
 
 (defconstant +max-queued-bytes+ (* 32 1024 1024)
   "Octets queued past which lines are dropped (counted in ACCESS-LOG-DROPPED).")
+
+(defconstant +ring-bytes+ (* 256 1024)
+  "The octets of a worker's ring (a power of two): a worker fills a quarter
+of it in one +FLUSH-INTERVAL+ at a hundred thousand lines a second, so the
+writer's timer, not the worker, wakes it under any load a worker can make.")
+
+(defstruct (ring (:constructor make-ring (thread)) (:copier nil))
+  "A worker thread's lines for one log, in a circle of octets.  HEAD and
+TAIL count octets ever appended and ever taken: the worker alone sets HEAD,
+after the octets it covers; the log's thread alone sets TAIL, after it
+copied them out."
+  (thread nil)
+  (octets (make-array +ring-bytes+ :element-type '(unsigned-byte 8))
+   :type (simple-array (unsigned-byte 8) (*)) :read-only t)
+  (head 0 :type sb-ext:word)
+  (tail 0 :type sb-ext:word))
 
 (defstruct (access-log (:constructor %make-access-log (destination format)) (:copier nil))
   (destination nil)              ; a pathname (a file, appended to) or a stream
@@ -31,6 +52,8 @@
   (format :combined :type (member :combined :json))
   (fd -1 :type fixnum)           ; the file's, while open
   (queue '())                    ; (octets . length) entries, newest first
+  (rings '())                    ; the workers' RINGs, added under RINGS-LOCK
+  (rings-lock (sb-thread:make-mutex :name "gallop access log rings"))
   (queued-bytes 0 :type sb-ext:word)
   (dropped 0 :type sb-ext:word)
   (reopen nil)
@@ -80,16 +103,52 @@ left empty."
       (sb-ext:atomic-decf (access-log-queued-bytes log) total)
       (values (nreverse entries) total))))
 
+(defun ensure-buffer (log size keep)
+  "LOG's writer buffer, at least SIZE octets long, its first KEEP octets kept."
+  (let ((old (access-log-buffer log)))
+    (when (< (length old) size)
+      (let ((new (make-array (max size (* 2 (length old))) :element-type '(unsigned-byte 8))))
+        (replace new old :end2 keep)
+        (setf (access-log-buffer log) new))))
+  (access-log-buffer log))
+
+(defun take-rings (log)
+  "Copy what the workers' rings of LOG hold to its buffer, freeing their
+room; the octets copied.  A ring whose thread ended, once empty, is
+dropped."
+  (let ((at 0))
+    (declare (type fixnum at))
+    (dolist (ring (sb-thread:with-mutex ((access-log-rings-lock log))
+                    (copy-list (access-log-rings log))))
+      (let* ((tail (ring-tail ring))
+             (head (progn (sb-thread:barrier (:read)) (ring-head ring)))
+             (count (- head tail)))
+        (declare (type sb-ext:word tail head) (type fixnum count))
+        (cond ((plusp count)
+               (let* ((octets (ring-octets ring))
+                      (buffer (ensure-buffer log (+ at count) at))
+                      (start (logand tail (1- +ring-bytes+)))
+                      (first (min count (- +ring-bytes+ start))))
+                 (replace buffer octets :start1 at :start2 start :end2 (+ start first))
+                 (replace buffer octets :start1 (+ at first) :start2 0 :end2 (- count first))
+                 (incf at count)
+                 (sb-thread:barrier (:memory))
+                 (setf (ring-tail ring) head)))
+              ((not (sb-thread:thread-alive-p (ring-thread ring)))
+               (sb-thread:with-mutex ((access-log-rings-lock log))
+                 (setf (access-log-rings log) (remove ring (access-log-rings log))))))))
+    at))
+
 (defun flush-access-log (log)
-  "Write what LOG's queue holds (in its thread, or at its end)."
-  (multiple-value-bind (entries total) (take-queue log)
-    (when entries
-      (when (< (length (access-log-buffer log)) total)
-        (setf (access-log-buffer log)
-              (make-array (max total (* 2 (length (access-log-buffer log))))
-                          :element-type '(unsigned-byte 8))))
-      (let ((octets (access-log-buffer log))
-            (at 0))
+  "Write what LOG's rings and queue hold (in its thread, or at its end)."
+  (let ((from-rings (take-rings log)))
+    (declare (type fixnum from-rings))
+    (multiple-value-bind (entries queued) (take-queue log)
+    (declare (type fixnum queued))
+    (when (or entries (plusp from-rings))
+      (let* ((total (+ from-rings queued))
+             (octets (ensure-buffer log total from-rings))
+             (at from-rings))
         (declare (type fixnum at))
         (loop for (line . length) in entries
               do (replace octets (the (simple-array (unsigned-byte 8) (*)) line) :start1 at :end2 length)
@@ -104,7 +163,7 @@ left empty."
                    (write-sequence octets destination :end total))
                (finish-output destination))
               (when (>= (access-log-fd log) 0)
-                (write-all (access-log-fd log) octets total))))))))
+                (write-all (access-log-fd log) octets total)))))))))
 
 (defun access-log-loop (log)
   (loop
@@ -334,17 +393,59 @@ known, a streamed answer), to the request of the exchange EX."
         ;; only its own octets, for as long as it waits.  A long one (a
         ;; long target or header can make it 6 times as long escaped) is
         ;; made where it stays.
-        (multiple-value-bind (line length)
-            (if (<= size 8192)
-                (let ((scratch (make-array size :element-type '(unsigned-byte 8))))
-                  (declare (dynamic-extent scratch))
-                  (multiple-value-bind (scratch length) (fill-line scratch)
-                    (values (subseq scratch 0 length) length)))
-                (fill-line (make-array size :element-type '(unsigned-byte 8))))
-        (declare (type fixnum length))
-        (sb-ext:atomic-push (cons line length) (access-log-queue log))
-        (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
-          (declare (type sb-ext:word before))
-          (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
-            (sb-thread:signal-semaphore (access-log-wake log)))))))
+        (let ((locals gallop.core:*worker-locals*))
+          (if (and locals (<= size 8192))
+              (let ((scratch (make-array size :element-type '(unsigned-byte 8))))
+                (declare (dynamic-extent scratch))
+                (multiple-value-bind (scratch length) (fill-line scratch)
+                  (ring-put log (worker-ring log locals) scratch length)))
+              (multiple-value-bind (line length)
+                  (fill-line (make-array size :element-type '(unsigned-byte 8)))
+                (queue-put log (subseq line 0 length) length))))))
     nil))
+
+(defun worker-ring (log locals)
+  "This worker's ring for LOG (LOCALS: its GALLOP.CORE:*WORKER-LOCALS*),
+made and listed on first use; the entries of closed logs are dropped."
+  (let ((entry (assoc log (svref locals 0) :test #'eq)))
+    (if entry
+        (cdr entry)
+        (let ((ring (make-ring sb-thread:*current-thread*)))
+          (setf (svref locals 0)
+                (acons log ring (remove-if (lambda (entry) (access-log-stop (car entry)))
+                                           (svref locals 0))))
+          (sb-thread:with-mutex ((access-log-rings-lock log))
+            (push ring (access-log-rings log)))
+          ring))))
+
+(defun ring-put (log ring line length)
+  "Append LINE[0,LENGTH) to RING, this worker's for LOG; drop it (counted)
+when the log's thread has not taken enough yet.  Wakes that thread once
+the ring is three quarters full."
+  (declare (optimize speed) (type (simple-array (unsigned-byte 8) (*)) line)
+           (type fixnum length))
+  (let* ((head (ring-head ring))
+         (used (- head (ring-tail ring))))
+    (declare (type sb-ext:word head) (type fixnum used))
+    (if (> (+ used length) +ring-bytes+)
+        (sb-ext:atomic-incf (access-log-dropped log))
+        (let* ((octets (ring-octets ring))
+               (start (logand head (1- +ring-bytes+))))
+          (declare (type fixnum start))
+          (dotimes (i length)
+            (setf (aref octets (logand (+ start i) (1- +ring-bytes+))) (aref line i)))
+          ;; The octets before the head that covers them.
+          (sb-thread:barrier (:write))
+          (setf (ring-head ring) (+ head length))
+          (when (and (< used (* 3 (ash +ring-bytes+ -2)))
+                     (>= (+ used length) (* 3 (ash +ring-bytes+ -2))))
+            (sb-thread:signal-semaphore (access-log-wake log)))))))
+
+(defun queue-put (log line length)
+  "Push LINE (LENGTH octets) onto LOG's queue, from a thread with no ring."
+  (declare (type fixnum length))
+  (sb-ext:atomic-push (cons line length) (access-log-queue log))
+  (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
+    (declare (type sb-ext:word before))
+    (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
+      (sb-thread:signal-semaphore (access-log-wake log)))))

@@ -182,6 +182,11 @@ after POOL-START is the maker's, or changes under the pool's LOCK."
   "In a pool's worker thread, that pool: GALLOP:AFTER without :SERVER
 schedules on it.")
 
+(defvar *worker-locals* nil
+  "In a pool's worker thread, a simple vector of that thread's own, for the
+layers above to keep per-thread state in without a lock (slot 0: the native
+access log's buffers, access-log.lisp); NIL in any other thread.")
+
 (defvar *step-out* nil
   "In a pool's worker thread, a function that makes it step out of the pool
 \(POOL-STEP-OUT).")
@@ -773,6 +778,7 @@ permits than its ALLOWED."
 
 (defun worker-loop (pool group)
   (let ((*worker-pool* pool)
+        (*worker-locals* (make-array 2 :initial-element nil))
         (events (make-event-buffer +batch+))
         (epfd (group-epfd group))
         (ready (group-ready group))
