@@ -102,20 +102,30 @@ clean:
 # Benchmarks (bench/run.lisp; results and method in BENCHMARKS.md):
 #   make bench        the full matrix in both setups (pinned, shared), 3 repetitions, ~40 min;
 #                     writes bench/results/RUN.{tsv,md}, BENCHMARKS.md's tables and
-#                     BENCHMARKS.svg; then bench-uploads and bench-heads
-#                     (memory under large uploads and partial heads, ~2 min, below),
-#                     bench-slow-readers, bench-pending (~1 min) and bench-tls (~20 min)
+#                     BENCHMARKS.svg; then bench-processes (~6 min, below), bench-uploads
+#                     and bench-heads (memory under large uploads and partial heads, ~2 min,
+#                     below), bench-slow-readers, bench-pending (~1 min) and bench-tls (~20 min)
+#   make bench-processes  the many-processes row, shared setup, 5 repetitions, ~6 min:
+#                     each Gallop front end in one process and in two on one port
+#                     (:reuse-port) against nginx with two workers, 0 ms keep-alive
+#                     c100 and c400, req/s and CPU µs/req (all processes summed);
+#                     writes bench/results/RUN.{tsv,md} and BENCHMARKS.md's
+#                     "Many processes on one port" table
 #   make bench-quick  one repetition of 1 s runs, both setups, ~4 min; writes bench/results/tmp/
 #   make bench-smoke  seconds-long end-to-end check of the harness (CI); non-zero if broken
 # All install wrk and nginx-light first when missing.
 BENCH = $(LISP) --load bench/run.lisp --eval
 
-.PHONY: bench bench-quick bench-smoke bench-tls
+.PHONY: bench bench-quick bench-smoke bench-tls bench-processes
 
 bench:
 	@scripts/deps.sh wrk nginx-light
 	@$(BENCH) '(gallop-bench:main :full)'
-	@$(MAKE) --no-print-directory bench-uploads bench-heads bench-slow-readers bench-pending bench-tls
+	@$(MAKE) --no-print-directory bench-processes bench-uploads bench-heads bench-slow-readers bench-pending bench-tls
+
+bench-processes:
+	@scripts/deps.sh wrk nginx-light
+	@$(BENCH) '(gallop-bench:main :processes)'
 
 bench-quick:
 	@scripts/deps.sh wrk nginx-light

@@ -23,21 +23,33 @@
     ("gallop" :gallop "gallop:easy-acceptor" "easy-acceptor")
     ("gallop-tm" :gallop-tm "gallop:taskmaster" "taskmaster")
     ("native" :native "gallop:start (native)" "start")
-    ("nginx" :nginx "nginx (reference)" "nginx"))
+    ("nginx" :nginx "nginx (reference)" "nginx")
+    ;; The many-processes row (make bench-processes): two processes of a
+    ;; kind on one port, bound with :REUSE-PORT.  Last, so that the
+    ;; others keep their ports (SERVER-PORT).
+    ("native-2p" :native "gallop:start (native), 2 processes" "start ×2" 2)
+    ("gallop-2p" :gallop "gallop:easy-acceptor, 2 processes" "easy-acceptor ×2" 2))
   "Each server: its name in the TSV, its kind, its label in tables and charts,
-its short label in the summary tables' column heads.")
+its short label in the summary tables' column heads, and how many processes
+serve its port (1 when not given).")
 
 (defun server-kind (name) (second (assoc name *servers* :test #'string=)))
 (defun server-label (name) (or (third (assoc name *servers* :test #'string=)) name))
 (defun server-short-label (name) (or (fourth (assoc name *servers* :test #'string=)) name))
 (defun server-name (kind) (first (find kind *servers* :key #'second)))
+(defun server-process-count (name)
+  "How many processes serve server NAME's port: 1, or 2 for the
+many-processes row's servers."
+  (or (fifth (assoc name *servers* :test #'string=)) 1))
 
 (defparameter *server-descriptions*
   '(("stock" . "`(make-instance 'hunchentoot:easy-acceptor :address \"127.0.0.1\" :port P :access-log-destination nil :message-log-destination nil)`: the default one-thread-per-connection taskmaster (max-thread-count 100, max-accept-count 120, listen backlog 50). Its process loads Hunchentoot only.")
     ("gallop" . "`(make-instance 'gallop:easy-acceptor ...same initargs...)`: the drop-in acceptor (Gallop's defaults: pool of 4 to 100 workers, listen backlog 1024).")
     ("gallop-tm" . "`(make-instance 'hunchentoot:easy-acceptor ...same initargs... :taskmaster (make-instance 'gallop:taskmaster))`: Gallop's taskmaster on a stock acceptor (Hunchentoot's listener thread accepts, listen backlog 50).")
     ("native" . "`(gallop:start app :address \"127.0.0.1\" :port P)`: Gallop's native app API, with a Clack-style app doing what /yo does (own HTTP/1.1 parsing and writing, no Hunchentoot). Its process does not load Gallop's Hunchentoot layer.")
-    ("nginx" . "Debian's nginx, `return 200 \"Hey!\"` for `/yo`, one worker process, access log off: the reference for what this machine can do. It never sleeps, so in the sleep 1 ms scenarios it is the machine's ceiling, not a peer.")))
+    ("nginx" . "Debian's nginx, `return 200 \"Hey!\"` for `/yo`, access log off, its worker processes as \"Sharing two cores\" below says: the reference for what this machine can do. It never sleeps, so in the sleep 1 ms scenarios it is the machine's ceiling, not a peer.")
+    ("native-2p" . "two `gallop:start` processes as above, each `(gallop:start app :address \"127.0.0.1\" :port P :reuse-port t)` (`BENCH_REUSE_PORT=1`): each binds its own listening socket with `SO_REUSEPORT`, and the kernel spreads new connections over the two by a hash of their addresses. Each has its own heap, GC and pool.")
+    ("gallop-2p" . "two `gallop:easy-acceptor` processes as above, each with `:reuse-port t` (`BENCH_REUSE_PORT=1`).")))
 
 ;;; TSV
 
@@ -751,7 +763,9 @@ setups share as they are, the others marked with their setup (MARK-LINE)."
                                 (:b (mark-line line (second setups)))))
                 (text (first setups))))))
 
-(defun write-method (out meta setups)
+(defun write-method (out meta setups rows)
+  "How the run of META and ROWS was done, its SETUPS' CPU policies, exact
+commands and nginx.conf; only the servers and scenarios ROWS hold."
   (format out "### How it was run~%~%")
   (format out "- Machine: ~A, ~A cores, ~A RAM; ~A, Linux ~A.~%"
           (meta meta "cpu" "?") (meta meta "cores" "?") (meta meta "memory" "?")
@@ -764,33 +778,44 @@ setups share as they are, the others marked with their setup (MARK-LINE)."
           (meta meta "run_id" "?") (meta meta "mode" "?")
           (parse-integer (meta meta "reps" "1") :junk-allowed t)
           (meta meta "duration_s" "?") (meta meta "started" "?") (meta meta "elapsed" "?"))
-  (format out "- Order: every repetition runs ~:[the~;each~] setup~:*~:[~;, one after the other~], ~
-               and in it every scenario against every server, ~
-               rotating the server order from one scenario to the next, so slow drifts ~
-               of the machine spread over all servers. Each repetition starts fresh ~
-               server processes for the sleep 0 ms scenarios, again for sleep 1 ms, and ~
-               again for each server's idle-connections scenario (~A setup)~A.~%"
-          (rest setups) (first setups)
-          (let ((warmup (parse-integer (meta meta "warmup_s" "0") :junk-allowed t)))
+  (let ((sleeps (sort (remove-duplicates
+                        (loop for r in rows
+                              unless (member (gethash "scenario" r) '("idle" "idle-base") :test #'string=)
+                                collect (round (or (cell r "sleep_ms") 0))))
+                       #'<))
+        (warmup (parse-integer (meta meta "warmup_s" "0") :junk-allowed t)))
+    (format out "- Order: every repetition runs ~:[the~;each~] setup~:*~:[~;, one after the other~], ~
+                 and in it every scenario against every server, ~
+                 rotating the server order from one scenario to the next, so slow drifts ~
+                 of the machine spread over all servers. Each repetition starts fresh ~
+                 server processes for the sleep ~{~D~^ and ~} ms scenarios~:[~;, once for each ~
+                 sleep,~]~:[~*~; and again for each server's idle-connections scenario (~A setup)~]~A.~%"
+            (rest setups) sleeps (rest sleeps)
+            (find "idle" rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)
+            (first setups)
             (if (and warmup (plusp warmup))
                 (format nil "; each freshly started server first gets a ~D s `wrk -c10` warm-up, not recorded" warmup)
                 "; no warm-up")))
   (format out "- CPU µs/req: the CPU time the server used during the wrk run (utime + stime ~
                from `/proc/PID/stat`, read just before and just after wrk; nginx: master and ~
-               workers summed) divided by the requests wrk completed, whatever their status: ~
-               what a request costs the server, also where it is not the bottleneck.~%")
+               workers summed; a server of two processes: both summed) divided by the ~
+               requests wrk completed, whatever their status: what a request costs the ~
+               server, also where it is not the bottleneck.~%")
   (format out "- Handler (seed 001): an easy-handler `/yo` returning `\"Hey!\"` ~
                (`\"Hey NAME!\"` with a `name` parameter), which calls `sleep` only ~
                when the sleep setting is above 0.~%")
   (format out "- \"threads\": the most threads the server process had (nginx: master and ~
-               workers), sampled from `/proc/PID/status` every 100 ms during the wrk run.~%")
+               workers; two processes: both), sampled from `/proc/PID/status` every 100 ms ~
+               during the wrk run.~%")
   (format out "- A run fails (and `make bench*` exits non-zero) when wrk cannot run, ~
                its output cannot be parsed, no response at all arrived, or the server ~
                does not answer `GET /yo` with 200 after the run. Socket errors and ~
                non-2xx answers (e.g. 503) are results, not failures.~%~%")
   (format out "Servers (all on 127.0.0.1, access and message logs off):~%~%")
-  (dolist (d *server-descriptions*)
-    (format out "- **~A**: ~A~%" (server-label (car d)) (cdr d)))
+  (let ((present (servers-present rows)))
+    (dolist (d *server-descriptions*)
+      (when (member (car d) present :test #'string=)
+        (format out "- **~A**: ~A~%" (server-label (car d)) (cdr d)))))
   (format out "~%#### Sharing two cores between load and server~%~%")
   (dolist (setup setups)
     (format out "~A~%~%" (setup-meta meta "cpu_policy" setup "?")))
@@ -897,7 +922,7 @@ the run's whole report, when given."
                   (server-label (gethash "server" r)) (gethash "status" r)))
         (terpri out)))
     (when method
-      (write-method out meta setups))))
+      (write-method out meta setups rows))))
 
 ;;; Chart
 
@@ -1000,16 +1025,17 @@ run by `bench/run.lisp`; edit only outside them.
     (write-string string out))
   path)
 
-(defun splice-generated (old generated)
-  "OLD with the text between the markers replaced by GENERATED (markers kept);
-OLD plus the markers when it has none; the intro plus the markers when OLD is NIL."
+(defun splice-generated (old generated &key (begin-marker *begin-marker*) (end-marker *end-marker*))
+  "OLD with the text between BEGIN-MARKER and END-MARKER (by default the
+matrix's) replaced by GENERATED (markers kept); OLD plus the markers when it
+has none; the intro plus the markers when OLD is NIL."
   (let* ((block (format nil "~A~%<!-- Generated by bench/run.lisp; do not edit between these markers. -->~%~%~A~A~%"
-                        *begin-marker* generated *end-marker*))
-         (begin (and old (search *begin-marker* old)))
-         (end (and begin (search *end-marker* old :start2 begin))))
+                        begin-marker generated end-marker))
+         (begin (and old (search begin-marker old)))
+         (end (and begin (search end-marker old :start2 begin))))
     (cond ((null old) (concatenate 'string *intro* block))
           ((and begin end)
-           (let ((after (+ end (length *end-marker*))))
+           (let ((after (+ end (length end-marker))))
              ;; Drop the newline that ended the old block: BLOCK brings its own.
              (when (and (< after (length old)) (char= (char old after) #\Newline))
                (incf after))
@@ -1033,8 +1059,12 @@ directory or below it, else absolute (or NIL when ONLY-BELOW)."
 the chart to SVG; the whole report (a table per scenario and setup, latency,
 errors and threads included) to MD; the summary (a table per setup, a line
 per scenario) between the markers of SUMMARY, i.e. BENCHMARKS.md (a new file
-gets an intro); the summary's tables without the method to STREAM."
+gets an intro); the summary's tables without the method to STREAM.  A run
+of the many-processes row (make bench-processes) has no chart, and its
+summary goes between its own markers (PROCESSES-REPORT)."
   (multiple-value-bind (meta rows) (read-tsv tsv-path)
+    (when (string= (meta meta "mode" "") "processes")
+      (return-from report (processes-report meta rows :md md :summary summary :stream stream)))
     (when svg (write-chart svg meta rows))
     (when md
       (write-string-to-file
@@ -1058,3 +1088,161 @@ gets an intro); the summary's tables without the method to STREAM."
       (write-results stream meta rows :method nil)
       (finish-output stream))
     (values md svg summary)))
+;;; The many-processes row (make bench-processes)
+
+(defparameter *processes-begin-marker* "<!-- bench-processes:begin -->")
+(defparameter *processes-end-marker* "<!-- bench-processes:end -->")
+
+(defparameter *process-pairs*
+  '(("native" "native-2p" "`gallop:start`")
+    ("gallop" "gallop-2p" "`gallop:easy-acceptor`"))
+  "Each Gallop front end of the many-processes row: its server of one
+process, its server of several on one port, its label.")
+
+(defun median-ratio (rows scenario a b column)
+  "The median over repetitions of server A's COLUMN ÷ server B's in
+SCENARIO, each repetition's A against the same repetition's B; NIL when no
+repetition has both."
+  (median (rep-ratios (rep-values rows scenario a column) (rep-values rows scenario b column))))
+
+(defun processes-ratio-cell (rows scenario a b)
+  "A ÷ B in SCENARIO: the median ratio of 2xx req/s, and in parentheses of
+CPU µs per request."
+  (let ((rate (median-ratio rows scenario a b "ok_rps"))
+        (cpu (median-ratio rows scenario a b "cpu_us_per_req")))
+    (if rate
+        (format nil "~A (~A)" (fmt-ratio rate) (fmt-ratio cpu))
+        "–")))
+
+(defun processes-servers-present (rows)
+  "The servers of ROWS in the many-processes row's order: each front end in
+one process, then in several, then nginx."
+  (let ((present (servers-present rows)))
+    (remove-if-not (lambda (name) (member name present :test #'string=))
+                   (append (loop for (one several) in *process-pairs* append (list one several))
+                           (list "nginx")))))
+
+(defun processes-shape (meta rows)
+  "How many processes the several-process servers of ROWS have, and how many
+workers nginx had (as META records them)."
+  (values (let ((pair (find-if (lambda (p) (find (second p) rows :key (lambda (r) (gethash "server" r))
+                                                                   :test #'string=))
+                               *process-pairs*)))
+            (if pair (server-process-count (second pair)) 2))
+          (setup-meta meta "nginx_workers" "shared" "?")))
+
+(defun write-processes-table (out meta rows)
+  "A line per front end and scenario of the many-processes row: 2xx req/s
+and CPU µs per request (SUMMARY-CELL) of one process, of several on one port
+and of nginx, and the ratios between them (PROCESSES-RATIO-CELL)."
+  (multiple-value-bind (n workers) (processes-shape meta rows)
+    (format out "| front end | 0 ms keep-alive | 1 process | ~D processes | nginx, ~A workers | ~D ÷ 1 | ~D ÷ nginx | 1 ÷ nginx |~%"
+            n workers n n)
+    (format out "|---|--:|--:|--:|--:|--:|--:|--:|~%")
+    (dolist (pair *process-pairs*)
+      (destructuring-bind (one several label) pair
+        (dolist (scenario (matrix-scenarios rows))
+          (let ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+            (when (or (rows-of rows scenario one) (rows-of rows scenario several))
+              (format out "| ~A | c~D | ~A | ~A | ~A | ~A | ~A | ~A |~%"
+                      label (round (or (cell row "connections") 0))
+                      (summary-cell (summarize (rows-of rows scenario one)))
+                      (summary-cell (summarize (rows-of rows scenario several)))
+                      (summary-cell (summarize (rows-of rows scenario "nginx")))
+                      (processes-ratio-cell rows scenario several one)
+                      (processes-ratio-cell rows scenario several "nginx")
+                      (processes-ratio-cell rows scenario one "nginx")))))))
+    (terpri out)))
+
+(defun write-processes-repetitions (out rows)
+  "Each ratio of the many-processes table in every repetition: how far one
+repetition's ratio strays from the median."
+  (format out "| front end | scenario | ratio | 2xx req/s, by repetition | CPU µs/req, by repetition |~%")
+  (format out "|---|---|---|---|---|~%")
+  (dolist (pair *process-pairs*)
+    (destructuring-bind (one several label) pair
+      (dolist (scenario (matrix-scenarios rows))
+        (loop for (a b) in (list (list several one) (list several "nginx") (list one "nginx"))
+              for rates = (rep-ratios (rep-values rows scenario a "ok_rps")
+                                      (rep-values rows scenario b "ok_rps"))
+              for cpus = (rep-ratios (rep-values rows scenario a "cpu_us_per_req")
+                                     (rep-values rows scenario b "cpu_us_per_req"))
+              when rates
+                do (format out "| ~A | ~A | ~A ÷ ~A | ~{~,2F~^, ~} | ~{~,2F~^, ~} |~%"
+                           label scenario (server-short-label a) (server-short-label b)
+                           rates cpus)))))
+  (terpri out))
+
+(defun write-processes-results (out meta rows &key report-name (method t) detail)
+  "The markdown of a many-processes run (META, ROWS): the table, failures,
+and (METHOD) how it was run; with DETAIL also every repetition's ratios and
+a table per scenario (latency, errors, threads).  REPORT-NAME: a link to
+the run's whole report, when given."
+  (multiple-value-bind (n workers) (processes-shape meta rows)
+    (format out "Run `~A` (~A mode) on ~A, ~A cores; SBCL ~A; Gallop ~A. Medians of ~A ~
+                 repetition~:P of ~A s wrk runs, interleaved: every repetition starts every ~
+                 server afresh and runs each scenario against each, the order rotated from ~
+                 scenario to scenario.~@[ Latency, errors, threads and every repetition's ~
+                 ratios: [the run's report](~A).~]~%~%"
+            (meta meta "run_id" "?") (meta meta "mode" "?") (meta meta "cpu" "?")
+            (meta meta "cores" "?") (meta meta "sbcl" "?") (meta meta "gallop" "?")
+            (parse-integer (meta meta "reps" "1") :junk-allowed t)
+            (meta meta "duration_s" "?") report-name)
+    (format out "Shared setup: nothing pinned, `wrk -t~A` (a thread per core), handler ~
+                 sleep 0 ms, keep-alive. \"~D processes\": ~R processes of the front end on ~
+                 one port, each bound with `:reuse-port t` (`SO_REUSEPORT`), the kernel ~
+                 spreading connections over them; nginx runs ~A worker processes. A cell is ~
+                 2xx req/s and, in parentheses, the server's CPU µs per request: utime + ~
+                 stime of all its processes summed (nginx: master and workers), over the ~
+                 requests wrk completed; `*`: its median run had socket errors or non-2xx ~
+                 answers. A ratio is the median over repetitions of each repetition's ratio ~
+                 of 2xx req/s, and in parentheses of CPU µs per request (below 1×: cheaper ~
+                 per request).~%~%"
+            (setup-meta meta "wrk_threads" "shared" "?") n n workers))
+  (write-processes-table out meta rows)
+  (when detail
+    (format out "### Every repetition~%~%")
+    (write-processes-repetitions out rows)
+    (format out "### Each scenario~%~%")
+    (format out "\"vs stock\" is empty: stock Hunchentoot is not in this row. \"±\" is half ~
+                 the spread (max − min) over the repetitions.~%~%")
+    (dolist (scenario (matrix-scenarios rows))
+      (let ((row (find scenario rows :key (lambda (r) (gethash "scenario" r)) :test #'string=)))
+        (format out "#### ~A~%~%" (scenario-title row))
+        (write-scenario-table out rows scenario (processes-servers-present rows)))))
+  (let ((failed (remove-if #'row-ok-p rows)))
+    (when failed
+      (format out "### Failed runs~%~%")
+      (dolist (r failed)
+        (format out "- repetition ~A, ~A, ~A: ~A~%"
+                (gethash "rep" r) (gethash "scenario" r)
+                (server-label (gethash "server" r)) (gethash "status" r)))
+      (terpri out)))
+  (when method
+    (write-method out meta (setups-present rows) rows)))
+
+(defun processes-report (meta rows &key md summary stream)
+  "REPORT for a many-processes run (META, ROWS): the whole report to MD, the
+table and its text between SUMMARY's bench-processes markers (BENCHMARKS.md;
+the rest of the file as it is), the table alone to STREAM."
+  (when md
+    (write-string-to-file
+     (format nil "# Gallop benchmarks: many processes on one port, run ~A~%~%~A"
+             (meta meta "run_id" "?")
+             (with-output-to-string (out)
+               (write-processes-results out meta rows :detail t)))
+     md))
+  (when summary
+    (let ((generated (with-output-to-string (out)
+                       (write-processes-results out meta rows
+                                                :report-name (and md (link-from md summary))
+                                                :method nil))))
+      (write-string-to-file
+       (splice-generated (and (probe-file summary) (file-string summary)) generated
+                         :begin-marker *processes-begin-marker*
+                         :end-marker *processes-end-marker*)
+       summary)))
+  (when stream
+    (write-processes-table stream meta rows)
+    (finish-output stream))
+  (values md nil summary))

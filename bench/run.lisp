@@ -1,7 +1,7 @@
-;;;; run.lisp -- the benchmark harness behind `make bench`, `make bench-quick`
-;;;; and `make bench-smoke`.
+;;;; run.lisp -- the benchmark harness behind `make bench`, `make bench-quick`,
+;;;; `make bench-smoke`, `make bench-tls` and `make bench-processes`.
 ;;;;
-;;;;   scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main :full)'   ; or :quick, :smoke
+;;;;   scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main :full)'   ; or :quick, :smoke, :tls, :processes
 ;;;;
 ;;;; For each repetition and each setup (below) it starts the servers
 ;;;; (bench/server.lisp for stock Hunchentoot and Gallop's three front ends,
@@ -26,16 +26,29 @@
 ;;;;   :quick    1     1 s     1000    1 s     bench/results/tmp/RUN.{tsv,md,svg}
 ;;;;   :smoke    1     1 s      100    none    bench/results/tmp/RUN.{tsv,md,svg}; three scenarios only
 ;;;;   :tls      3     5 s        0    1 s     bench/results/RUN.{tsv,md,svg}; four scenarios over HTTPS
+;;;;   :processes 5    5 s        0    1 s     bench/results/RUN.{tsv,md}, BENCHMARKS.md's many-processes
+;;;;                                           section; the many-processes row (below), shared only
+;;;;
+;;;; The many-processes row (:processes): each Gallop front end (native,
+;;;; gallop) in one process and in two processes on one port, each bound
+;;;; with :REUSE-PORT (BENCH_REUSE_PORT=1, see bench/server.lisp), beside
+;;;; nginx with as many workers (*PROCESSES-WORKERS*), at 0 ms keep-alive
+;;;; c100 and c400 in the shared setup.  A server of several processes is
+;;;; measured as one: its CPU time and threads summed over its processes,
+;;;; as nginx's over its master and workers.  Its table (PROCESSES-REPORT
+;;;; in report.lisp) goes between BENCHMARKS.md's bench-processes markers.
 ;;;;
 ;;;; Environment overrides: BENCH_REPS, BENCH_DURATION (s), BENCH_WARMUP (s), BENCH_IDLE_N,
 ;;;; BENCH_IDLE_STOCK_MAX, BENCH_SERVERS (e.g. "gallop,nginx"), BENCH_PORT
-;;;; (base port; servers use PORT+1..PORT+5), BENCH_SETUPS ("pinned,shared",
+;;;; (base port; servers use PORT+1..PORT+7), BENCH_SETUPS ("pinned,shared",
 ;;;; the default, or either), BENCH_SERVER_CPUS and BENCH_CLIENT_CPUS (the
 ;;;; pinned setup's taskset lists, "none" for no pinning), BENCH_WRK_THREADS
 ;;;; (the pinned setup's), BENCH_MESSAGE_LOG=1 (Lisp servers log errors to
 ;;;; bench/results/tmp/logs/), BENCH_SCENARIOS (scenario keys, e.g.
 ;;;; "s0-ka-c10,s0-ka-c100,s0-ka-c400": only those; a full run then draws its
-;;;; chart beside its TSV, RUN.svg, and leaves BENCHMARKS.md as it is).
+;;;; chart beside its TSV, RUN.svg, and leaves BENCHMARKS.md as it is, and so
+;;;; does a :processes run, which then writes into bench/results/tmp/).
+;;;; :processes runs the shared setup alone, whatever BENCH_SETUPS says.
 ;;;;
 ;;;; The exit code is non-zero when anything failed: a server that does not
 ;;;; start or stops answering, wrk that cannot run or whose output cannot be
@@ -82,6 +95,10 @@
   ;; (APPLY-SETUP), taken from the PINNED-... ones for :PINNED.
   setups setup server-cpus client-cpus wrk-threads
   pinned-server-cpus pinned-client-cpus pinned-wrk-threads (wrk-timeout 2)
+  ;; NGINX-WORKERS: nginx's worker_processes when the mode sets it (the
+  ;; many-processes row: as many as the Gallop servers have processes);
+  ;; NIL: one per CPU nginx may use (NGINX-WORKERS).
+  nginx-workers
   run-id out-dir tmp-dir tsv md svg summary)
 
 (defun env-cpus (name default)
@@ -122,6 +139,21 @@ HTTPS with (MAKE-TLS-CERTIFICATE); NIL: plain HTTP.")
 (defun url (port path)
   (format nil "~:[http~;https~]://127.0.0.1:~D~A" *tls* port path))
 
+(defparameter *processes-workers* 2
+  "nginx's worker processes in the many-processes row (make bench-processes):
+as many as the two-process Gallop servers have processes.")
+
+(defun processes-matrix ()
+  "The many-processes row's scenarios (make bench-processes): 0 ms
+keep-alive at 100 and 400 connections, where the server, not a handler's
+sleep, sets the rate."
+  (list (scenario 0 nil 100) (scenario 0 nil 400)))
+
+(defun processes-servers ()
+  "The many-processes row's servers: each Gallop front end in one process and
+in two on one port (:REUSE-PORT), and nginx with as many workers."
+  (list "native" "native-2p" "gallop" "gallop-2p" "nginx"))
+
 (defun full-matrix ()
   (append (loop for sleep in '(0 1)
                 append (loop for close in '(nil t)
@@ -161,15 +193,21 @@ separated)."
          (run-id (format nil "~A-~(~A~)" (timestamp) mode))
          (results (merge-pathnames "results/" *bench-dir*))
          (tmp (merge-pathnames "tmp/" results))
-         (out (if (member mode '(:full :tls)) results tmp))
          ;; Only a run of the whole matrix replaces BENCHMARKS.md's summary
-         ;; and chart.
-         (summary (and (eq mode :full) (not (env "BENCH_SCENARIOS")))))
+         ;; and chart, and only a run of both many-processes scenarios its
+         ;; section.
+         (summary (and (member mode '(:full :processes)) (not (env "BENCH_SCENARIOS"))))
+         ;; A many-processes run that BENCHMARKS.md does not show is a
+         ;; check, not a record.
+         (out (if (or (member mode '(:full :tls)) (and (eq mode :processes) summary))
+                  results
+                  tmp)))
     (multiple-value-bind (reps duration idle-n warmup scenarios)
         (ecase mode
           (:full (values 3 5 10000 1 (full-matrix)))
           (:quick (values 1 1 1000 1 (full-matrix)))
           (:tls (values 3 5 0 1 (tls-matrix)))
+          (:processes (values 5 5 0 1 (processes-matrix)))
           (:smoke (values 1 1 100 0 (list (scenario 0 nil 10) (scenario 1 t 100)
                                           (scenario 0 nil 100 :hog t)))))
       (make-config
@@ -190,24 +228,35 @@ separated)."
                           (unless (assoc n *servers* :test #'string=)
                             (error "BENCH_SERVERS: unknown server ~S (known: ~{~A~^, ~})"
                                    n (mapcar #'first *servers*)))))
-                      (mapcar #'first *servers*)))
+                      (if (eq mode :processes)
+                          (processes-servers)
+                          ;; The matrix: every server of one process.
+                          (loop for (name) in *servers*
+                                when (= (server-process-count name) 1) collect name))))
        :port (env-int "BENCH_PORT" 18080)
        :setups (let ((list (env "BENCH_SETUPS")))
-                 (if list
-                     (mapcar (lambda (name)
-                               (or (find (string-trim " " name) '(:pinned :shared) :test #'string-equal)
-                                   (error "BENCH_SETUPS: unknown setup ~S (known: pinned, shared)" name)))
-                             (remove "" (split list #\,) :test #'string=))
-                     (if pin '(:pinned :shared) '(:shared))))
+                 (cond
+                   ;; The many-processes row is a shared-setup row: pinned,
+                   ;; two processes would share one core.
+                   ((eq mode :processes) '(:shared))
+                   (list
+                    (mapcar (lambda (name)
+                              (or (find (string-trim " " name) '(:pinned :shared) :test #'string-equal)
+                                  (error "BENCH_SETUPS: unknown setup ~S (known: pinned, shared)" name)))
+                            (remove "" (split list #\,) :test #'string=)))
+                   (pin '(:pinned :shared))
+                   (t '(:shared))))
        :pinned-server-cpus (env-cpus "BENCH_SERVER_CPUS" (and pin "0"))
        :pinned-client-cpus (env-cpus "BENCH_CLIENT_CPUS" (and pin "1"))
        :pinned-wrk-threads (max 1 (env-int "BENCH_WRK_THREADS" 1))
+       :nginx-workers (and (eq mode :processes) (princ-to-string *processes-workers*))
        :out-dir out :tmp-dir tmp
        :tsv (merge-pathnames (format nil "~A.tsv" run-id) out)
        :md (merge-pathnames (format nil "~A.md" run-id) out)
-       :svg (if summary
-                (merge-pathnames "BENCHMARKS.svg" *repo*)
-                (merge-pathnames (format nil "~A.svg" run-id) out))
+       ;; The many-processes row has no chart.
+       :svg (cond ((eq mode :processes) nil)
+                  (summary (merge-pathnames "BENCHMARKS.svg" *repo*))
+                  (t (merge-pathnames (format nil "~A.svg" run-id) out)))
        :summary (and summary (merge-pathnames "BENCHMARKS.md" *repo*))))))
 
 (defun apply-setup (cfg setup)
@@ -362,6 +411,12 @@ workers), or NIL when PID is gone."
       (+ own (loop for child in (child-pids pid)
                    sum (or (proc-cpu-ticks child) 0))))))
 
+(defun pids-cpu-ticks (pids)
+  "TREE-CPU-TICKS summed over PIDS (the processes of one server), or NIL
+when PIDS is empty or any of them is gone."
+  (let ((ticks (mapcar #'tree-cpu-ticks pids)))
+    (and ticks (notany #'null ticks) (reduce #'+ ticks))))
+
 (defun cpu-seconds (before after)
   "Seconds of CPU between two TREE-CPU-TICKS samples, or NIL when either is
 missing or the total went down (a process of the tree ended in between and
@@ -398,7 +453,20 @@ took its time with it)."
 
 ;;; Servers
 
-(defstruct (server (:conc-name srv-)) name port sleep-ms process pid log dir)
+;;; A server is one process (nginx: its master), or, for the many-processes
+;;; row's servers (SERVER-PROCESS-COUNT above 1), the first of the processes
+;;; that serve one port with :REUSE-PORT, the others its PEERS (servers of
+;;; one process each).  Its CPU time and threads are summed over all of them
+;;; (SERVER-PIDS), and it is usable only while every one of them runs.
+(defstruct (server (:conc-name srv-)) name port sleep-ms process pid log dir peers)
+
+(defun server-processes (server)
+  "SERVER and its peers: every process that serves its port."
+  (cons server (srv-peers server)))
+
+(defun server-pids (server)
+  "The pids of every process of SERVER."
+  (mapcar #'srv-pid (server-processes server)))
 
 (defun lisp-server-p (server) (string/= (srv-name server) "nginx"))
 
@@ -414,15 +482,16 @@ took its time with it)."
                 1)))
 
 (defun nginx-workers (cfg)
+  "nginx's worker_processes: as CFG's mode sets it, else one per core nginx
+may use (auto when unpinned)."
   (let ((cpus (cfg-server-cpus cfg)))
-    ;; One worker per core nginx may use.
-    (if cpus
-        (princ-to-string (max 1 (count-cpus cpus)))
-        "auto")))
+    (cond ((cfg-nginx-workers cfg))
+          (cpus (princ-to-string (max 1 (count-cpus cpus))))
+          (t "auto"))))
 
 (defun nginx-conf (cfg dir port)
   (format nil "# Written by bench/run.lisp for one benchmark run.
-# One worker per core nginx may use (taskset); see BENCHMARKS.md.
+# ~:[One worker per core nginx may use (taskset)~;As many workers as the Gallop servers have processes~]; see BENCHMARKS.md.
 worker_processes ~A;
 worker_rlimit_nofile 20000;
 pid ~Anginx.pid;
@@ -454,27 +523,33 @@ http {
         }
     }
 }
-" (nginx-workers cfg) dir dir dir dir dir dir dir port *tls* (first *tls*) (second *tls*)))
+" (cfg-nginx-workers cfg) (nginx-workers cfg) dir dir dir dir dir dir dir port
+  *tls* (first *tls*) (second *tls*)))
 
 (defun nginx-command (cfg dir)
   (pin (cfg-server-cpus cfg) (or (nginx-program) "nginx")
        (list "-p" dir "-e" (format nil "~Aerror.log" dir)
              "-c" (format nil "~Anginx.conf" dir) "-g" "daemon off;")))
 
-(defun server-command (cfg name port sleep-ms)
+(defun server-command (cfg kind port sleep-ms &key reuse-port)
+  "The command of a bench/server.lisp process serving KIND (\"native\",
+\"gallop\"...) on PORT; with REUSE-PORT, bound with :REUSE-PORT, so that
+several such processes serve PORT."
   (let ((args (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                    name (princ-to-string port) (princ-to-string sleep-ms))))
-    (if *tls*
-        ;; bench/server.lisp answers HTTPS with these (see its header).
-        (pin (cfg-server-cpus cfg) "env"
-             (list* (format nil "BENCH_TLS_CERT=~A" (first *tls*))
-                    (format nil "BENCH_TLS_KEY=~A" (second *tls*))
-                    (lisp-sh) args))
+                    kind (princ-to-string port) (princ-to-string sleep-ms)))
+        ;; bench/server.lisp reads these (see its header): HTTPS, and
+        ;; :REUSE-PORT.
+        (environment (append (and *tls* (list (format nil "BENCH_TLS_CERT=~A" (first *tls*))
+                                              (format nil "BENCH_TLS_KEY=~A" (second *tls*))))
+                             (and reuse-port (list "BENCH_REUSE_PORT=1")))))
+    (if environment
+        (pin (cfg-server-cpus cfg) "env" (append environment (list (lisp-sh)) args))
         (pin (cfg-server-cpus cfg) (lisp-sh) args))))
 
 (defun start-server (cfg name sleep-ms)
-  "Start server NAME; it is not ready yet (see WAIT-READY)."
+  "Start server NAME, all its processes; it is not ready yet (see WAIT-READY)."
   (let* ((port (server-port cfg name))
+         (count (server-process-count name))
          (log (namestring (ensure-directories-exist (log-path cfg name port)))))
     (if (string= name "nginx")
         (let ((dir (namestring (merge-pathnames (format nil "nginx-~D/" port) (cfg-tmp-dir cfg)))))
@@ -484,44 +559,64 @@ http {
             (let ((p (spawn program args :input nil :output log :error log)))
               (make-server :name name :port port :sleep-ms sleep-ms :process p
                            :pid (sb-ext:process-pid p) :log log :dir dir))))
-        (multiple-value-bind (program args) (server-command cfg name port sleep-ms)
-          (let ((p (spawn program args :input :stream :output :stream :error log)))
-            (make-server :name name :port port :sleep-ms sleep-ms :process p
-                         :pid (sb-ext:process-pid p) :log log))))))
+        (flet ((one (log)
+                 (multiple-value-bind (program args)
+                     (server-command cfg (string-downcase (server-kind name)) port sleep-ms
+                                     :reuse-port (> count 1))
+                   (let ((p (spawn program args :input :stream :output :stream :error log)))
+                     (make-server :name name :port port :sleep-ms sleep-ms :process p
+                                  :pid (sb-ext:process-pid p) :log log)))))
+          (let ((server (one log)))
+            ;; Each further process logs to a file of its own, NAME.2 ...
+            (setf (srv-peers server)
+                  (loop for i from 2 to count
+                        collect (one (namestring
+                                      (log-path cfg (format nil "~A.~D" name i) port)))))
+            server)))))
 
 (defun wait-ready (server &optional (timeout 60))
   "Wait until SERVER answers GET /yo.  True if it does; else NIL and why.  A
 Lisp server gets TIMEOUT seconds to load (and maybe compile) and say READY,
-then, like nginx, 10 seconds to answer."
-  (let ((p (srv-process server)))
-    (when (lisp-server-p server)
-      (let ((line (read-line-timeout (sb-ext:process-output p) timeout)))
+each of its processes (they load at once), then, like nginx, 10 seconds to
+answer."
+  (when (lisp-server-p server)
+    (dolist (part (server-processes server))
+      (let* ((p (srv-process part))
+             (line (read-line-timeout (sb-ext:process-output p) timeout)))
         (unless (and line (uiop:string-prefix-p "READY " line))
           (return-from wait-ready
             (values nil (if (alive-p p)
                             (format nil "not READY within ~D s" timeout)
                             (format nil "exited (code ~A) before READY"
                                     (sb-ext:process-exit-code p))))))
-        (setf (srv-pid server) (parse-integer line :start 6 :junk-allowed t))))
-    (loop with deadline = (+ (get-internal-real-time) (* 10 internal-time-units-per-second))
-          do (when (http-ok-p (srv-port server) 2) (return t))
-             (unless (alive-p p)
-               (return (values nil (format nil "exited (code ~A)" (sb-ext:process-exit-code p)))))
-             (when (> (get-internal-real-time) deadline)
-               (return (values nil "no 200 answer to GET /yo within 10 s")))
-             (sleep 0.1))))
+        (setf (srv-pid part) (parse-integer line :start 6 :junk-allowed t)))))
+  (loop with deadline = (+ (get-internal-real-time) (* 10 internal-time-units-per-second))
+        do (when (http-ok-p (srv-port server) 2) (return t))
+           (let ((gone (find-if-not #'alive-p (server-processes server) :key #'srv-process)))
+             (when gone
+               (return (values nil (format nil "exited (code ~A)"
+                                           (sb-ext:process-exit-code (srv-process gone)))))))
+           (when (> (get-internal-real-time) deadline)
+             (return (values nil "no 200 answer to GET /yo within 10 s")))
+           (sleep 0.1)))
 
 (defun stop-server (server)
+  "Stop every process of SERVER and remove its directory (nginx's)."
   (when server
-    (let ((p (srv-process server)))
-      (when (lisp-server-p server)
-        (send-line p "quit")
-        (ignore-errors (close (sb-ext:process-input p)))
-        (wait-exit p 5))
-      (kill-process p)
-      (when (srv-dir server)
-        (uiop:delete-directory-tree (pathname (srv-dir server))
-                                    :validate t :if-does-not-exist :ignore)))))
+    (when (lisp-server-p server)
+      ;; All are told first, so that they exit together.
+      (dolist (part (server-processes server))
+        (let ((p (srv-process part)))
+          (send-line p "quit")
+          (ignore-errors (close (sb-ext:process-input p))))))
+    (dolist (part (server-processes server))
+      (let ((p (srv-process part)))
+        (when (lisp-server-p server)
+          (wait-exit p 5))
+        (kill-process p)))
+    (when (srv-dir server)
+      (uiop:delete-directory-tree (pathname (srv-dir server))
+                                  :validate t :if-does-not-exist :ignore))))
 
 (defun server-stats (server)
   "GALLOP:STATS (or stock Hunchentoot's thread count) of a Lisp server, or NIL."
@@ -540,14 +635,27 @@ then, like nginx, 10 seconds to answer."
                 for v = (getf plist k)
                 when v append (list k v))))
 
+(defun server-note (server)
+  "FMT-STATS of each process of SERVER, separated by \" | \" (with its
+requests served so far when there are several: how the kernel spread the
+connections), or NIL for nginx."
+  (when (lisp-server-p server)
+    (let ((keys (append '(:open :idle :threads :run-permits :shed :rejected :timeouts)
+                        (and (srv-peers server) '(:requests)))))
+      (format nil "~{~A~^ | ~}"
+              (mapcar (lambda (part) (fmt-stats (server-stats part) keys))
+                      (server-processes server))))))
+
 (defun server-failure (server)
-  "Why SERVER is unusable, or NIL."
-  (cond ((null server) "server did not start")
-        ((not (alive-p (srv-process server)))
-         (format nil "server process exited (code ~A)"
-                 (sb-ext:process-exit-code (srv-process server))))
-        ((not (http-ok-p (srv-port server) 5))
-         "server did not answer GET /yo with 200")))
+  "Why SERVER is unusable (any of its processes gone, or no 200 to GET /yo),
+or NIL."
+  (let ((gone (and server (find-if-not #'alive-p (server-processes server) :key #'srv-process))))
+    (cond ((null server) "server did not start")
+          (gone
+           (format nil "server process exited (code ~A)"
+                   (sb-ext:process-exit-code (srv-process gone))))
+          ((not (http-ok-p (srv-port server) 5))
+           "server did not answer GET /yo with 200"))))
 
 ;;; wrk
 
@@ -607,45 +715,48 @@ server (shared setup)."
   (values "taskset" (list "-c" (princ-to-string (1- (cpu-count)))
                           "sh" "-c" "while :; do :; done")))
 
-(defun call-sampling-threads (pid function)
-  "Call FUNCTION while a thread samples the thread count of PID (and its
-children) every 100 ms; FUNCTION's values, then the most threads seen (NIL
-without PID)."
+(defun call-sampling-threads (pids function)
+  "Call FUNCTION while a thread samples the thread count of the processes
+PIDS (and their children), summed, every 100 ms; FUNCTION's values, then the
+most threads seen (NIL without PIDS)."
   (let* ((done nil)
          (most nil)
-         (sampler (and pid (sb-thread:make-thread
-                            (lambda ()
-                              (loop until done
-                                    do (let ((n (nth-value 1 (tree-status pid))))
-                                         (when (and n (or (null most) (> n most)))
-                                           (setf most n)))
-                                       (sleep 0.1)))
-                            :name "thread sampler"))))
+         (sampler (and pids (sb-thread:make-thread
+                             (lambda ()
+                               (loop until done
+                                     do (let ((n (loop for pid in pids
+                                                       for th = (nth-value 1 (tree-status pid))
+                                                       when th sum th)))
+                                          (when (and (plusp n) (or (null most) (> n most)))
+                                            (setf most n)))
+                                        (sleep 0.1)))
+                             :name "thread sampler"))))
     (let ((values (unwind-protect (multiple-value-list (funcall function))
                     (setf done t)
                     (when sampler (sb-thread:join-thread sampler :default nil)))))
       (values-list (append values (list most))))))
 
-(defun run-wrk (cfg port connections close-p duration &optional server-pid hog)
+(defun run-wrk (cfg port connections close-p duration &optional server-pids hog)
   "Run wrk (beside a CPU hog when HOG); its parsed report (or NIL), its
-output, exit code and command line, the seconds of CPU that process
-SERVER-PID and its children used meanwhile (NIL when not given or not known;
-see CPU-SECONDS), and the most threads they had meanwhile."
+output, exit code and command line, the seconds of CPU that the processes
+SERVER-PIDS (one server's) and their children used meanwhile (NIL when not
+given or not known; see CPU-SECONDS), and the most threads they had
+meanwhile."
   (multiple-value-bind (program args)
       (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg port connections close-p duration))
     (let ((hog-process (and hog (multiple-value-call #'spawn (hog-command)))))
       (unwind-protect
            (call-sampling-threads
-            server-pid
+            server-pids
             (lambda ()
               ;; The server's CPU is sampled as close to wrk's start and end as
               ;; can be, so that it holds the run and little else.
-              (let ((before (and server-pid (tree-cpu-ticks server-pid))))
+              (let ((before (pids-cpu-ticks server-pids)))
                 (multiple-value-bind (out code)
                     ;; wrk stops by itself after -d; timeout only guards against a hang.
                     (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30))
                                                   program args))
-                  (let ((cpu (and server-pid (cpu-seconds before (tree-cpu-ticks server-pid)))))
+                  (let ((cpu (and server-pids (cpu-seconds before (pids-cpu-ticks server-pids)))))
                     (values (parse-wrk out) out code (command-line program args) cpu))))))
         (when hog-process
           (ignore-errors (sb-ext:process-kill hog-process 9))
@@ -685,7 +796,7 @@ see CPU-SECONDS), and the most threads they had meanwhile."
   (multiple-value-bind (r out code command cpu threads)
       (run-wrk cfg (srv-port server) (gethash "connections" row)
                (string= (gethash "connection" row) "close") (cfg-duration cfg)
-               (srv-pid server) (hog-scenario-p (gethash "scenario" row)))
+               (server-pids server) (hog-scenario-p (gethash "scenario" row)))
     (setf (gethash "command" row) command
           (gethash "threads_max" row) threads)
     (cond ((null r)
@@ -825,7 +936,7 @@ see CPU-SECONDS), and the most threads they had meanwhile."
                             (measure cfg row server)
                             (fail-row row (or (third entry) "server did not start")))
                         (when (and server (lisp-server-p server))
-                          (setf (gethash "note" row) (fmt-stats (server-stats server))))
+                          (setf (gethash "note" row) (server-note server)))
                         (record tsv row)
                         (progress-end (row-summary row))
                         ;; A server that stopped answering gets one restart.
@@ -983,12 +1094,14 @@ see CPU-SECONDS), and the most threads they had meanwhile."
     ((eq (cfg-setup cfg) :shared)
      (format nil "**Shared** (unpinned): nothing is pinned. The servers, wrk (`-t~D`, a thread per ~
 core) and the harness share all ~D cores as a server shares a real machine with its load ~
-balancer, database and clients; nginx runs `worker_processes auto` (~:*~D workers). The kernel ~
+balancer, database and clients; nginx runs `worker_processes ~A`~:[~*~; (~D workers)~]. The kernel ~
 places every thread, so a number also depends on how much CPU wrk took from the server in that ~
 run: CPU µs per request is the fair measure here, and req/s the server's ratio to nginx in the ~
-same setup. The CPU-hog scenarios add a busy loop (`~A`) for the whole wrk run: another ~
-process taking one core."
+same setup.~:[~*~; The CPU-hog scenarios add a busy loop (`~A`) for the whole wrk run: another ~
+process taking one core.~]"
              (cfg-wrk-threads cfg) (cpu-count)
+             (nginx-workers cfg) (equal (nginx-workers cfg) "auto") (cpu-count)
+             (some (lambda (s) (getf s :hog)) (cfg-scenarios cfg))
              (multiple-value-call #'command-line (hog-command))))
     ((and (cfg-server-cpus cfg) (cfg-client-cpus cfg))
      (format nil "**Pinned**: the load generator and the server each get their own core: every ~
@@ -1011,7 +1124,8 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
 
 (defun make-target (cfg)
   (ecase (cfg-mode cfg)
-    (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke") (:tls "make bench-tls")))
+    (:full "make bench") (:quick "make bench-quick") (:smoke "make bench-smoke") (:tls "make bench-tls")
+    (:processes "make bench-processes")))
 
 (defun commands-meta (cfg)
   "The exact commands of CFG's current setup, for BENCHMARKS.md."
@@ -1024,18 +1138,34 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
               env (make-target cfg))
       (format out "#   = scripts/deps.sh wrk nginx-light && scripts/lisp.sh --load bench/run.lisp --eval '(gallop-bench:main ~(~S~))'~%"
               (cfg-mode cfg))
-      (format out "# each Lisp server, KIND = stock | gallop | gallop-tm | native on PORT = ~{~D~^ | ~}, SLEEP-MS = 0 | 1:~%"
-              (mapcar (lambda (n) (server-port cfg n)) (remove "nginx" (cfg-servers cfg) :test #'string=)))
-      (multiple-value-bind (program args) (server-command cfg "KIND" "PORT" "SLEEP-MS")
-        (format out "~A~%" (uiop:frob-substrings (command-line program args)
-                                                  (list (lisp-sh)) "scripts/lisp.sh")))
+      (let* ((lisp (remove "nginx" (cfg-servers cfg) :test #'string=))
+             (single (remove-if-not (lambda (n) (= (server-process-count n) 1)) lisp))
+             (several (remove-if (lambda (n) (= (server-process-count n) 1)) lisp))
+             (sleeps (remove-duplicates (mapcar (lambda (s) (getf s :sleep)) (cfg-scenarios cfg)))))
+        (flet ((kinds-and-ports (names)
+                 (list (remove-duplicates (mapcar (lambda (n) (string-downcase (server-kind n))) names)
+                                          :test #'string= :from-end t)
+                       (mapcar (lambda (n) (server-port cfg n)) names)
+                       sleeps))
+               (command (reuse-port)
+                 (multiple-value-bind (program args)
+                     (server-command cfg "KIND" "PORT" "SLEEP-MS" :reuse-port reuse-port)
+                   (uiop:frob-substrings (command-line program args) (list (lisp-sh)) "scripts/lisp.sh"))))
+          (when single
+            (apply #'format out "# each Lisp server, KIND = ~{~A~^ | ~} on PORT = ~{~D~^ | ~}, SLEEP-MS = ~{~D~^ | ~}:~%~A~%"
+                   (append (kinds-and-ports single) (list (command nil)))))
+          (when several
+            (apply #'format out "# ~R processes on one port, each bound with SO_REUSEPORT, KIND = ~{~A~^ | ~} on PORT = ~{~D~^ | ~}, SLEEP-MS = ~{~D~^ | ~}; each:~%~A~%"
+                   (server-process-count (first several))
+                   (append (kinds-and-ports several) (list (command t)))))))
       (when (member "nginx" (cfg-servers cfg) :test #'string=)
         (format out "# nginx on PORT ~D (nginx.conf below):~%" (server-port cfg "nginx"))
         (multiple-value-bind (program args) (nginx-command cfg "DIR/")
           (format out "~A~%" (command-line program args))))
-      (format out "# each measurement: C = ~{~D~^ | ~}, plus -H 'Connection: close' in the close scenarios:~%"
+      (format out "# each measurement: C = ~{~D~^ | ~}~:[~;, plus -H 'Connection: close' in the close scenarios~]:~%"
               (remove-duplicates (mapcar (lambda (s) (getf s :connections)) (cfg-scenarios cfg))
-                                 :from-end t))
+                                 :from-end t)
+              (some (lambda (s) (getf s :close)) (cfg-scenarios cfg)))
       (multiple-value-bind (program args)
           (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 100 nil (cfg-duration cfg)))
         (format out "~A~%" (uiop:frob-substrings (command-line program args) '("-c100") "-cC")))
@@ -1048,7 +1178,7 @@ BENCH_CLIENT_CPUS set to none~]): wrk (`-t~D`) and the servers share all ~D core
         (multiple-value-bind (program args)
             (pin (cfg-client-cpus cfg) "wrk" (wrk-args cfg "PORT" 10 nil (cfg-warmup cfg)))
           (format out "~A~%" (command-line program args))))
-      (when (eq (cfg-setup cfg) (first (cfg-setups cfg)))
+      (when (and (eq (cfg-setup cfg) (first (cfg-setups cfg))) (plusp (cfg-idle-n cfg)))
         (format out "# idle connections: N = ~D (~D for stock Hunchentoot), held open during the -c100 keep-alive run:~%"
                 (cfg-idle-n cfg) (min (cfg-idle-n cfg) (cfg-idle-stock-max cfg)))
         (multiple-value-bind (program args)
@@ -1105,6 +1235,7 @@ commands and nginx.conf, under keys suffixed _pinned or _shared."
                          (list (cons "server_cpus" (or (cfg-server-cpus cfg) "any"))
                                (cons "client_cpus" (or (cfg-client-cpus cfg) "any"))
                                (cons "wrk_threads" (cfg-wrk-threads cfg))
+                               (cons "nginx_workers" (nginx-workers cfg))
                                (cons "cpu_policy" (cpu-policy cfg))
                                (cons "commands" (commands-meta cfg))
                                (cons "nginx_conf" (nginx-conf cfg "DIR/" "PORT")))))))
@@ -1154,8 +1285,8 @@ commands and nginx.conf, under keys suffixed _pinned or _shared."
       (write-tsv-meta tsv (list (cons "elapsed" (clock (elapsed))))))))
 
 (defun main (&optional (mode :full))
-  "Run the benchmark in MODE (:full, :quick or :smoke), write the report and
-exit: 0 when everything ran, 1 when anything failed."
+  "Run the benchmark in MODE (:full, :quick, :smoke, :tls or :processes),
+write the report and exit: 0 when everything ran, 1 when anything failed."
   (let ((cfg (make-cfg mode))
         (code 1))
     (setf *start-time* (get-internal-real-time))
@@ -1168,9 +1299,10 @@ exit: 0 when everything ran, 1 when anything failed."
                (check-tools cfg)
                (check-ports cfg)
                (precompile cfg)
-               (format t "~&~A: ~D repetition~:P x ~D scenarios x ~D servers x setups ~(~{~A~^, ~}~) + idle connections (N=~D), ~D s per run~%"
+               (format t "~&~A: ~D repetition~:P x ~D scenarios x ~D servers x setups ~(~{~A~^, ~}~)~:[~*~; + idle connections (N=~D)~], ~D s per run~%"
                        (make-target cfg) (cfg-reps cfg) (length (cfg-scenarios cfg))
-                       (length (cfg-servers cfg)) (cfg-setups cfg) (cfg-idle-n cfg) (cfg-duration cfg))
+                       (length (cfg-servers cfg)) (cfg-setups cfg)
+                       (plusp (cfg-idle-n cfg)) (cfg-idle-n cfg) (cfg-duration cfg))
                (format t "Pinned: servers on CPU ~A, wrk -t~D on CPU ~A; shared: nothing pinned, wrk -t~D; results: ~A~%"
                        (or (cfg-pinned-server-cpus cfg) "any") (cfg-pinned-wrk-threads cfg)
                        (or (cfg-pinned-client-cpus cfg) "any") (cpu-count)
@@ -1179,15 +1311,16 @@ exit: 0 when everything ran, 1 when anything failed."
                (run-all cfg)
                (format t "~&~%")
                (report (cfg-tsv cfg) :md (cfg-md cfg) :svg (cfg-svg cfg) :summary (cfg-summary cfg))
-               (unless (and (probe-file (cfg-md cfg)) (probe-file (cfg-svg cfg))
+               (unless (and (probe-file (cfg-md cfg))
+                            (or (null (cfg-svg cfg)) (probe-file (cfg-svg cfg)))
                             (or (null (cfg-summary cfg)) (probe-file (cfg-summary cfg))))
                  (error "The report was not written"))
-               (format t "~&Done in ~A. Raw results: ~A~%Report: ~A~%~@[Summary: ~A~%~]Chart: ~A~%"
+               (format t "~&Done in ~A. Raw results: ~A~%Report: ~A~%~@[Summary: ~A~%~]~@[Chart: ~A~%~]"
                        (clock (elapsed))
                        (enough-namestring (cfg-tsv cfg) *repo*)
                        (enough-namestring (cfg-md cfg) *repo*)
                        (and (cfg-summary cfg) (enough-namestring (cfg-summary cfg) *repo*))
-                       (enough-namestring (cfg-svg cfg) *repo*))
+                       (and (cfg-svg cfg) (enough-namestring (cfg-svg cfg) *repo*)))
                (if (zerop *failures*)
                    (setf code 0)
                    (format t "~&~D run~:P FAILED (see \"Failed runs\" in the report).~%" *failures*)))

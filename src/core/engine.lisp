@@ -339,15 +339,18 @@ status out of that range counts as 5xx, as the native layer answers it 500."
 (declaim (inline count-answer-in))
 (defun count-answer-in (tally method status ms)
   "Count in TALLY an answer with STATUS to a request of METHOD that took MS
-milliseconds."
-  (declare (type fixnum ms))
-  (let ((counts (tally-counts tally))
-        (ms (max 0 ms)))
+milliseconds (NIL: no duration, the answer to a request whose head was never
+complete, which a client could otherwise stretch to the header timeout or
+shrink to nothing, and so skew the histogram)."
+  (declare (type (or null fixnum) ms))
+  (let ((counts (tally-counts tally)))
     (sb-ext:atomic-incf (aref counts (+ +answer-cells+
                                         (* +status-classes+ (method-index method))
                                         (status-class status))))
-    (sb-ext:atomic-incf (aref counts (+ +bucket-cells+ (duration-bucket ms))))
-    (sb-ext:atomic-incf (aref counts +duration-ms-cell+) ms)
+    (when ms
+      (let ((ms (max 0 ms)))
+        (sb-ext:atomic-incf (aref counts (+ +bucket-cells+ (duration-bucket ms))))
+        (sb-ext:atomic-incf (aref counts +duration-ms-cell+) ms)))
     nil))
 
 (defun engine-counts (engine)

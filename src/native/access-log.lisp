@@ -55,7 +55,8 @@ copied them out."
   (rings '())                    ; the workers' RINGs, added under RINGS-LOCK
   (rings-lock (sb-thread:make-mutex :name "gallop access log rings"))
   (queued-bytes 0 :type sb-ext:word)
-  (dropped 0 :type sb-ext:word)
+  (dropped 0 :type sb-ext:word)      ; lines not queued: no room, or not made
+  (lost-octets 0 :type sb-ext:word)  ; octets the destination did not take
   (reopen nil)
   (stop nil)
   (wake (sb-thread:make-semaphore :name "gallop access log"))
@@ -120,8 +121,11 @@ dropped."
     (declare (type fixnum at))
     (dolist (ring (sb-thread:with-mutex ((access-log-rings-lock log))
                     (copy-list (access-log-rings log))))
-      (let* ((tail (ring-tail ring))
-             (head (progn (sb-thread:barrier (:read)) (ring-head ring)))
+      (let* ((alive (sb-thread:thread-alive-p (ring-thread ring)))
+             (tail (ring-tail ring))
+             (head (prog1 (ring-head ring)
+                     ;; The octets after the head that covers them.
+                     (sb-thread:barrier (:read))))
              (count (- head tail)))
         (declare (type sb-ext:word tail head) (type fixnum count))
         (cond ((plusp count)
@@ -134,7 +138,8 @@ dropped."
                  (incf at count)
                  (sb-thread:barrier (:memory))
                  (setf (ring-tail ring) head)))
-              ((not (sb-thread:thread-alive-p (ring-thread ring)))
+              ((not alive)
+               ;; Dead before the head was read: nothing more will come.
                (sb-thread:with-mutex ((access-log-rings-lock log))
                  (setf (access-log-rings log) (remove ring (access-log-rings log))))))))
     at))
@@ -162,8 +167,11 @@ dropped."
                                  destination)
                    (write-sequence octets destination :end total))
                (finish-output destination))
-              (when (>= (access-log-fd log) 0)
-                (write-all (access-log-fd log) octets total)))))))))
+              (when (and (>= (access-log-fd log) 0)
+                         (not (write-all (access-log-fd log) octets total)))
+                ;; A full or failing disk: what this pass held is lost,
+                ;; counted in octets as lines cannot be told apart here.
+                (sb-ext:atomic-incf (access-log-lost-octets log) total)))))))))
 
 (defun access-log-loop (log)
   (loop
@@ -200,16 +208,22 @@ writer thread running."
     (setf *access-logs* (remove log *access-logs*)))
   (setf (access-log-stop log) t)
   (sb-thread:signal-semaphore (access-log-wake log))
-  (sb-thread:join-thread (access-log-thread log) :default nil)
-  (when (>= (access-log-fd log) 0)
-    (sb-unix:unix-close (shiftf (access-log-fd log) -1)))
+  ;; A destination that blocks (a stalled pipe, a hung mount) must not hold
+  ;; the stop: the writer is then left to it, and so is its fd, which a
+  ;; closed fd's number reused would otherwise get the writer's lines.
+  (unless (eq :timeout (sb-thread:join-thread (access-log-thread log)
+                                              :default :timeout :timeout 5))
+    (when (>= (access-log-fd log) 0)
+      (sb-unix:unix-close (shiftf (access-log-fd log) -1))))
   log)
 
 (defun reopen-access-logs ()
   "Open every access log file again by its name, at once (for logrotate, after
 it moved the files: lines written before go to the moved file, later ones to
 the new)."
-  (dolist (log (sb-thread:with-mutex (*access-logs-lock*) (copy-list *access-logs*)))
+  ;; No lock: called from a signal handler too.  The list is only ever
+  ;; replaced whole, so one read of it is a list as it was.
+  (dolist (log *access-logs*)
     (setf (access-log-reopen log) t)
     (sb-thread:signal-semaphore (access-log-wake log)))
   (values))
@@ -276,7 +290,10 @@ escaped for STYLE :CLF or :JSON.  Returns the line and its length."
                 (,put (char-code (schar digits (ldb (byte 4 0) code)))))
               (put-code (code style)
                 (declare (type fixnum code))
-                (cond ((and (<= 32 code 126) (/= code 34) (/= code 92))
+                (cond ((> code 255)
+                       ;; Not from a request head (read as Latin-1): an app's.
+                       (,put 63))
+                      ((and (<= 32 code 126) (/= code 34) (/= code 92))
                        (,put code))
                       ((eq style :json)
                        (if (or (= code 34) (= code 92))
@@ -328,22 +345,20 @@ keyword (a token of the request line: nothing in it is escaped)."
 
 (defun log-access (log ex status bytes)
   "Queue LOG's line for the answer STATUS, BYTES octets of body (NIL: not
-known, a streamed answer), to the request of the exchange EX."
-  (declare (optimize speed))
-  (when (>= (access-log-queued-bytes log) +max-queued-bytes+)
-    (sb-ext:atomic-incf (access-log-dropped log))
-    (return-from log-access))
-  (let (address method uri protocol)
-    ;; One walk down the environment, not one GETF a key.
-    (loop for (key value) on (exchange-env ex) by #'cddr
-          do (case key
-               (:remote-addr (setf address value))
-               (:request-method (setf method value))
-               (:request-uri (setf uri value))
-               (:server-protocol (setf protocol value))))
-    (log-access-line log address method uri protocol
-                     (or (exchange-agent ex) "") (or (exchange-referer ex) "")
-                     status bytes)))
+known, a streamed answer), to the request of the exchange EX (its fields
+taken before the app ran).  A line that cannot be made is dropped and
+counted: the answer never suffers for its log."
+  (handler-case
+      (let ((address (exchange-address ex)) (method (exchange-method ex))
+            (uri (exchange-uri ex)) (protocol (exchange-protocol ex)))
+        (if (and (stringp address) (symbolp method) (stringp uri) (symbolp protocol))
+            (log-access-line log address method uri protocol
+                             (or (exchange-agent ex) "") (or (exchange-referer ex) "")
+                             status bytes)
+            (sb-ext:atomic-incf (access-log-dropped log))))
+    (error ()
+      (sb-ext:atomic-incf (access-log-dropped log))))
+  nil)
 
 (defun log-access-line (log address method uri protocol agent referer status bytes)
   (declare (optimize speed))
@@ -364,7 +379,7 @@ known, a streamed answer), to the request of the exchange EX."
                   (ecase (access-log-format log)
                     (:combined
                      ;; ADDRESS - - [TIME] "METHOD URI PROTOCOL" STATUS BYTES "REFERER" "AGENT"
-                     (put-text address)
+                     (put-escaped address :clf)
                      (put-octets (text-octets " - - [")) (put-octets clf) (put-octets (text-octets "] \""))
                      (put-octets method) (put 32) (put-escaped uri :clf) (put 32)
                      (put-octets protocol) (put-octets (text-octets "\" "))
@@ -378,7 +393,7 @@ known, a streamed answer), to the request of the exchange EX."
                      (put 34))
                     (:json
                      (put-octets (text-octets "{\"time\":\"")) (put-octets iso)
-                     (put-octets (text-octets "\",\"remote_addr\":\"")) (put-text address)
+                     (put-octets (text-octets "\",\"remote_addr\":\"")) (put-escaped address :json)
                      (put-octets (text-octets "\",\"method\":\"")) (put-octets method)
                      (put-octets (text-octets "\",\"uri\":\"")) (put-escaped uri :json)
                      (put-octets (text-octets "\",\"protocol\":\"")) (put-octets protocol)
@@ -444,8 +459,18 @@ the ring is three quarters full."
 (defun queue-put (log line length)
   "Push LINE (LENGTH octets) onto LOG's queue, from a thread with no ring."
   (declare (type fixnum length))
-  (sb-ext:atomic-push (cons line length) (access-log-queue log))
-  (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
-    (declare (type sb-ext:word before))
-    (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
-      (sb-thread:signal-semaphore (access-log-wake log)))))
+  (if (>= (access-log-queued-bytes log) +max-queued-bytes+)
+      (sb-ext:atomic-incf (access-log-dropped log))
+      ;; Counted before it is pushed: TAKE-QUEUE never takes more than it adds.
+      (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
+        (declare (type sb-ext:word before))
+        (sb-ext:atomic-push (cons line length) (access-log-queue log))
+        (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
+          (sb-thread:signal-semaphore (access-log-wake log))))))
+
+(defun access-log-stats (log)
+  "LOG's losses, as a property list for GALLOP:STATS: :ACCESS-LOG-DROPPED
+lines (no room, or a line that could not be made) and :ACCESS-LOG-LOST-OCTETS
+\(octets the file or stream did not take)."
+  (list :access-log-dropped (access-log-dropped log)
+        :access-log-lost-octets (access-log-lost-octets log)))

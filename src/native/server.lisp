@@ -32,7 +32,7 @@
          (keep-alive (and (exchange-keep-alive ex)
                           (accepting-p (exchange-server ex))
                           (not (connection-token-p (header-value headers :connection) "close"))))
-         (log (server-access-log (exchange-server ex)))
+         (log (exchange-access-log ex))
          (sent 0))
     (declare (type fixnum sent))
     (setf (exchange-keep-alive ex) keep-alive
@@ -162,7 +162,7 @@ is finished, or failed), finish it; else give the connection back."
     (setf (exchange-keep-alive ex) keep-alive
           (exchange-responded ex) t
           (exchange-streaming ex) t)
-    (let ((log (server-access-log (exchange-server ex))))
+    (let ((log (exchange-access-log ex)))
       (when log
         (log-access log ex status
                     (cond ((or (exchange-head-p ex) (no-body-status-p status)) 0)
@@ -293,10 +293,17 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
                                      *empty-body*)
                        :clack.io ex     ; the connection as a socket (socket.lisp)
                        env))
-      (when (server-access-log server)
-        (setf (exchange-env ex) env
-              (exchange-agent ex) agent
-              (exchange-referer ex) referer))
+      (let ((log (server-access-log server)))
+        (when log
+          (setf (exchange-access-log ex) log
+                (exchange-agent ex) agent
+                (exchange-referer ex) referer)
+          (loop for (key value) on env by #'cddr
+                do (case key
+                     (:remote-addr (setf (exchange-address ex) value))
+                     (:request-method (setf (exchange-method ex) value))
+                     (:request-uri (setf (exchange-uri ex) value))
+                     (:server-protocol (setf (exchange-protocol ex) value))))))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
                           (internal-error server ex e)
@@ -394,6 +401,19 @@ ACCESS-LOG, a file (appended to) or a stream, gets a line per answer in
 ACCESS-LOG-FORMAT: :COMBINED (nginx's and Apache's) or :JSON (one object
 a line); see access-log.lisp."
   (check-type app function)
+  (let ((access-log (and access-log (open-access-log access-log access-log-format))))
+    (handler-bind ((error (lambda (e) (declare (ignore e))
+                            (when access-log (close-access-log access-log)))))
+      (start-listening app address port backlog debug log reuse-port activated-socket
+                       access-log ssl-certificate-file ssl-privatekey-file
+                       ssl-privatekey-password
+                       (gallop.core:setting-arguments)))))
+
+(defun start-listening (app address port backlog debug log reuse-port activated-socket
+                        access-log ssl-certificate-file ssl-privatekey-file
+                        ssl-privatekey-password settings)
+  "GALLOP:START's work once its access log is open (ACCESS-LOG, or NIL), the
+engine made with SETTINGS (its keyword arguments)."
   (let ((tls (and ssl-certificate-file
                   (gallop.core:make-tls-context :certificate-file ssl-certificate-file
                                                 :private-key-file ssl-privatekey-file
@@ -408,7 +428,8 @@ a line); see access-log.lisp."
                                                (passed-socket-address socket)
                                                (or address "0.0.0.0"))
                                   :port (nth-value 1 (sb-bsd-sockets:socket-name socket))
-                                  :max-body-bytes max-body-bytes :debug debug :log log
+                                  :max-body-bytes (getf settings :max-body-bytes)
+                                  :debug debug :log log
                                   :tls tls :url-scheme (if tls "https" "http"))))
         (handler-bind ((error (lambda (e) (declare (ignore e))
                                 (close-listen-socket socket)
@@ -419,13 +440,12 @@ a line); see access-log.lisp."
                                :handler (lambda (c) (serve-request server c))
                                :log-error (lambda (format-control &rest args)
                                             (apply #'log-error server format-control args))
-                               (gallop.core:setting-arguments))))
-            (setf (server-engine server) engine)
+                               settings)))
+            (setf (server-engine server) engine
+                  (server-access-log server) access-log)
             (gallop.core:engine-start engine
                                       :listen-fd (sb-bsd-sockets:socket-file-descriptor socket)
                                       :own-listener (not passed))))
-        (when access-log
-          (setf (server-access-log server) (open-access-log access-log access-log-format)))
         (note-running server t)
         server))))
 
@@ -487,5 +507,7 @@ acceptor or taskmaster, as a property list (see GALLOP.CORE:ENGINE-STATS), or
 NIL when it is not running."))
 
 (defmethod stats ((server server))
-  (let ((engine (server-engine server)))
-    (and engine (gallop.core:engine-stats engine))))
+  (let ((engine (server-engine server))
+        (log (server-access-log server)))
+    (and engine (append (gallop.core:engine-stats engine)
+                        (and log (access-log-stats log))))))

@@ -70,8 +70,13 @@ with the count of those not logged since the last."
   (state :open :type (member :open :responding :done :suspended)) ; see CLAIM, server.lisp
   (responded nil)
   (streaming nil)
-  ;; For the access log only: the environment, User-Agent and Referer.
-  (env nil)
+  ;; For the access log only, taken before the app runs (which may change
+  ;; its environment): the log, and the request's fields it writes.
+  (access-log nil)
+  (address nil)
+  (method nil)
+  (uri nil)
+  (protocol nil)
   (agent nil)
   (referer nil)
   ;; Once the app took the connection as a socket (socket.lisp):

@@ -370,7 +370,7 @@ it serves (see *REQUEST-FIELDS*)."
 C serves, once per request, and by the engine for its own answers: count it
 for the metrics, by the request's method (\"other\" before its head was
 checked) and STATUS's class, and its duration, from the head being checked
-\(else from the first octet of a head still partial, else 0) to now.
+to now (none when it never was: see COUNT-ANSWER-IN).
 Interim answers (100 Continue) are not counted; a 101 is.
   Both ends of a duration are read on the coarse clock (NOW-MS), which
 moves a kernel tick (1 to 10 ms) at a time and costs a fraction of a
@@ -378,14 +378,13 @@ precise read: a request begun and answered within one tick reads 0 ms, and
 so falls in the first bucket (up to 1 ms); one that spans a tick's end
 reads a tick or more, whatever it took."
   (let* ((request (conn-slot c request))
-         (begun (request-begun request))
-         (since (if (plusp begun) begun (or (conn-slot c head-started) 0))))
-    (declare (type fixnum begun since))
+         (begun (request-begun request)))
+    (declare (type fixnum begun))
     (setf (request-answered request) t)
     (count-answer-in (connection-tally c)
                      (and (plusp begun) (request-method request))
                      status
-                     (if (plusp since) (- (the fixnum (now-ms)) since) 0))))
+                     (and (plusp begun) (- (the fixnum (now-ms)) begun)))))
 
 (defun count-refusal (c response)
   "Count RESPONSE, one of the engine's own answers (its status line at the
