@@ -257,8 +257,8 @@ who closes it afterwards."
     ;; Timers still pending are dropped: their server is gone.
     (let ((timers (shiftf (pool-timers (engine-pool engine)) nil)))
       (when timers (free-timers timers)))
-    ;; Workers that finished after the first pass closed their connections
-    ;; instead of parking them; catch any that raced with it.
+    ;; Workers that finished after the first pass parked their connections
+    ;; (an answer that promised keep-alive keeps its connection): close them.
     (close-idle-connections engine)
     (close-fd (engine-housekeeper-epfd engine))
     (close-fd (engine-stop-fd engine))
