@@ -205,70 +205,75 @@ the hard stop's second, and the workers' exits).  Connections a handler
 detached are left to it.  The listen socket itself belongs to the caller,
 who closes it afterwards."
   ;; The state first: a thread that finds the engine draining finds its
-  ;; answers saying Connection: close.  One caller stops it.
-  (when (eq :running (sb-ext:compare-and-swap (engine-state engine) :running :stopping))
-    (setf (engine-draining engine) t
-          (engine-final-accept engine) (and soft (engine-own-listener engine))
-          (engine-housekeeper-exit engine) (not soft))
-    (signal-eventfd (engine-stop-fd engine))
-    ;; Connections that switched protocols under their handler (a
-    ;; WebSocket read in its handler's own loop) never end by themselves:
-    ;; their clients see them closed, their handlers end.
-    (loop for c across (engine-table engine)
-          when (and c (member (connection-state c) '(:active :dirty))
-                    (connection-switched-p c))
-            do (shutdown-fd (connection-fd c) +shut-rdwr+))
-    (let* ((start (now-ms))
-           (deadline (+ start (if soft (engine-stop-timeout-ms engine) 0)))
-           (idle-end (min deadline (+ start (engine-stop-idle-grace-ms engine))))
-           (housekeeper (engine-housekeeper engine)))
-      (when soft
-        ;; What the housekeeper's last accept takes is served too.
-        (loop until (or (engine-accepting-ended engine)
-                        (null housekeeper)
-                        (not (sb-thread:thread-alive-p housekeeper)))
-              do (sleep 0.001))
-        ;; A keep-alive client may be sending its next request right now:
-        ;; closing its connection would cut that request off.  Keep the
-        ;; idle ones until IDLE-END; each request served meanwhile is
-        ;; answered with Connection: close, and its client goes elsewhere.
-        ;; Then close the idle ones, but serve those whose clients had
-        ;; already sent more, until nothing is left or the deadline.
-        (loop
-          (let ((now (now-ms)))
-            (when (>= now deadline) (return))
-            (when (>= now idle-end)
-              (close-idle-connections engine :keep-readable t :parked-only t))
-            (when (and (zerop (stop-pending-count engine))
-                       (zerop (engine-in-flight engine)))
-              (return))
-            (sleep 0.005))))
-      (end-housekeeper engine)
-      (close-idle-connections engine)
-      (unless (and soft (wait-for-in-flight engine (max 0 (- deadline (now-ms)))))
-        (loop for c across (engine-table engine)
-              when (and c (member (connection-state c) '(:active :dirty)))
-                do (shutdown-fd (connection-fd c) +shut-rdwr+))
-        ;; A handler that is not reading or writing (sleeping, computing,
-        ;; waiting on a database) didn't notice: interrupt it.
-        (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
-          (interrupt-running-handlers engine))))
-    (pool-stop (engine-pool engine))
-    ;; Timers still pending are dropped: their server is gone.
-    (let ((timers (shiftf (pool-timers (engine-pool engine)) nil)))
-      (when timers (free-timers timers)))
-    ;; Workers that finished after the first pass parked their connections
-    ;; (an answer that promised keep-alive keeps its connection): close them.
+  ;; answers saying Connection: close.  One caller stops it; another (a
+  ;; SIGTERM's beside the application's own) waits until it is stopped, so
+  ;; that neither goes on to close what the stop still uses.
+  (unless (eq :running (sb-ext:compare-and-swap (engine-state engine) :running :stopping))
+    (loop while (eq (engine-state engine) :stopping)
+          do (sleep 0.01))
+    (return-from engine-stop engine))
+  (setf (engine-draining engine) t
+        (engine-final-accept engine) (and soft (engine-own-listener engine))
+        (engine-housekeeper-exit engine) (not soft))
+  (signal-eventfd (engine-stop-fd engine))
+  ;; Connections that switched protocols under their handler (a
+  ;; WebSocket read in its handler's own loop) never end by themselves:
+  ;; their clients see them closed, their handlers end.
+  (loop for c across (engine-table engine)
+        when (and c (member (connection-state c) '(:active :dirty))
+                  (connection-switched-p c))
+          do (shutdown-fd (connection-fd c) +shut-rdwr+))
+  (let* ((start (now-ms))
+         (deadline (+ start (if soft (engine-stop-timeout-ms engine) 0)))
+         (idle-end (min deadline (+ start (engine-stop-idle-grace-ms engine))))
+         (housekeeper (engine-housekeeper engine)))
+    (when soft
+      ;; What the housekeeper's last accept takes is served too.
+      (loop until (or (engine-accepting-ended engine)
+                      (null housekeeper)
+                      (not (sb-thread:thread-alive-p housekeeper)))
+            do (sleep 0.001))
+      ;; A keep-alive client may be sending its next request right now:
+      ;; closing its connection would cut that request off.  Keep the
+      ;; idle ones until IDLE-END; each request served meanwhile is
+      ;; answered with Connection: close, and its client goes elsewhere.
+      ;; Then close the idle ones, but serve those whose clients had
+      ;; already sent more, until nothing is left or the deadline.
+      (loop
+        (let ((now (now-ms)))
+          (when (>= now deadline) (return))
+          (when (>= now idle-end)
+            (close-idle-connections engine :keep-readable t :parked-only t))
+          (when (and (zerop (stop-pending-count engine))
+                     (zerop (engine-in-flight engine)))
+            (return))
+          (sleep 0.005))))
+    (end-housekeeper engine)
     (close-idle-connections engine)
-    (close-fd (engine-housekeeper-epfd engine))
-    (close-fd (engine-stop-fd engine))
-    ;; After POOL-STOP: no worker is left to push a deadline and wake the
-    ;; housekeeper through it (which, gone, left the wheel not resting).
-    (close-fd (shiftf (wheel-wake-fd (engine-wheel engine)) -1))
-    (setf (engine-housekeeper-epfd engine) -1
-          (engine-stop-fd engine) -1
-          (engine-listen-fd engine) -1
-          (engine-state engine) :stopped))
+    (unless (and soft (wait-for-in-flight engine (max 0 (- deadline (now-ms)))))
+      (loop for c across (engine-table engine)
+            when (and c (member (connection-state c) '(:active :dirty)))
+              do (shutdown-fd (connection-fd c) +shut-rdwr+))
+      ;; A handler that is not reading or writing (sleeping, computing,
+      ;; waiting on a database) didn't notice: interrupt it.
+      (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
+        (interrupt-running-handlers engine))))
+  (pool-stop (engine-pool engine))
+  ;; Timers still pending are dropped: their server is gone.
+  (let ((timers (shiftf (pool-timers (engine-pool engine)) nil)))
+    (when timers (free-timers timers)))
+  ;; Workers that finished after the first pass parked their connections
+  ;; (an answer that promised keep-alive keeps its connection): close them.
+  (close-idle-connections engine)
+  (close-fd (engine-housekeeper-epfd engine))
+  (close-fd (engine-stop-fd engine))
+  ;; After POOL-STOP: no worker is left to push a deadline and wake the
+  ;; housekeeper through it (which, gone, left the wheel not resting).
+  (close-fd (shiftf (wheel-wake-fd (engine-wheel engine)) -1))
+  (setf (engine-housekeeper-epfd engine) -1
+        (engine-stop-fd engine) -1
+        (engine-listen-fd engine) -1
+        (engine-state engine) :stopped)
   engine)
 
 ;;; Stats

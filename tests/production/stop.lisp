@@ -233,3 +233,36 @@ that reads nothing yet: the soft stop waits for the client to read it all
           (when (and stopper (sb-thread:thread-alive-p stopper))
             (sb-thread:join-thread stopper :default nil))
           (stop-server kind server))))))
+
+(test a-second-stop-waits-for-the-first
+  "Two stops at once (a SIGTERM's beside the application's own): the second
+returns only when the engine has stopped, not while the first still waits
+for a request in flight, so that it cannot close what that stop still uses.
+The request is answered.  (GALLOP:START's STOP only: Hunchentoot's own STOP,
+which runs after Gallop's, is not made to be called twice at once.)"
+  (dolist (kind '(:native))
+    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
+                   (*stop-entered* (sb-thread:make-semaphore)))
+      (let* ((server (start-stop-server kind 0))
+             (port (server-port-of kind server))
+             (engine (gallop::server-engine-of server))
+             (client (connect port :timeout 60))
+             (first nil) (second nil))
+        (unwind-protect
+             (progn
+               (send client (crlf "GET /stop-block HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+               (setf first (soft-stop-in-thread kind server))
+               (is (wait-until (lambda () (not (gallop.core:engine-running-p engine))) :timeout 30))
+               (setf second (soft-stop-in-thread kind server))
+               ;; The handler cannot end before the gate opens, nor the
+               ;; first stop (its timeout is 20 s): the second must wait.
+               (sleep 0.5)
+               (is (sb-thread:thread-alive-p second) "~(~A~): the second stop returned" kind)
+               (sb-thread:signal-semaphore *stop-gate*)
+               (is (joined-p first))
+               (is (joined-p second))
+               (is (exact-answer-p (read-wire-or-error client) "Hey!") "~(~A~)" kind))
+          (sb-thread:signal-semaphore *stop-gate* 10)
+          (usocket:socket-close client)
+          (stop-server kind server))))))
