@@ -149,29 +149,30 @@ dropped."
   (let ((from-rings (take-rings log)))
     (declare (type fixnum from-rings))
     (multiple-value-bind (entries queued) (take-queue log)
-    (declare (type fixnum queued))
-    (when (or entries (plusp from-rings))
-      (let* ((total (+ from-rings queued))
-             (octets (ensure-buffer log total from-rings))
-             (at from-rings))
-        (declare (type fixnum at))
-        (loop for (line . length) in entries
-              do (replace octets (the (simple-array (unsigned-byte 8) (*)) line) :start1 at :end2 length)
-                 (incf at length))
-        (let ((destination (access-log-destination log)))
-          (if (streamp destination)
-              (ignore-errors
-               (if (subtypep (stream-element-type destination) 'character)
-                   (write-string (sb-ext:octets-to-string octets :external-format :latin-1
-                                                                 :end total)
-                                 destination)
-                   (write-sequence octets destination :end total))
-               (finish-output destination))
-              (when (and (>= (access-log-fd log) 0)
-                         (not (write-all (access-log-fd log) octets total)))
-                ;; A full or failing disk: what this pass held is lost,
-                ;; counted in octets as lines cannot be told apart here.
-                (sb-ext:atomic-incf (access-log-lost-octets log) total)))))))))
+      (declare (type fixnum queued))
+      (when (or entries (plusp from-rings))
+        (let* ((total (+ from-rings queued))
+               (octets (ensure-buffer log total from-rings))
+               (at from-rings))
+          (declare (type fixnum at))
+          (loop for (line . length) in entries
+                do (replace octets (the (simple-array (unsigned-byte 8) (*)) line)
+                            :start1 at :end2 length)
+                   (incf at length))
+          (let ((destination (access-log-destination log)))
+            (if (streamp destination)
+                (ignore-errors
+                 (if (subtypep (stream-element-type destination) 'character)
+                     (write-string (sb-ext:octets-to-string octets :external-format :latin-1
+                                                                   :end total)
+                                   destination)
+                     (write-sequence octets destination :end total))
+                 (finish-output destination))
+                (when (and (>= (access-log-fd log) 0)
+                           (not (write-all (access-log-fd log) octets total)))
+                  ;; A full or failing disk: what this pass held is lost,
+                  ;; counted in octets as lines cannot be told apart here.
+                  (sb-ext:atomic-incf (access-log-lost-octets log) total)))))))))
 
 (defun access-log-loop (log)
   (loop
@@ -265,11 +266,10 @@ ISO 8601's) as octets: made once a second, replaced whole.")
 (defun ascii-octets (string)
   (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
 
-(defmacro with-line-writer ((put put-octets put-text put-escaped) buffer &body body)
+(defmacro with-line-writer ((put put-octets put-escaped) buffer &body body)
   "BODY with LINE, the octet vector BUFFER (long enough: the caller made sure
 of it), and local functions that append to it: PUT an octet, PUT-OCTETS an
-octet vector, PUT-TEXT a string as it is (ASCII), PUT-ESCAPED a string
-escaped for STYLE :CLF or :JSON.  Returns the line and its length."
+octet vector, PUT-ESCAPED a string escaped for STYLE :CLF or :JSON.  Returns the line and its length."
   `(let ((line ,buffer)
          (at 0))
      (declare (type (simple-array (unsigned-byte 8) (*)) line) (type fixnum at)
@@ -305,14 +305,6 @@ escaped for STYLE :CLF or :JSON.  Returns the line and its length."
                        ;; nginx's escape=default: \xHH
                        (,put 92) (,put 120)
                        (hex "0123456789ABCDEF" (logand code 255)))))
-              (,put-text (string)
-                (typecase string
-                  ((simple-array character (*))
-                   (loop for char across string do (,put (logand 255 (char-code char)))))
-                  (simple-base-string
-                   (loop for char across string do (,put (char-code char))))
-                  (t (loop for char across (the string string)
-                           do (,put (logand 255 (char-code char)))))))
               (,put-escaped (string style)
                 (typecase string
                   ((simple-array character (*))
@@ -322,7 +314,7 @@ escaped for STYLE :CLF or :JSON.  Returns the line and its length."
                   (t (loop for char across (the string string)
                            do (put-code (char-code char) style))))))
        (declare (inline ,put ,put-octets hex put-code)
-                (ignorable #',put-octets #',put-text #',put-escaped))
+                (ignorable #',put-octets #',put-escaped))
        ,@body
        (values line at))))
 
@@ -373,7 +365,7 @@ counted: the answer never suffers for its log."
     (declare (type fixnum size))
     (multiple-value-bind (clf iso) (log-time-stamps)
       (flet ((fill-line (buffer)
-              (with-line-writer (put put-octets put-text put-escaped) buffer
+              (with-line-writer (put put-octets put-escaped) buffer
                 (flet ((put-decimal (n)
                          (setf at (gallop.core:put-decimal line at n))))
                   (ecase (access-log-format log)

@@ -365,6 +365,15 @@ it serves (see *REQUEST-FIELDS*)."
   (declare (type fixnum n))
   (sb-ext:atomic-incf (aref (tally-counts (the tally (connection-tally c))) cell) n))
 
+(defmacro counting-octets ((c cell) form)
+  "FORM's values (N ERRNO), N (when positive) added to CELL of C's stripe."
+  (let ((n (gensym "N")) (errno (gensym "ERRNO")))
+    `(multiple-value-bind (,n ,errno) ,form
+       (declare (type fixnum ,n))
+       (when (plusp ,n)
+         (tally-add ,c ,cell ,n))
+       (values ,n ,errno))))
+
 (defun connection-count-answer (c status)
   "Called by a layer above where it begins the answer STATUS to the request
 C serves, once per request, and by the engine for its own answers: count it
@@ -689,43 +698,31 @@ as it compacts them, which on average would buy it minutes."
   "Read into BUFFER[START,END) from C without waiting (see above).  On TLS,
 the handshake moves on first; a count short of END-START means the socket
 is drained, as on a plain socket."
-  (multiple-value-bind (n errno)
-      (if (zerop (the fixnum (conn-slot c tls)))
-          (read-into (conn-slot c fd) buffer start end)
-          (tls-recv c buffer start end))
-    (declare (type fixnum n))
-    (when (plusp n)
-      (tally-add c +bytes-in-cell+ n))
-    (values n errno)))
+  (counting-octets (c +bytes-in-cell+)
+    (if (zerop (the fixnum (conn-slot c tls)))
+        (read-into (conn-slot c fd) buffer start end)
+        (tls-recv c buffer start end))))
 
 (defun connection-send (c buffer start end)
   "Send BUFFER[START,END) on C without waiting (see above).  On TLS, what
 returned EAGAIN must be sent again with the same octets first."
-  (multiple-value-bind (n errno)
-      (if (zerop (the fixnum (conn-slot c tls)))
-          (send-from (conn-slot c fd) buffer start end)
-          (tls-send c buffer start end))
-    (declare (type fixnum n))
-    (when (plusp n)
-      (tally-add c +bytes-out-cell+ n))
-    (values n errno)))
+  (counting-octets (c +bytes-out-cell+)
+    (if (zerop (the fixnum (conn-slot c tls)))
+        (send-from (conn-slot c fd) buffer start end)
+        (tls-send c buffer start end))))
 
 (defun connection-send-file-chunk (c file-fd offset count)
   "Send up to COUNT bytes of the file open on FILE-FD from OFFSET on C
 without waiting (see above).  TLS reads the file into a buffer first, and on
 EAGAIN reads the same octets again the next time."
-  (multiple-value-bind (n errno)
-      (cond ((zerop (the fixnum (conn-slot c tls)))
-             (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024))))
-            ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
-            (t (let ((scratch (acquire-buffer)))
-                 (multiple-value-prog1 (multiple-value-call #'tls-outcome c
-                                         (ssl-send-file (connection-ssl c) file-fd offset count scratch))
-                   (release-buffer scratch)))))
-    (declare (type fixnum n))
-    (when (plusp n)
-      (tally-add c +bytes-out-cell+ n))
-    (values n errno)))
+  (counting-octets (c +bytes-out-cell+)
+    (cond ((zerop (the fixnum (conn-slot c tls)))
+           (send-file-chunk (conn-slot c fd) file-fd offset (min count (* 1024 1024))))
+          ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
+          (t (let ((scratch (acquire-buffer)))
+               (multiple-value-prog1 (multiple-value-call #'tls-outcome c
+                                       (ssl-send-file (connection-ssl c) file-fd offset count scratch))
+                 (release-buffer scratch)))))))
 
 (defun connection-ssl (c)
   "The address of C's SSL object, made now if it is not yet (the first read
