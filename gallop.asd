@@ -156,6 +156,7 @@
                (:file "core/uploads")
                (:file "clack/handler")
                (:file "clack/websockets")
+               (:file "hunchentoot/switched")
                (:file "native/websocket")
                (:file "native/chat")
                ;; the conformance corpus (make conformance also runs it against nginx)

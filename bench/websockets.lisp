@@ -8,7 +8,7 @@
 ;;;;   hs-stock    hunchensocket on stock Hunchentoot (the control)
 ;;;;
 ;;;; (woo + websocket-driver, the issue's other control, is not run: woo is
-;;;; not in ../shared/vendor.)  For each, in turn:
+;;;; not a Debian package.)  The libraries come from ASDF's source registry.  For each, in turn:
 ;;;;   - N idle WebSockets (BENCH_WS_N, default 10,000) opened and held: how
 ;;;;     many opened, the server's threads before and while they are held
 ;;;;     (and its pool's, for the native one), KiB of RSS each (after a full
@@ -162,7 +162,7 @@ CPU µs per round trip."
               (getf row :kind) (getf row :opened) *n* (getf row :base-threads) (getf row :threads)
               (getf row :pool) (getf row :kib) (getf row :http) (getf row :echo-100) (getf row :cpu-100)
               (getf row :echo-1000) (getf row :cpu-1000) (or (getf row :broadcast) "–")))
-    (format out "| woo + websocket-driver | not run: woo is not in ../shared/vendor | | | | | | |~%")
+    (format out "| woo + websocket-driver | not run: woo is not a Debian package | | | | | | |~%")
     (let ((native (find "native" rows :key (lambda (r) (getf r :kind)) :test #'string=)))
       (when native
         (format out "~%Native ÷ each: echo rate, and the other's server CPU per round trip ÷ native's (above 1: native does better):~%~%| server | rate c100 | CPU c100 | rate c1000 | CPU c1000 |~%|---|---|---|---|---|~%")

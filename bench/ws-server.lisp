@@ -6,9 +6,10 @@
 ;;;; KIND: native (GALLOP:ACCEPT-WEBSOCKET on GALLOP:START), wsd-gallop
 ;;;; (websocket-driver under Clack :gallop), hs-gallop (hunchensocket on an
 ;;;; acceptor of its class and GALLOP:EASY-ACCEPTOR's), hs-stock (hunchensocket
-;;;; on stock Hunchentoot, its default taskmaster; bench/ws-server-hs.lisp).  The libraries load from
-;;;; ../shared/vendor/clack-ws (XDG_CACHE_HOME=.cache/clack-ws: they need
-;;;; their own bordeaux-threads).  Each serves /echo (each message back to its
+;;;; on stock Hunchentoot, its default taskmaster; bench/ws-server-hs.lisp).  ASDF finds
+;;;; the libraries as it would for a user (Quicklisp, or CL_SOURCE_REGISTRY);
+;;;; a kind whose libraries it does not find fails to start, and its row
+;;;; says so.  Each serves /echo (each message back to its
 ;;;; sender), /all (each message to every WebSocket on /all) and /plain (200
 ;;;; "plain").  Prints "READY <pid>"; then reads commands: "gc" -> a full
 ;;;; GC, then "GC"; "stats" -> "STATS <plist>" (Gallop's, or NIL); end of
@@ -26,9 +27,6 @@
 (if (eq *kind* :native)
     (asdf:load-system "gallop/native")
     (progn
-      (asdf:initialize-source-registry
-       `(:source-registry (:tree ,(truename "../shared/vendor/clack-ws/"))
-                          (:directory ,(truename "./")) :inherit-configuration))
       (handler-bind ((warning #'muffle-warning))
         (if (member *kind* '(:wsd-gallop))
             (progn (asdf:load-system "clack") (asdf:load-system "websocket-driver")

@@ -244,6 +244,25 @@ run in worker threads, which do not see a LET binding of the test's thread."
 
 (defun stat (acceptor key) (getf (gallop:stats acceptor) key))
 
+;;; Libraries Gallop does not ship (Clack, websocket-driver, hunchensocket):
+;;; the tests that run them find them through ASDF, as a user's Quicklisp or
+;;; source registry (CL_SOURCE_REGISTRY) provides them, and are skipped,
+;;; with one line naming what to install, where they are absent.
+
+(defun missing-systems (names)
+  "The systems of NAMES that ASDF cannot find."
+  (remove-if (lambda (name) (ignore-errors (asdf:find-system name nil))) names))
+
+(defmacro with-optional-systems ((&rest names) &body body)
+  "Run BODY when ASDF finds every system of NAMES; else skip the test, saying
+which are missing and how to provide them."
+  (let ((missing (gensym "MISSING")))
+    `(let ((,missing (missing-systems ',names)))
+       (if ,missing
+           (skip "ASDF finds no ~{~A~^, ~}: install with Quicklisp, or name the sources ~
+                  in CL_SOURCE_REGISTRY" ,missing)
+           (progn ,@body)))))
+
 (defun run-directory ()
   "This process's directory for the files tests make (certificates, bodies
 served from disk): /tmp/gallop-tests-PID/, removed when RUN-ALL-TESTS ends."
@@ -256,16 +275,21 @@ served from disk): /tmp/gallop-tests-PID/, removed when RUN-ALL-TESTS ends."
   "Run a tier of tests: :TEST, the deterministic suite GALLOP (`make test`),
 :STRESS, the suite STRESS of system gallop/stress (`make test-stress`), or
 :RESTARTS, its restart drills alone (`make test-restarts`).
-True when all passed.  Prints 'N passed, N failed'.  Removes RUN-DIRECTORY
-after the run, passed or not."
+True when all passed.  Prints each skipped test with its reason, then
+'N passed, N failed, N skipped'.  Removes RUN-DIRECTORY after the run,
+passed or not."
   (let* ((suite (ecase tier (:test 'gallop) (:stress 'stress) (:restarts 'restarts)))
          (results (unwind-protect (let ((*print-names* t)) (run suite))
                     (uiop:delete-directory-tree (run-directory) :validate t
                                                                 :if-does-not-exist :ignore)))
          (passed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-passed)) results))
-         (failed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-failure)) results)))
+         (failed (count-if (lambda (r) (typep r 'it.bese.fiveam::test-failure)) results))
+         (skipped (remove-if-not (lambda (r) (typep r 'it.bese.fiveam::test-skipped)) results)))
     (explain! results)
-    (format t "~&~D passed, ~D failed~%" passed failed)
+    (dolist (r skipped)
+      (format t "~&skipped: ~(~A~): ~A~%"
+              (it.bese.fiveam::name (it.bese.fiveam::test-case r)) (it.bese.fiveam::reason r)))
+    (format t "~&~D passed, ~D failed, ~D skipped~%" passed failed (length skipped))
     (and (plusp passed) (zerop failed))))
 
 (defun main (&optional (tier :test))

@@ -1,9 +1,11 @@
 ;;;; ws-server.lisp -- the WebSocket libraries users run on Hunchentoot and
-;;;; Clack, unchanged, on Gallop, in a child process: they load from
-;;;; ../shared/vendor/clack-ws (with the bordeaux-threads 0.9 they need, which
-;;;; every system of the image must then share), so not in the test image.
+;;;; Clack, unchanged, on Gallop, in a child process, so that what they load
+;;;; stays out of the test image.  ASDF finds them as it would for the user:
+;;;; a Quicklisp or source registry (CL_SOURCE_REGISTRY); the test that runs
+;;;; this skips when they are absent (WITH-WS-CHILD).
 ;;;;
-;;;;   XDG_CACHE_HOME=.cache/clack-ws sbcl ... --load tests/child/ws-server.lisp
+;;;;   sbcl ... --eval '(push (uiop:getcwd) asdf:*central-registry*)' \
+;;;;        --load tests/child/ws-server.lisp
 ;;;;
 ;;;; Serves on 127.0.0.1, each on a free port:
 ;;;;   clack       websocket-driver's README echo app at /echo and a broadcast
@@ -26,9 +28,6 @@
 (defvar *protocol* sb-sys:*stdout*)
 (setf *standard-output* *error-output*)
 
-(asdf:initialize-source-registry
- `(:source-registry (:tree ,(truename "../shared/vendor/clack-ws/"))
-                    (:directory ,(truename "./")) :inherit-configuration))
 (handler-bind ((warning #'muffle-warning))
   (asdf:load-system "clack")
   (asdf:load-system "websocket-driver")
