@@ -75,18 +75,18 @@ other method counts as the last.")
 (defconstant +status-classes+ 5
   "Status classes answers are counted by: 1xx to 5xx.")
 
-(sb-int:defconstant-eqx +duration-bounds-ms+
-    #(1 2 5 10 25 50 100 250 500 1000 2500 5000 10000)
+(sb-int:defconstant-eqx +duration-bounds-us+
+    #(1000 2500 5000 10000 25000 50000 100000 250000 500000
+      1000000 2500000 5000000 10000000)
   #'equalp
-  "The upper bounds of the request-duration buckets, in whole milliseconds:
-a bucket holds the durations up to its bound, and one more bucket the
-longer ones.  Durations are whole milliseconds, so the bucket of 2.5 ms
-holds those up to 2.")
+  "The upper bounds of the request-duration buckets, in microseconds: a
+bucket holds the durations up to its bound, and one more bucket the longer
+ones.")
 
 (sb-int:defconstant-eqx +duration-bound-labels+
     #("0.001" "0.0025" "0.005" "0.01" "0.025" "0.05" "0.1" "0.25" "0.5" "1" "2.5" "5" "10")
   #'equalp
-  "The bounds of +DURATION-BOUNDS-MS+ as the le labels of the histogram, in seconds.")
+  "The bounds of +DURATION-BOUNDS-US+ as the le labels of the histogram, in seconds.")
 
 (defconstant +counts-pad+ 8
   "Unused words before and after the cells of a stripe's counts.")
@@ -97,9 +97,9 @@ holds those up to 2.")
 METHOD-INDEX) CLASS-INDEX).")
 (defconstant +bucket-cells+ (+ +answer-cells+ (* (length +counted-methods+) +status-classes+))
   "The first of the duration buckets' counts (not cumulative).")
-(defconstant +duration-ms-cell+ (+ +bucket-cells+ (length +duration-bounds-ms+) 1)
-  "Milliseconds of all the durations counted.")
-(defconstant +bytes-in-cell+ (+ +duration-ms-cell+ 1)
+(defconstant +duration-us-cell+ (+ +bucket-cells+ (length +duration-bounds-us+) 1)
+  "Microseconds of all the durations counted.")
+(defconstant +bytes-in-cell+ (+ +duration-us-cell+ 1)
   "Octets read from clients' connections (see CONNECTION-RECV).")
 (defconstant +bytes-out-cell+ (+ +bytes-in-cell+ 1)
   "Octets clients' connections took (see CONNECTION-SEND).")
@@ -326,31 +326,31 @@ status out of that range counts as 5xx, as the native layer answers it 500."
       (1- (floor status 100))
       4))
 
-(defun duration-bucket (ms)
-  "The index of the bucket of a duration of MS milliseconds (see
-+DURATION-BOUNDS-MS+)."
-  (declare (type fixnum ms) (optimize speed))
-  (let ((bounds (load-time-value (coerce +duration-bounds-ms+ '(simple-array fixnum (*))) t)))
+(defun duration-bucket (us)
+  "The index of the bucket of a duration of US microseconds (see
++DURATION-BOUNDS-US+)."
+  (declare (type fixnum us) (optimize speed))
+  (let ((bounds (load-time-value (coerce +duration-bounds-us+ '(simple-array fixnum (*))) t)))
     (declare (type (simple-array fixnum (*)) bounds))
     (dotimes (i (length bounds) (length bounds))
-      (when (<= ms (aref bounds i))
+      (when (<= us (aref bounds i))
         (return i)))))
 
 (declaim (inline count-answer-in))
-(defun count-answer-in (tally method status ms)
-  "Count in TALLY an answer with STATUS to a request of METHOD that took MS
-milliseconds (NIL: no duration, the answer to a request whose head was never
+(defun count-answer-in (tally method status us)
+  "Count in TALLY an answer with STATUS to a request of METHOD that took US
+microseconds (NIL: no duration, the answer to a request whose head was never
 complete, which a client could otherwise stretch to the header timeout or
 shrink to nothing, and so skew the histogram)."
-  (declare (type (or null fixnum) ms))
+  (declare (type (or null fixnum) us))
   (let ((counts (tally-counts tally)))
     (sb-ext:atomic-incf (aref counts (+ +answer-cells+
                                         (* +status-classes+ (method-index method))
                                         (status-class status))))
-    (when ms
-      (let ((ms (max 0 ms)))
-        (sb-ext:atomic-incf (aref counts (+ +bucket-cells+ (duration-bucket ms))))
-        (sb-ext:atomic-incf (aref counts +duration-ms-cell+) ms)))
+    (when us
+      (let ((us (max 0 us)))
+        (sb-ext:atomic-incf (aref counts (+ +bucket-cells+ (duration-bucket us))))
+        (sb-ext:atomic-incf (aref counts +duration-us-cell+) us)))
     nil))
 
 (defun engine-counts (engine)

@@ -21,10 +21,10 @@
 (defun write-metric-head (stream name type help)
   (format stream "# HELP ~A ~A~%# TYPE ~A ~A~%" name help name type))
 
-(defun write-seconds (stream ms)
-  "The whole milliseconds MS as seconds, exactly: 1234 as 1.234."
-  (multiple-value-bind (seconds rest) (floor ms 1000)
-    (format stream "~D.~3,'0D" seconds rest)))
+(defun write-seconds (stream us)
+  "The whole microseconds US as seconds, exactly: 1234567 as 1.234567."
+  (multiple-value-bind (seconds rest) (floor us 1000000)
+    (format stream "~D.~6,'0D" seconds rest)))
 
 (sb-int:defconstant-eqx +metric-families+
     '(;; (name type help stats-key)
@@ -90,7 +90,7 @@ ENGINE-COUNTS returns it) and the budgets' limits in octets.  Pure."
                 (svref counts (+ +answer-cells+ (* +status-classes+ m) k)))))
     ;; Their durations: the buckets are counted apart, and written cumulative.
     (write-metric-head stream "gallop_http_request_duration_seconds" "histogram"
-                       "Time from a request's complete head to the start of its answer, read on the kernel's coarse clock (one tick, 1 to 10 ms).")
+                       "Time from a request's complete head to the start of its answer, to the microsecond.")
     (let ((total 0))
       (dotimes (i (length bounds))
         (incf total (svref counts (+ +bucket-cells+ i)))
@@ -99,7 +99,7 @@ ENGINE-COUNTS returns it) and the budgets' limits in octets.  Pure."
       (incf total (svref counts (+ +bucket-cells+ (length bounds))))
       (format stream "gallop_http_request_duration_seconds_bucket{le=\"+Inf\"} ~D~%" total)
       (write-string "gallop_http_request_duration_seconds_sum " stream)
-      (write-seconds stream (svref counts +duration-ms-cell+))
+      (write-seconds stream (svref counts +duration-us-cell+))
       (terpri stream)
       (format stream "gallop_http_request_duration_seconds_count ~D~%" total))
     (flet ((one (name type help value)

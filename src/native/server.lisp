@@ -149,12 +149,16 @@ is finished, or failed), finish it; else give the connection back."
     ((nil) (when last (complete ex)))))
 
 (defun start-streaming (ex status headers)
-  "Write the head of a streamed response; return the writer."
+  "Write the head of a streamed response; return the writer.  An answer to
+HEAD, or one whose status has no body, is its head alone: the writer sends
+none of the data it is given, and the connection stays open as after any
+answer.  Another body without a Content-Length is chunked, or on HTTP/1.0
+delimited by the connection's end."
   (let* ((c (exchange-connection ex))
          (length (header-value headers :content-length))
-         (chunked (and (not length) (not (exchange-http-1.0 ex))
-                       (not (exchange-head-p ex)) (not (no-body-status-p status))))
-         (keep-alive (and (exchange-keep-alive ex) (or length chunked)
+         (bodiless (or (exchange-head-p ex) (no-body-status-p status)))
+         (chunked (and (not length) (not (exchange-http-1.0 ex)) (not bodiless)))
+         (keep-alive (and (exchange-keep-alive ex) (or length chunked bodiless)
                           (accepting-p (exchange-server ex))
                           (not (connection-token-p (header-value headers :connection) "close"))))
          (closed nil)
@@ -165,7 +169,7 @@ is finished, or failed), finish it; else give the connection back."
     (let ((log (exchange-access-log ex)))
       (when log
         (log-access log ex status
-                    (cond ((or (exchange-head-p ex) (no-body-status-p status)) 0)
+                    (cond (bodiless 0)
                           (length (ignore-errors (parse-integer length)))))))
     (flet ((send (write last)
              ;; Call WRITE (it writes on C) with C claimed (CLAIM), then
@@ -194,7 +198,7 @@ is finished, or failed), finish it; else give the connection back."
       (lambda (data &key close)
         (unless closed
           (send (lambda ()
-                  (when (and data (not (exchange-head-p ex)))
+                  (when (and data (not bodiless))
                     (let ((octets (body-octets data)))
                       (if chunked
                           (write-chunk c octets)

@@ -330,6 +330,80 @@ lower case, one with an extension), then the last chunk and a trailer."
 (test heads-and-bodies-under-the-minimum-rate-get-408-easy-acceptor
   (check-under-the-minimum-rate :easy))
 
+;;; The rate counts every octet of a body, those that came with its head too:
+;;; the deadline the engine computed is read from its connection.
+
+(defun front-end-engine (server)
+  "The engine under SERVER, a native server or a Gallop acceptor."
+  (if (typep server 'hunchentoot:acceptor)
+      (gallop::taskmaster-engine (gallop::acceptor-gallop-taskmaster server))
+      (gallop::server-engine server)))
+
+(defun find-connection (server predicate)
+  "A connection of SERVER's engine that satisfies PREDICATE, once one does
+\(NIL after WAIT-UNTIL's timeout)."
+  (let ((found nil))
+    (wait-until (lambda ()
+                  (setf found (find-if (lambda (c) (and c (funcall predicate c)))
+                                       (gallop.core::engine-table (front-end-engine server))))))
+    found))
+
+(defun check-body-octets-with-the-head-count (kind streamed)
+  ;; 4,500 body octets of 60,000 in the write of the head, then a pause: at
+  ;; 240 octets a second they buy 18,750 ms from the start of the body,
+  ;; past the grace of 1 s (the deadline with them uncounted).  The engine
+  ;; reads the body first (its connection parked in epoll until that
+  ;; deadline) or the handler reads it (waiting at most until it); then
+  ;; the rest comes, and the body is echoed whole.
+  (with-gather-front-end (port server kind `(:header-timeout 60 :read-timeout 60
+                                             :min-data-rate 240 :min-data-rate-grace 1
+                                             ,@(and streamed
+                                                    (list :streamed-bodies (constantly t)))))
+    (let ((socket (connect port))
+          (body (gather-octets 60000))
+          (what (format nil "~(~A~), ~:[read first~;streamed~]" kind streamed)))
+      (unwind-protect
+           (progn
+             (send-octets socket (concatenate '(vector (unsigned-byte 8))
+                                              (octets (crlf "POST /gather-echo HTTP/1.1" "Host: x"
+                                                            "Content-Length: 60000"))
+                                              (subseq body 0 4500)))
+             (let ((c (find-connection server
+                                       (lambda (c)
+                                         (and (plusp (gallop.core::conn-slot c gallop.core::rate-start))
+                                              (if streamed
+                                                  (= 4500 (gallop.core::conn-slot c gallop.core::rate-octets))
+                                                  ;; Parked with all 4,500 in its spool.
+                                                  (and (gallop.core::conn-slot c gallop.core::gathering)
+                                                       (eq :parked (gallop.core::connection-state c))
+                                                       (= 4500 (gallop.core::spool-fill
+                                                                (gallop.core::conn-slot
+                                                                 c gallop.core::spool))))))))))
+               (if (null c)
+                   (fail "~A: no connection reading the body: ~S" what (gallop:stats server))
+                   (let ((start (gallop.core::conn-slot c gallop.core::rate-start)))
+                     (is (= 4500 (gallop.core::conn-slot c gallop.core::rate-octets)) "~A: ~D octets counted"
+                         what (gallop.core::conn-slot c gallop.core::rate-octets))
+                     (is (eql (+ start 18750) (gallop.core::body-rate-deadline c))
+                         "~A: rate deadline ~D ms after the body began" what
+                         (- (gallop.core::body-rate-deadline c) start))
+                     (unless streamed
+                       (is (= (+ start 18750) (gallop.core::connection-deadline c))
+                           "~A: parked until ~D ms after the body began" what
+                           (- (gallop.core::connection-deadline c) start))))))
+             (send-octets socket body :start 4500)
+             (check-echo what (read-wire-or-error socket :persistent t) body))
+        (usocket:socket-close socket)))
+    (is (zerop (stat server :slow-clients)) "~(~A~): ~S" kind (gallop:stats server))))
+
+(test body-octets-with-the-head-count-toward-the-rate-native
+  (check-body-octets-with-the-head-count :native nil)
+  (check-body-octets-with-the-head-count :native t))
+
+(test body-octets-with-the-head-count-toward-the-rate-easy-acceptor
+  (check-body-octets-with-the-head-count :easy nil)
+  (check-body-octets-with-the-head-count :easy t))
+
 (defun check-a-streamed-body-under-the-rate (kind)
   ;; A body streamed to its handler (:STREAMED-BODIES) that stops: the
   ;; handler's read ends with 408, and the connection closes.

@@ -112,6 +112,41 @@ read strictly."
       (is (equal "POST|1|two!" (wire-body-string form)))
       (is (and (wire-flag-p last :eof) (equal "plain last" (wire-body-string last)))))))
 
+(defun exchange-head-then-get (port)
+  "HEAD /wire/stream and a GET pipelined behind it in one write to PORT: the
+two responses, read strictly, the second the last on the connection."
+  (let ((socket (connect port)))
+    (unwind-protect
+         (progn
+           (send socket (concatenate 'string
+                                     (crlf "HEAD /wire/stream HTTP/1.1" "Host: h")
+                                     (crlf "GET /wire/plain?x=after HTTP/1.1" "Host: h"
+                                           "Connection: close")))
+           (list (read-wire-or-error socket :head-request t :persistent t)
+                 (read-wire-or-error socket :close t)))
+      (usocket:socket-close socket))))
+
+(test hunchentoot-head-of-a-streamed-answer-keeps-the-connection
+  ;; SEND-HEADERS answering HEAD: the head alone (stock Hunchentoot names
+  ;; the chunked coding a GET would get, and sends no chunk), and the
+  ;; request pipelined behind it is answered; the bytes stock writes.
+  (let ((stock (with-server (server 'hunchentoot:easy-acceptor)
+                 (exchange-head-then-get (port-of server))))
+        (gallop (with-server (server 'gallop:easy-acceptor)
+                  (exchange-head-then-get (port-of server)))))
+    (if (notevery #'wire-response-p (append stock gallop))
+        (fail "not two valid answers: stock ~A, gallop ~A" stock gallop)
+        (destructuring-bind (head get) gallop
+          (loop for s in stock
+                for g in gallop
+                do (is (string= (head-without-date s) (head-without-date g))
+                       "stock:  ~S~%gallop: ~S" (head-without-date s) (head-without-date g))
+                   (is (equal (wire-body-string s) (wire-body-string g))))
+          (is (and (= 200 (wire-status head)) (wire-flag-p head :no-body)
+                   (null (wire-header head "Connection")))
+              "~A" (head-without-date head))
+          (is (and (wire-flag-p get :eof) (equal "plain after" (wire-body-string get))))))))
+
 (hunchentoot:define-easy-handler (ht-wire-odd-values :uri "/wire/odd-values") ()
   (setf (hunchentoot:content-type*) "text/plain"
         (hunchentoot:header-out :x-lines) (format nil "one~%two~%~%three~%")

@@ -341,6 +341,51 @@
                (is (string= "chunk 0;chunk 1;chunk 2;end" (body-string r)))))
         (usocket:socket-close socket)))))
 
+(defun streaming-app (env)
+  "Streams its answer through the responder's writer, in the app's thread,
+or with /later from another one once the app returned: 200, or with /empty
+204, whose writer is given data too."
+  (let ((path (getf env :path-info)))
+    (lambda (responder)
+      (let ((writer (funcall responder (list (if (string= path "/empty") 204 200)
+                                             '(:content-type "text/plain")))))
+        (flet ((write-all ()
+                 (funcall writer "streamed ")
+                 (funcall writer "body" :close t)))
+          (if (string= path "/later")
+              (sb-thread:make-thread #'write-all :name "later writer")
+              (write-all)))))))
+
+(test native-head-of-a-streamed-answer-keeps-the-connection
+  ;; HEAD (or a 204) answered by a streamed response, and a GET pipelined
+  ;; in the same write: the head alone, none of the writer's data, and the
+  ;; GET answered on the same connection, which then ends as it asked.
+  (with-app (server #'streaming-app)
+    (dolist (case '(("HEAD" "/") ("HEAD" "/later") ("GET" "/empty") ("POST" "/empty")))
+      (destructuring-bind (method path) case
+        (let ((socket (connect (native-port server)))
+              (what (format nil "~A ~A" method path)))
+          (unwind-protect
+               (progn
+                 (send socket (concatenate 'string
+                                           (crlf (format nil "~A ~A HTTP/1.1" method path)
+                                                 "Host: x" "Content-Length: 0")
+                                           (crlf "GET / HTTP/1.1" "Host: x" "Connection: close")))
+                 (let ((first (read-wire-or-error socket :head-request (string= method "HEAD")
+                                                         :persistent t)))
+                   (is (and (wire-response-p first)
+                            (= (if (string= path "/empty") 204 200) (wire-status first))
+                            (wire-flag-p first :no-body)
+                            (equal '("Date" "Content-Type") (mapcar #'car (wire-headers first)))
+                            (equal "text/plain" (wire-header first "Content-Type")))
+                       "~A: ~A" what (if (wire-response-p first) (latin1 (wire-head first)) first)))
+                 (let ((second (read-wire-or-error socket :close t)))
+                   (is (and (wire-response-p second) (= 200 (wire-status second))
+                            (wire-flag-p second :chunked) (wire-flag-p second :eof)
+                            (equal "streamed body" (wire-body-string second)))
+                       "~A, then GET: ~A" what second)))
+            (usocket:socket-close socket)))))))
+
 (test native-file-body-with-sendfile
   (let ((path (format nil "/tmp/gallop-test-file-~D" (sb-posix:getpid))))
     (with-open-file (out path :direction :output :element-type '(unsigned-byte 8)

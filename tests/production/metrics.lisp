@@ -220,21 +220,66 @@ GALLOP:TASKMASTER; 503 on an acceptor Gallop does not serve."
       (is (= 503 (exchange-status (metrics-exchange (port-of acceptor)
                                               (closing-get "/gallop/metrics"))))))))
 
+;;; Durations
+
+(defparameter *sleeps* 10
+  "Requests CHECK-SLEEPS-OVER-10-MS makes.")
+
+(defun check-sleeps-over-10-ms (what port server)
+  "*SLEEPS* requests to /sleep on PORT, each answered after a sleep of 10 ms,
+on a fresh SERVER: every one counted above 10 ms, none in the bucket of
+0.01, the sum at least their sleeps.  (A lower bound on a sleep holds on
+any machine; the coarse clock reads a 10 ms sleep as 8 ms about half the
+time on a 4 ms tick.)"
+  (let ((answers (loop repeat *sleeps* collect (metrics-exchange port (closing-get "/sleep")))))
+    (is (every (lambda (answer) (= 200 (exchange-status answer))) answers) "~A" what))
+  (multiple-value-bind (table error) (parse-metrics (gallop:metrics-text server))
+    (is-true table "~A: ~A" what error)
+    (when table
+      (flet ((bucket (le)
+               (metric-value table (format nil "gallop_http_request_duration_seconds_bucket{le=~A}"
+                                           le))))
+        (is (= *sleeps* (metric-value table "gallop_http_request_duration_seconds_count{}"))
+            "~A" what)
+        (is (= 0 (bucket "0.005") (bucket "0.01")) "~A: ~D of ~D counted at 10 ms or less"
+            what (bucket "0.01") *sleeps*)
+        (is (>= (metric-value table "gallop_http_request_duration_seconds_sum{}")
+                (* *sleeps* 0.010d0))
+            "~A: ~F s in all" what
+            (metric-value table "gallop_http_request_duration_seconds_sum{}"))))))
+
+(test native-durations-are-measured-to-the-microsecond
+  (with-app (server (lambda (env)
+                      (if (string= "/sleep" (getf env :path-info))
+                          (progn (sleep 0.01) '(200 (:content-type "text/plain") ("slept")))
+                          '(404 nil ("")))))
+    (check-sleeps-over-10-ms "native" (native-port server) server)))
+
+(test hunchentoot-durations-are-measured-to-the-microsecond
+  (with-globals ((hunchentoot:*dispatch-table*
+                  (list (hunchentoot:create-regex-dispatcher
+                         "^/sleep$" (lambda () (sleep 0.01) "slept")))))
+    (with-server (acceptor 'gallop:easy-acceptor)
+      (check-sleeps-over-10-ms "easy-acceptor" (port-of acceptor) acceptor))))
+
 ;;; Without a server
 
-(test duration-buckets-take-zero-and-whole-milliseconds
-  "A duration of 0 ms (a request within one tick of the coarse clock) falls
-in the first bucket, as do 1 ms; 2 ms in the bucket of 2.5 ms; past 10 s in
-the last, counted only in +Inf."
-  (flet ((bucket (ms) (gallop.core::duration-bucket ms)))
+(test duration-buckets-take-microseconds
+  "Durations are microseconds: a bucket holds those up to its bound, so
+1 ms in the first, 1.001 ms to 2.5 ms in the second, 10 ms in the bucket of
+0.01 and 10.001 ms in the next; past 10 s in the last, counted only in +Inf."
+  (flet ((bucket (us) (gallop.core::duration-bucket us)))
     (is (= 0 (bucket 0)))
-    (is (= 0 (bucket 1)))
-    (is (= 1 (bucket 2)))
-    (is (= 2 (bucket 3)))
-    (is (= 2 (bucket 5)))
-    (is (= 3 (bucket 6)))
-    (is (= 12 (bucket 10000)))
-    (is (= 13 (bucket 10001)))
+    (is (= 0 (bucket 1000)))
+    (is (= 1 (bucket 1001)))
+    (is (= 1 (bucket 2500)))
+    (is (= 2 (bucket 2501)))
+    (is (= 2 (bucket 5000)))
+    (is (= 3 (bucket 5001)))
+    (is (= 3 (bucket 10000)))
+    (is (= 4 (bucket 10001)))
+    (is (= 12 (bucket 10000000)))
+    (is (= 13 (bucket 10000001)))
     (is (= 13 (bucket most-positive-fixnum))))
   (is (equal '(0 1 2 3 4 5 6 7 7 7)
              (mapcar #'gallop.core::method-index
@@ -255,7 +300,7 @@ parses as Prometheus reads it."
                        (svref counts (+ gallop.core::+bucket-cells+ 0)) 3
                        (svref counts (+ gallop.core::+bucket-cells+ 2)) 2
                        (svref counts (+ gallop.core::+bucket-cells+ 13)) 2
-                       (svref counts gallop.core::+duration-ms-cell+) 21234
+                       (svref counts gallop.core::+duration-us-cell+) 21234567
                        (svref counts gallop.core::+bytes-in-cell+) 100
                        (svref counts gallop.core::+bytes-out-cell+) 200
                        (svref counts gallop.core::+tls-handshakes-cell+) 9)
@@ -272,7 +317,7 @@ parses as Prometheus reads it."
                     "gallop_http_request_duration_seconds_bucket{le=\"0.005\"} 5"
                     "gallop_http_request_duration_seconds_bucket{le=\"10\"} 5"
                     "gallop_http_request_duration_seconds_bucket{le=\"+Inf\"} 7"
-                    "gallop_http_request_duration_seconds_sum 21.234"
+                    "gallop_http_request_duration_seconds_sum 21.234567"
                     "gallop_http_request_duration_seconds_count 7"
                     "gallop_received_bytes_total 100" "gallop_sent_bytes_total 200"
                     "gallop_tls_handshakes_total 9" "gallop_open_connections 3"
@@ -295,4 +340,4 @@ parses as Prometheus reads it."
       (when table
         (check-metric-families "pure" table)
         (is (= 7 (metric-value table (answers-key "POST" "5xx"))))
-        (is (= 21.234d0 (metric-value table "gallop_http_request_duration_seconds_sum{}")))))))
+        (is (= 21.234567d0 (metric-value table "gallop_http_request_duration_seconds_sum{}")))))))

@@ -466,13 +466,17 @@ bounds the handler's reads of it."
 (defun begin-gathering (c)
   "Start reading C's request body before the handler (GATHER-BODY).  A
 client that sent Expect: 100-continue is told to send the body now, and the
-layers above see no such expectation left."
+layers above see no such expectation left.  The minimum data rate counts
+every octet of the body, those that came in the reads of its head too
+\(buffered after it), as GATHER-BODY-P does for a streamed body: where the
+client's writes split head and body must not move its deadline."
   (let ((now (now-ms)))
     (setf (conn-slot c spool) (make-spool)
           (conn-slot c gathering) t
           (conn-slot c progress) now
           (conn-slot c rate-start) now
-          (conn-slot c rate-octets) 0)
+          (conn-slot c rate-octets) (- (conn-slot c in-end) (conn-slot c in-start)
+                                       (conn-slot c head-left)))
     (when (conn-slot c expect-continue)
       (setf (conn-slot c expect-continue) nil)
       ;; A client gone already is found by the next read.

@@ -381,11 +381,10 @@ for the metrics, by the request's method (\"other\" before its head was
 checked) and STATUS's class, and its duration, from the head being checked
 to now (none when it never was: see COUNT-ANSWER-IN).
 Interim answers (100 Continue) are not counted; a 101 is.
-  Both ends of a duration are read on the coarse clock (NOW-MS), which
-moves a kernel tick (1 to 10 ms) at a time and costs a fraction of a
-precise read: a request begun and answered within one tick reads 0 ms, and
-so falls in the first bucket (up to 1 ms); one that spans a tick's end
-reads a tick or more, whatever it took."
+  Both ends of a duration are read on the precise clock (NOW-US): the
+coarse one moves a kernel tick (1 to 10 ms) at a time, as long as the
+durations the histogram tells apart (doc/design.md, \"Durations read the
+precise clock\")."
   (let* ((request (conn-slot c request))
          (begun (request-begun request)))
     (declare (type fixnum begun))
@@ -393,7 +392,7 @@ reads a tick or more, whatever it took."
     (count-answer-in (connection-tally c)
                      (and (plusp begun) (request-method request))
                      status
-                     (and (plusp begun) (- (the fixnum (now-ms)) begun)))))
+                     (and (plusp begun) (- (the fixnum (now-us)) begun)))))
 
 (defun count-refusal (c response)
   "Count RESPONSE, one of the engine's own answers (its status line at the

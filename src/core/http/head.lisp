@@ -317,7 +317,7 @@ gets 413."
 C's request record).  Returns the status that refuses it, or NIL.  The
 request begins here for the metrics (BEGUN, see CONNECTION-COUNT-ANSWER)."
   (with-connection-slots (inbuf in-start scan engine request) c
-    (setf (request-begun request) (now-ms)
+    (setf (request-begun request) (now-us)
           (request-answered request) nil)
     (%parse-head inbuf in-start scan request
                  (engine-methods engine) (engine-max-body-bytes engine))))

@@ -86,7 +86,7 @@ that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
   ;; The minimum data rate of a body being read (0: none applies)
   (rate-start 0 :type fixnum)
   (rate-octets 0 :type fixnum)
-  ;; For the metrics: when (NOW-MS) this request's head was complete and
+  ;; For the metrics: when (NOW-US) this request's head was complete and
   ;; checked, 0 from the end of the request until the next head is; and
   ;; whether its answer was counted (CONNECTION-COUNT-ANSWER).
   (begun 0 :type fixnum)

@@ -71,12 +71,16 @@
 ;;; from the vDSO without touching the hardware clock, several times cheaper
 ;;; than GET-INTERNAL-REAL-TIME (a precise read, then generic arithmetic).
 ;;; Their resolution, one tick (1 to 10 ms), is far below any timeout's.
+;;; A request's duration (and the due time of GALLOP:AFTER's timers, which
+;;; may be shorter than a tick) reads the precise clock, NOW-US: a tick is
+;;; as long as the durations the metrics tell apart (doc/design.md,
+;;; "Durations read the precise clock").
 
 (defconstant +clock-monotonic+ 1)
 (defconstant +clock-realtime-coarse+ 5)
 (defconstant +clock-monotonic-coarse+ 6)
 
-(declaim (inline clock-gettime now-ms unix-seconds))
+(declaim (inline clock-gettime now-ms now-us unix-seconds))
 (defun clock-gettime (clock)
   "CLOCK (a clock_gettime clock id): its seconds and nanoseconds."
   (declare (optimize speed))
@@ -92,6 +96,12 @@
   "A monotonic clock in milliseconds (coarse: one kernel tick)."
   (multiple-value-bind (seconds nanoseconds) (clock-gettime +clock-monotonic-coarse+)
     (+ (* seconds 1000) (floor nanoseconds 1000000))))
+
+(defun now-us ()
+  "The monotonic clock in microseconds (precise: CLOCK_MONOTONIC, from the
+vDSO, no allocation)."
+  (multiple-value-bind (seconds nanoseconds) (clock-gettime +clock-monotonic+)
+    (+ (* seconds 1000000) (floor nanoseconds 1000))))
 
 (defun unix-seconds ()
   "Seconds since 1970 (coarse: may lag the precise clock by a tick)."

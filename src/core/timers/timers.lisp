@@ -64,11 +64,6 @@ GALLOP:CANCEL-TIMER."
   (when (>= (timers-fd timers) 0)
     (close-fd (shiftf (timers-fd timers) -1))))
 
-(defun now-us ()
-  "The monotonic clock in microseconds (precise, not the coarse clock)."
-  (multiple-value-bind (seconds nanoseconds) (clock-gettime +clock-monotonic+)
-    (+ (* seconds 1000000) (floor nanoseconds 1000))))
-
 ;;; The heap
 
 (defun heap-up (heap i)
