@@ -763,9 +763,11 @@ setups share as they are, the others marked with their setup (MARK-LINE)."
                                 (:b (mark-line line (second setups)))))
                 (text (first setups))))))
 
-(defun write-method (out meta setups rows)
+(defun write-method (out meta setups rows &key report-name)
   "How the run of META and ROWS was done, its SETUPS' CPU policies, exact
-commands and nginx.conf; only the servers and scenarios ROWS hold."
+commands and nginx.conf; only the servers and scenarios ROWS hold.  With
+REPORT-NAME, the run's whole report, a link to it stands in for the
+commands and nginx.conf, which that report has (BENCHMARKS.md stays short)."
   (format out "### How it was run~%~%")
   (format out "- Machine: ~A, ~A cores, ~A RAM; ~A, Linux ~A.~%"
           (meta meta "cpu" "?") (meta meta "cores" "?") (meta meta "memory" "?")
@@ -819,6 +821,10 @@ commands and nginx.conf; only the servers and scenarios ROWS hold."
   (format out "~%#### Sharing two cores between load and server~%~%")
   (dolist (setup setups)
     (format out "~A~%~%" (setup-meta meta "cpu_policy" setup "?")))
+  (when report-name
+    (format out "Exact commands and nginx.conf: [the run's report](~A), \"How it was run\".~%~%"
+            report-name)
+    (return-from write-method))
   (format out "#### Exact commands~%~%")
   (when (rest setups)
     (format out "Lines marked ~{[~A]~^ or ~} belong to that setup alone.~%~%" setups))
@@ -834,7 +840,8 @@ scenario, the goals, the CPU-hog and idle-connections scenarios, failures
 and (METHOD) how the run was done.  With DETAIL, also the setups side by side
 and a table per scenario and setup (latency, errors, threads), and the hog
 and idle scenarios in full.  SVG-NAME, REPORT-NAME: links to the chart and to
-the run's whole report, when given."
+the run's whole report, when given; the link to the report stands in for the
+exact commands (WRITE-METHOD)."
   (let ((servers (servers-present rows))
         (setups (setups-present rows)))
     (format out "## Results~%~%")
@@ -922,7 +929,7 @@ the run's whole report, when given."
                   (server-label (gethash "server" r)) (gethash "status" r)))
         (terpri out)))
     (when method
-      (write-method out meta setups rows))))
+      (write-method out meta setups rows :report-name report-name))))
 
 ;;; Chart
 
