@@ -43,7 +43,7 @@ this handler's own: it sends the answer with what the handler set in
 *REPLY* (return code, headers, cookies, content type) and returns T, or NIL
 when the client went away first (nothing is sent then, nothing logged).
 What the handler returns after DEFER-REQUEST is ignored.  Not on a TLS
-connection wrapped by the acceptor itself (see the README)."
+connection wrapped by the acceptor itself (see doc/hunchentoot.md)."
   (let ((c (request-connection)))
     (unless (and c (eq c *connection*) (typep (connection-user-data c) 'connection-usocket))
       (error "GALLOP:DEFER-REQUEST needs a Hunchentoot handler served by Gallop."))

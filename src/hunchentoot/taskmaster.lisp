@@ -314,7 +314,7 @@ is set to 503 and it is \"draining\".
   ;;    it) is answered 400 or 413, like any bad request, not a logged 500;
   ;;  - a body the handler returns is written once and never touched again
   ;;    (a string is encoded afresh; an octet vector is the handler's to give
-  ;;    up, see the README): if the client does not read it at once, it
+  ;;    up, see doc/native-api.md): if the client does not read it at once, it
   ;;    waits with the connection by reference, not copied, and so holds no
   ;;    worker whatever its size (GALLOP.CORE:CONNECTION-GIVE-BODY).
   ;; (A body the handler did not read is left to Gallop: see

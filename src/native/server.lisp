@@ -69,7 +69,7 @@
                           :keep-alive keep-alive :http-1.0 (exchange-http-1.0 ex))
               (unless (or (exchange-head-p ex) (no-body-status-p status))
                 (setf sent length)
-                ;; The body is the app's to give up (README): what the client does
+                ;; The body is the app's to give up (doc/native-api.md): what the client does
                 ;; not read at once waits as it is, not copied.
                 (dolist (chunk chunks)
                   (gallop.core:connection-write-octets c chunk 0 (length chunk) :reference))))))
