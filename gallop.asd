@@ -149,6 +149,7 @@
                (:file "production/metrics")
                (:file "production/stop")
                (:file "production/access-log")
+               (:file "production/deploy")
                (:file "hunchentoot/bodies")
                (:file "hunchentoot/heads")
                (:file "hunchentoot/errors")

@@ -20,8 +20,8 @@ listening sockets (systemd's socket activation: LISTEN_FDS), the acceptor
 serves on one of them instead of binding, and its address, port, backlog
 and REUSE-PORT are the supervisor's (ACCEPTOR-PORT then reads the passed
 socket's port): T takes the one on the acceptor's port (any, when that is
-0), a string the one of that name (LISTEN_FDNAMES; an error if it is
-missing), NIL never takes one.")
+0; START signals an error when none is on it), a string the one of that
+name (LISTEN_FDNAMES; an error if it is missing), NIL never takes one.")
    (passed-fd :initform nil
               :documentation "The fd of the copy of a passed socket the acceptor
 listens on, until STOP closes it, or NIL."))
@@ -41,7 +41,8 @@ workers serves requests, and idle connections wait in epoll."))
   (let* ((activated (acceptor-activated-socket acceptor))
          (fd (and activated (gallop.core:claim-activated-socket
                              :name (and (stringp activated) activated)
-                             :port (hunchentoot:acceptor-port acceptor)))))
+                             :port (hunchentoot:acceptor-port acceptor)
+                             :address (hunchentoot:acceptor-address acceptor)))))
     (cond ((or fd (acceptor-reuse-port acceptor) (stringp activated))
            (let ((socket (if fd
                              (gallop.core:socket-of-fd fd)

@@ -399,8 +399,9 @@ kernel spreading connections across them.  When a supervisor passed this
 process listening sockets (systemd's socket activation: LISTEN_FDS), the
 server serves on one of them instead of binding, and ADDRESS, PORT, BACKLOG
 and REUSE-PORT are the supervisor's: ACTIVATED-SOCKET T (the default) takes
-the one on PORT (any, when PORT is 0), a string the one of that name
-\(LISTEN_FDNAMES, an error if it is missing), NIL never takes one.
+the one on PORT (any, when PORT is 0; an error when none is on PORT), a
+string the one of that name (LISTEN_FDNAMES, an error if it is missing),
+NIL never takes one.
 ACCESS-LOG, a file (appended to) or a stream, gets a line per answer in
 ACCESS-LOG-FORMAT: :COMBINED (nginx's and Apache's) or :JSON (one object
 a line); see access-log.lisp."

@@ -179,3 +179,55 @@ same process it serves on the socket again, on both front ends."
                  (sb-posix:close copy)
                  (gallop.core:release-activated-socket copy)))))
       (sb-bsd-sockets:socket-close socket))))
+
+(test a-server-asking-for-a-port-no-passed-socket-is-on-refuses-to-start
+  "In a process given passed sockets, a server that asks for a port none of
+them is on refuses to start, with a one-line error naming each passed
+socket's address and port and the ones asked for, on both front ends
+\(bound beside them, it would serve a port nobody connects to while the
+supervisor's socket queues connections no one accepts).  Several servers
+each on its own passed socket still serve at once, and so does a server
+told :activated-socket nil on the other port."
+  (multiple-value-bind (socket-a port-a) (make-passed-socket)
+    (multiple-value-bind (socket-b port-b) (make-passed-socket)
+      (unwind-protect
+           (with-passed-sockets ((socket-a nil) (socket-b nil))
+             (let ((other (free-port)))
+               (flet ((check (kind start stop)
+                        (let ((refusal (handler-case (progn (funcall stop (funcall start other t))
+                                                            nil)
+                                         (error (e) (princ-to-string e)))))
+                          (is (stringp refusal) "~A: a server on port ~D started" kind other)
+                          (when refusal
+                            (is (not (find #\Newline refusal)) "~A: ~S" kind refusal)
+                            (dolist (named (list (format nil "127.0.0.1:~D" other)
+                                                 (format nil "127.0.0.1:~D" port-a)
+                                                 (format nil "127.0.0.1:~D" port-b)))
+                              (is (search named refusal) "~A: ~S does not name ~A"
+                                  kind refusal named))))
+                        (let ((a (funcall start port-a t))
+                              (b nil)
+                              (own nil))
+                          (unwind-protect
+                               (progn
+                                 (setf b (funcall start port-b t)
+                                       own (funcall start other nil))
+                                 (dolist (port (list port-a port-b other))
+                                   (is (exact-answer-p (strict-get port "/yo") "Hey!")
+                                       "~A: the server on port ~D" kind port)))
+                            (when own (funcall stop own))
+                            (when b (funcall stop b))
+                            (funcall stop a)))))
+                 (check "native"
+                        (lambda (port activated)
+                          (gallop:start #'native-hey :port port :address "127.0.0.1" :log nil
+                                                     :activated-socket activated))
+                        #'gallop:stop)
+                 (check "easy-acceptor"
+                        (lambda (port activated)
+                          (hunchentoot:start (make-server 'gallop:easy-acceptor
+                                                          :port port
+                                                          :activated-socket activated)))
+                        #'hunchentoot:stop))))
+        (sb-bsd-sockets:socket-close socket-b)
+        (sb-bsd-sockets:socket-close socket-a)))))

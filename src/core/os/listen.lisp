@@ -12,6 +12,10 @@
 ;;;; of binding: the socket outlives the server and its process, so a
 ;;;; restart refuses no connection (they wait in the socket's queue), and
 ;;;; a server stopped and started again in the process finds it again.
+;;;; A server that asks for a port none of the passed sockets is on refuses
+;;;; to start, naming both: bound beside them, it would serve a port
+;;;; nobody connects to while the supervisor's socket queues connections
+;;;; no one accepts (doc/design.md, "A passed socket on another port").
 ;;;; The passed fds are made close-on-exec when read, as sd_listen_fds does,
 ;;;; so that no program the server runs holds them open; they are read when
 ;;;; a server first asks, and again after the image is saved.
@@ -54,6 +58,22 @@ and its port (for IPv4 and IPv6), or NIL when FD is not a socket."
       (when (zerop (%getsockname fd sap (sb-alien:alien-sap (sb-alien:addr len))))
         (values (sb-sys:sap-ref-16 sap 0)
                 (logior (ash (sb-sys:sap-ref-8 sap 2) 8) (sb-sys:sap-ref-8 sap 3)))))))
+
+(defun socket-address-string (fd)
+  "The address and port the socket FD is bound to, as \"127.0.0.1:8080\" or
+\"[::1]:8080\", or \"fd N\" when FD is not an IPv4 or IPv6 socket."
+  (sb-alien:with-alien ((addr (array (sb-alien:unsigned 8) 128))
+                        (len (sb-alien:unsigned 32) 128))
+    (let ((sap (sb-alien:alien-sap addr)))
+      (flet ((octets (start count)
+               (loop for i from start below (+ start count) collect (sb-sys:sap-ref-8 sap i))))
+        (multiple-value-bind (family port) (socket-family-and-port fd)
+          (if (and (eql 0 (%getsockname fd sap (sb-alien:alien-sap (sb-alien:addr len))))
+                   (member family '(2 10)))
+              (if (= family 2)
+                  (format nil "~{~D~^.~}:~D" (octets 4 4) port)
+                  (format nil "[~{~(~2,'0x~2,'0x~)~^:~}]:~D" (octets 8 16) port))
+              (format nil "fd ~D" fd)))))))
 
 (defun listening-tcp-socket-p (fd)
   "True when FD is an IPv4 or IPv6 stream socket that listens."
@@ -115,28 +135,43 @@ alone."
         when (listening-tcp-socket-p fd)
           collect (make-activated-socket fd name (nth-value 1 (socket-family-and-port fd)))))
 
-(defun claim-activated-socket (&key name port)
+(defun claim-activated-socket (&key name port address)
   "A copy (a new fd, close-on-exec) of a listening socket a supervisor passed
 this process (socket activation, see listen.lisp) that no server claimed,
 now claimed until RELEASE-ACTIVATED-SOCKET: the one named NAME when given,
-else the one on PORT (any, when PORT is 0 or NIL).  NIL when there is none."
-  (sb-thread:with-mutex (*activated-sockets-lock*)
-    (when (eq *activated-sockets* :unread)
-      (setf *activated-sockets* (read-activated-sockets)))
-    (let ((socket (find-if (lambda (socket)
-                             (and (not (activated-socket-claimed socket))
-                                  (if name
-                                      (equal name (activated-socket-name socket))
-                                      (or (member port '(nil 0))
-                                          (eql port (activated-socket-port socket))))))
-                           *activated-sockets*)))
-      (when socket
-        (let ((copy (%fcntl (activated-socket-fd socket) +f-dupfd-cloexec+ 0)))
-          (when (minusp copy)
-            (error "Copying the passed socket ~D failed: errno ~D"
-                   (activated-socket-fd socket) (%errno)))
-          (setf (activated-socket-claimed socket) copy)
-          copy)))))
+else the one on PORT (any, when PORT is 0 or NIL).  NIL when none was
+passed, or when the one of NAME or on PORT is missing or claimed.  An
+error when sockets were passed but none is on PORT (not 0 or NIL, no NAME):
+its one-line message names them and ADDRESS:PORT, the server asked for."
+  (let ((passed-elsewhere '()))
+    (sb-thread:with-mutex (*activated-sockets-lock*)
+      (when (eq *activated-sockets* :unread)
+        (setf *activated-sockets* (read-activated-sockets)))
+      (let ((socket (find-if (lambda (socket)
+                               (and (not (activated-socket-claimed socket))
+                                    (if name
+                                        (equal name (activated-socket-name socket))
+                                        (or (member port '(nil 0))
+                                            (eql port (activated-socket-port socket))))))
+                             *activated-sockets*)))
+        (when socket
+          (let ((copy (%fcntl (activated-socket-fd socket) +f-dupfd-cloexec+ 0)))
+            (when (minusp copy)
+              (error "Copying the passed socket ~D failed: errno ~D"
+                     (activated-socket-fd socket) (%errno)))
+            (setf (activated-socket-claimed socket) copy)
+            (return-from claim-activated-socket copy)))
+        (unless (or name (member port '(nil 0))
+                    (find port *activated-sockets* :key #'activated-socket-port))
+          (setf passed-elsewhere (mapcar #'activated-socket-fd *activated-sockets*)))))
+    (when passed-elsewhere
+      (error "Asked to listen on ~A:~D, but this process was passed listening ~
+              sockets (LISTEN_FDS) on ~{~A~^, ~} only: ask for ~:[that port~;one of ~
+              those ports~], or port 0 for any passed socket, or give ~
+              :activated-socket nil to bind port ~D beside them."
+             (or address "*") port (mapcar #'socket-address-string passed-elsewhere)
+             (rest passed-elsewhere) port))
+    nil))
 
 (defun release-activated-socket (copy)
   "Let another server claim the passed socket of which COPY (an fd from
@@ -181,13 +216,14 @@ SO_REUSEPORT when REUSE-PORT (and SO_REUSEADDR in any case)."
   "A listening SB-BSD-SOCKETS socket for a server, and whether a supervisor
 passed it (socket activation; the socket is then a copy, to give back with
 RELEASE-ACTIVATED-SOCKET once closed).  ACTIVATED T: a passed socket on
-PORT not claimed yet (on any port when PORT is 0), if there is one; a
-string: the passed socket of that name, an error if there is none; NIL:
+PORT not claimed yet (on any port when PORT is 0), if there is one (an
+error when sockets were passed but none is on PORT); a string: the passed socket of that name, an error if there is none; NIL:
 never a passed socket.  Otherwise a new socket bound to ADDRESS and PORT
 \(BIND-LISTEN-SOCKET, REUSE-PORT too).  A passed socket is the supervisor's:
 its address, port and options are as it made them."
   (let ((fd (and activated (claim-activated-socket
-                            :name (and (stringp activated) activated) :port port))))
+                            :name (and (stringp activated) activated) :port port
+                            :address address))))
     (cond (fd (values (socket-of-fd fd) t))
           ((stringp activated)
            (error "No listening socket named ~S was passed to this process ~
