@@ -46,11 +46,12 @@ serve: deps
 # libraries need from Debian, and the clients the tests use
 # (python3-websockets, and Chromium for examples/chat.lisp's page).  The
 # metrics tests (tests/production/metrics.lisp) parse the metrics with
-# python3-prometheus-client.
+# python3-prometheus-client; the access-log tests compare the lines with
+# Debian's nginx (tests/production/access-log.lisp; skipped without it).
 WS_DEPS = cl-ironclad cl-babel cl-swank cl-trivial-utf-8 cl-global-vars cl-trivial-features \
           cl-trivial-garbage cl-utilities cl-base64 cl-fad cl-ppcre cl-split-sequence \
           cl-trivial-backtrace cl-trivial-gray-streams cl-cffi python3-websockets chromium \
-          python3-prometheus-client
+          python3-prometheus-client nginx-light
 
 test: deps
 	@scripts/deps.sh $(WS_DEPS)

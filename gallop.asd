@@ -96,6 +96,7 @@
                (:file "taskmaster")
                (:file "defer")
                (:file "acceptor")
+               (:file "access-log")
                (:file "metrics"))
   :in-order-to ((test-op (test-op "gallop/tests"))))
 

@@ -223,6 +223,9 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
+  ;; The layer above's access log of the answers the engine writes itself
+  ;; (NOTE-REFUSAL, connection.lisp), or NIL.
+  (log-answer nil :type (or null function))
   (last-emfile-ms 0 :type fixnum)
   (timeout-line-ms 0 :type fixnum) ; see TIMEOUT-LINE-DUE
   (disk-error-ms 0 :type fixnum) ; see SPOOL-FAILED
@@ -476,6 +479,22 @@ Connection: close."
 (sb-int:defconstant-eqx +response-501+ (make-error-response 501) #'equalp)
 (sb-int:defconstant-eqx +response-505+ (make-error-response 505) #'equalp)
 (sb-int:defconstant-eqx +response-431+ (make-error-response 431) #'equalp)
+
+(defun response-status (response)
+  "The status code of RESPONSE, one of the engine's own answers."
+  (declare (type (simple-array (unsigned-byte 8) (*)) response))
+  (+ (* 100 (- (aref response 9) 48)) (* 10 (- (aref response 10) 48)) (- (aref response 11) 48)))
+
+(defun response-body-sent (response sent)
+  "The octets of RESPONSE's body (one of the engine's own answers) among its
+first SENT octets."
+  (declare (type (simple-array (unsigned-byte 8) (*)) response) (type fixnum sent))
+  (let ((head (loop for i of-type fixnum from 3 below (length response)
+                    when (and (= 10 (aref response i)) (= 13 (aref response (- i 1)))
+                              (= 10 (aref response (- i 2))) (= 13 (aref response (- i 3))))
+                      return (1+ i)
+                    finally (return (length response)))))
+    (max 0 (- (min sent (length response)) head))))
 
 (defun error-response (status)
   (ecase status

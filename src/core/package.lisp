@@ -10,7 +10,7 @@
   (:use #:common-lisp)
   (:export
    ;; pool
-   #:pool #:make-pool #:pool-start #:pool-stop
+   #:pool #:make-pool #:pool-start #:pool-stop #:pool-submit
    #:pool-thread-count #:pool-idle-count #:pool-threads
    #:pool-standby-threads #:pool-max-threads
    ;; connections (a binary Gray stream)

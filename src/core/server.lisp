@@ -13,7 +13,8 @@
 (in-package #:gallop.core)
 
 (define-settings-function make-engine ()
-    ((name "gallop") handler raw tls-context methods (retry-after 1) thread-starter log-error)
+    ((name "gallop") handler raw tls-context methods (retry-after 1) thread-starter log-error
+     log-answer)
   "Make a stopped engine, with the settings of +SETTINGS+ (settings.lisp).  HANDLER is called in a worker as (HANDLER
 CONNECTION) once a complete request head is buffered on CONNECTION (or, when
 RAW is true, once any bytes arrived: for TLS through a library above the
@@ -42,7 +43,10 @@ accepted connections no worker has served yet; beyond it (and the workers
 that could still take them) new connections get 503 with Retry-After:
 RETRY-AFTER.  HEAD-BUDGET (octets, default a quarter of the heap) bounds the
 input buffers of all connections parked with part of a request head, and
-every buffer grown for a long head; past it, such a connection gets 503."
+every buffer grown for a long head; past it, such a connection gets 503.
+LOG-ERROR is called as FORMAT is, for the engine's own errors; LOG-ANSWER,
+when given, for each answer the engine writes itself (400, 408, 413, 414,
+431, 501, 505, 503), with what is known of its request (see NOTE-REFUSAL)."
   (flet ((ms (seconds) (max 1 (round (* 1000 seconds)))))
     (let ((engine (%make-engine :name name :handler handler :raw-p raw :tls tls-context
                                 :header-timeout-ms (ms header-timeout)
@@ -74,7 +78,8 @@ every buffer grown for a long head; past it, such a connection gets 503."
                                                       (coerce streamed-bodies 'function))
                                 :min-rate (if min-data-rate (round min-data-rate) 0)
                                 :rate-grace-ms (ms min-data-rate-grace)
-                                :log-error log-error)))
+                                :log-error log-error
+                                :log-answer (and log-answer (coerce log-answer 'function)))))
       (setf (engine-pool engine)
             (make-pool :name name
                        :standby-threads (max 1 (min standby-thread-count max-thread-count))

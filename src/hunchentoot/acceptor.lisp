@@ -8,6 +8,13 @@
 
 (in-package #:gallop)
 
+(defgeneric acceptor-access-log-format (acceptor)
+  (:documentation "The lines ACCEPTOR's access log gets: :COMBINED or
+:HUNCHENTOOT (GALLOP:ACCEPTOR's :ACCESS-LOG-FORMAT; any other acceptor's
+are Hunchentoot's, see access-log.lisp).")
+  (:method ((acceptor hunchentoot:acceptor))
+    :hunchentoot))
+
 (defclass acceptor (hunchentoot:acceptor served-acceptor)
   ((reuse-port :initarg :reuse-port :initform nil :reader acceptor-reuse-port
                :documentation "True: the listen socket is bound with SO_REUSEPORT,
@@ -24,7 +31,15 @@ socket's port): T takes the one on the acceptor's port (any, when that is
 name (LISTEN_FDNAMES; an error if it is missing), NIL never takes one.")
    (passed-fd :initform nil
               :documentation "The fd of the copy of a passed socket the acceptor
-listens on, until STOP closes it, or NIL."))
+listens on, until STOP closes it, or NIL.")
+   (access-log-format :initarg :access-log-format :initform :combined
+                      :reader acceptor-access-log-format
+                      :type (member :combined :hunchentoot)
+                      :documentation "The lines of the access log
+\(:ACCESS-LOG-DESTINATION): :COMBINED, nginx's combined format, what the
+client sent escaped as nginx escapes it (access-log.lisp); :HUNCHENTOOT,
+Hunchentoot's own lines, byte for byte a stock acceptor's, the client's
+fields unescaped (a quote in a User-Agent forges the fields after it)."))
   (:default-initargs
    :taskmaster (make-instance 'taskmaster)
    ;; Connections cost no thread, so let the kernel queue a burst of them
@@ -32,6 +47,11 @@ listens on, until STOP closes it, or NIL."))
    :listen-backlog 1024)
   (:documentation "A Hunchentoot acceptor served by Gallop: an elastic pool of
 workers serves requests, and idle connections wait in epoll."))
+
+(defmethod initialize-instance :after ((acceptor acceptor) &key)
+  (unless (member (acceptor-access-log-format acceptor) '(:combined :hunchentoot))
+    (error "~S: :ACCESS-LOG-FORMAT is ~S, not :COMBINED or :HUNCHENTOOT."
+           acceptor (acceptor-access-log-format acceptor))))
 
 (defmethod hunchentoot:start-listening ((acceptor acceptor))
   ;; A socket a supervisor passed, or one bound with SO_REUSEPORT; else

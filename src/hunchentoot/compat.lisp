@@ -59,6 +59,8 @@
      "the local address string, the same" "request-loop.lisp")
     ("HUNCHENTOOT" "MAYBE-ADD-CHARSET-TO-CONTENT-TYPE-HEADER" :function
      "wrapped: remembered per content type" "memo.lisp")
+    ("HUNCHENTOOT" "*ACCESS-LOG-LOCK*" :special
+     "the lock Hunchentoot's access-log lines are written under, for Gallop's" "access-log.lisp")
     ("HUNCHENTOOT" "REQUESTS-IN-PROGRESS" :slot
      "requests in progress, counted without a lock" "in-progress.lisp")
     ("USOCKET" "REAL-ERROR" :slot
@@ -327,6 +329,19 @@ answer of its own)."
 (defun hunchentoot-keep-alive-p ()
   "After START-OUTPUT: true when Hunchentoot decided to keep the connection."
   (not (symbol-value (find-symbol "*FINISH-PROCESSING-SOCKET*" '#:hunchentoot))))
+
+;;; Hunchentoot writes each access-log line under its global lock
+;;; *ACCESS-LOG-LOCK* (internal, the same in 1.2.38 and 1.3.x).  The lines
+;;; Gallop writes to an acceptor's access log take it too, so that theirs and
+;;; Hunchentoot's never mix in one file or stream.
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (let ((symbol (find-symbol "*ACCESS-LOG-LOCK*" '#:hunchentoot)))
+    (unless (and symbol (eq :special (sb-int:info :variable :kind symbol)))
+      (error "This Hunchentoot has no special variable *ACCESS-LOG-LOCK*."))))
+
+(defun hunchentoot-access-log-lock ()
+  "The lock Hunchentoot holds while it writes an access-log line."
+  (symbol-value (find-symbol "*ACCESS-LOG-LOCK*" '#:hunchentoot)))
 
 ;;; What Hunchentoot recomputes for every request from values that change
 ;;; at most once a second or once a connection: its exported RFC-1123-DATE,

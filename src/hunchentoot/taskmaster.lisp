@@ -29,6 +29,9 @@ an acceptor to its taskmaster.")
   "The GALLOP:TASKMASTER running ACCEPTOR, or NIL."
   (values (gethash acceptor *taskmasters*)))
 
+(defun make-log-counts ()
+  (make-array 2 :element-type 'sb-ext:word :initial-element 0))
+
 (macrolet ((define-taskmaster-class (slots &rest options)
              ;; One slot per setting (GALLOP.CORE:+SETTINGS+), then SLOTS.
              `(defclass taskmaster (hunchentoot:taskmaster)
@@ -53,7 +56,11 @@ MAX-QUEUE-LENGTH to MAX-ACCEPT-COUNT - MAX-THREAD-COUNT.")
        (listener :initform nil
                  :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
 when the acceptor is not a GALLOP:ACCEPTOR.")
-       (soft-stop :initform nil :accessor taskmaster-soft-stop))
+       (soft-stop :initform nil :accessor taskmaster-soft-stop)
+       (log-counts :initform (make-log-counts) :accessor taskmaster-log-counts
+                   :documentation "Lines of the engine's own answers handed to the pool
+and not written yet, and lines dropped (access-log.lisp), since the engine
+started: a vector of two words."))
     (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
@@ -92,7 +99,8 @@ new connections get 503.")
 
 (defmethod stats ((tm taskmaster))
   (let ((engine (taskmaster-engine tm)))
-    (and engine (gallop.core:engine-stats engine))))
+    (and engine (append (gallop.core:engine-stats engine)
+                        (list :access-log-dropped (aref (taskmaster-log-counts tm) 1))))))
 
 (defmethod server-pool ((tm taskmaster))
   (let ((engine (taskmaster-engine tm)))
@@ -191,6 +199,9 @@ first.  The default method says NIL.")
              :log-error (lambda (format-control &rest args)
                           (apply #'hunchentoot:acceptor-log-message acceptor :error
                                  format-control args))
+             ;; The answers the engine writes itself (access-log.lisp).
+             :log-answer (lambda (c status bytes buffer start end)
+                           (log-answer-line tm acceptor c status bytes buffer start end))
              :header-timeout (or (setting-of header-timeout) read-timeout)
              :idle-timeout (or (setting-of idle-timeout) read-timeout)
              :read-timeout read-timeout
@@ -205,8 +216,11 @@ first.  The default method says NIL.")
 (defmethod hunchentoot:execute-acceptor ((tm taskmaster))
   (let* ((acceptor (serve-with-gallop (hunchentoot:taskmaster-acceptor tm)))
          (engine (make-taskmaster-engine tm acceptor)))
+    ;; Fresh counts: a line the last engine's pool never wrote stays
+    ;; counted in the old vector.
     (setf (slot-value tm 'engine) engine
-          (taskmaster-soft-stop tm) nil)
+          (taskmaster-soft-stop tm) nil
+          (taskmaster-log-counts tm) (make-log-counts))
     (setf (gethash acceptor *taskmasters*) tm)
     (cond ((typep acceptor 'acceptor)
            (gallop.core:engine-start
@@ -239,7 +253,10 @@ first.  The default method says NIL.")
          (close-hook (lambda () (usocket:socket-close socket))))
     (cond ((null engine) (funcall close-hook))
           ((gallop.core:engine-overloaded-p engine)
-           (gallop.core:engine-shed-fd engine fd :close-hook close-hook))
+           (multiple-value-bind (address port)
+               (ignore-errors (usocket:get-peer-name socket))
+             (gallop.core:engine-shed-fd engine fd :close-hook close-hook
+                                                   :remote-address address :remote-port port)))
           (t
            (multiple-value-bind (address port)
                (ignore-errors (usocket:get-peer-name socket))

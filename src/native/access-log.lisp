@@ -1,6 +1,8 @@
-;;;; access-log.lisp -- the native API's access log: one line per answer, in
-;;;; the Combined Log Format nginx and Apache write, or as JSON lines, to a
-;;;; file or a stream (GALLOP:START's :ACCESS-LOG).
+;;;; access-log.lisp -- the native API's access log: one line per answer,
+;;;; the engine's own included (LOG-ENGINE-ANSWER), in the Combined Log
+;;;; Format nginx and Apache write, or as JSON lines, to a file or a stream
+;;;; (GALLOP:START's :ACCESS-LOG).  The Hunchentoot layer makes its combined
+;;;; lines here too (FILL-LOG-LINE).
 ;;;;
 ;;;; Off the request path: a worker makes its line (octets, escaped so that
 ;;;; a client can neither break a line nor forge one) and appends it to a
@@ -263,17 +265,53 @@ ISO 8601's) as octets: made once a second, replaced whole.")
             (setf *log-second* (cons now (cons clf iso)))
             (values clf iso))))))
 
+;;; What a line escapes.  Every string a line carries from a request is its
+;;; octets, one character each (heads are read as Latin-1); each is escaped
+;;; so that a client can neither break a line nor forge a field:
+;;;  - :CLF (the combined format), as nginx's escape=default: `"`, `\`, and
+;;;    the octets below 32 or above 126 as \xHH;
+;;;  - :JSON, the octets read as UTF-8: a valid sequence (RFC 3629: shortest
+;;;    form, no surrogate, nothing past U+10FFFF) is copied as it is, JSON
+;;;    text being UTF-8; `"` and `\` are \" and \\; control octets (below 32,
+;;;    and 127) and every octet that begins no valid sequence are \u00HH, so
+;;;    an invalid octet reads back as the character of its number, as the
+;;;    combined format's \xHH does (doc/design.md, "JSON access-log lines
+;;;    read the request as UTF-8").
+;;; A character past 255 (none comes from a request head) is "?".
+
 (defun ascii-octets (string)
   (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
 
-(defmacro with-line-writer ((put put-octets put-escaped) buffer &body body)
+(declaim (inline utf-8-sequence-length))
+(defun utf-8-sequence-length (string i end)
+  "The length of the valid UTF-8 sequence (RFC 3629, table in section 4)
+whose octets, the codes of STRING's characters, begin at I before END; NIL
+when none begins there."
+  (declare (type string string) (type fixnum i end))
+  (flet ((octet (k)
+           (declare (type fixnum k))
+           (if (< k end) (char-code (char string k)) 0)))
+    (declare (inline octet))
+    (macrolet ((in (k low high) `(<= ,low (octet (+ i ,k)) ,high)))
+      (let ((lead (octet i)))
+        (cond ((<= #xC2 lead #xDF) (and (in 1 #x80 #xBF) 2))
+              ((= lead #xE0) (and (in 1 #xA0 #xBF) (in 2 #x80 #xBF) 3))
+              ((= lead #xED) (and (in 1 #x80 #x9F) (in 2 #x80 #xBF) 3))
+              ((<= #xE1 lead #xEF) (and (in 1 #x80 #xBF) (in 2 #x80 #xBF) 3))
+              ((= lead #xF0) (and (in 1 #x90 #xBF) (in 2 #x80 #xBF) (in 3 #x80 #xBF) 4))
+              ((<= #xF1 lead #xF3) (and (in 1 #x80 #xBF) (in 2 #x80 #xBF) (in 3 #x80 #xBF) 4))
+              ((= lead #xF4) (and (in 1 #x80 #x8F) (in 2 #x80 #xBF) (in 3 #x80 #xBF) 4))
+              (t nil))))))
+
+(defmacro with-line-writer ((put put-octets put-text) buffer &body body)
   "BODY with LINE, the octet vector BUFFER (long enough: the caller made sure
 of it), and local functions that append to it: PUT an octet, PUT-OCTETS an
-octet vector, PUT-ESCAPED a string escaped for STYLE :CLF or :JSON.  Returns the line and its length."
+octet vector, PUT-TEXT a string from a request escaped for STYLE :CLF or
+:JSON (see above).  Returns the line and its length."
   `(let ((line ,buffer)
          (at 0))
      (declare (type (simple-array (unsigned-byte 8) (*)) line) (type fixnum at)
-              ;; No bounds checks: BUFFER is as long as LOG-ACCESS-LINE's
+              ;; No bounds checks: BUFFER is as long as LOG-LINE-SIZE's
               ;; bound, every part of the line counted at its longest.
               (optimize speed (safety 0)))
      (labels ((,put (octet)
@@ -288,33 +326,44 @@ octet vector, PUT-ESCAPED a string escaped for STYLE :CLF or :JSON.  Returns the
                 (declare (type simple-string digits) (type (unsigned-byte 8) code))
                 (,put (char-code (schar digits (ldb (byte 4 4) code))))
                 (,put (char-code (schar digits (ldb (byte 4 0) code)))))
-              (put-code (code style)
+              (put-clf (code)
                 (declare (type fixnum code))
-                (cond ((> code 255)
-                       ;; Not from a request head (read as Latin-1): an app's.
-                       (,put 63))
-                      ((and (<= 32 code 126) (/= code 34) (/= code 92))
-                       (,put code))
-                      ((eq style :json)
-                       (if (or (= code 34) (= code 92))
-                           (progn (,put 92) (,put code))
-                           ;; \u00XX: the octet (heads are read as Latin-1)
-                           (progn (,put 92) (,put 117) (,put 48) (,put 48)
-                                  (hex "0123456789abcdef" (logand code 255)))))
-                      (t
-                       ;; nginx's escape=default: \xHH
-                       (,put 92) (,put 120)
-                       (hex "0123456789ABCDEF" (logand code 255)))))
-              (,put-escaped (string style)
-                (typecase string
-                  ((simple-array character (*))
-                   (loop for char across string do (put-code (char-code char) style)))
-                  (simple-base-string
-                   (loop for char across string do (put-code (char-code char) style)))
-                  (t (loop for char across (the string string)
-                           do (put-code (char-code char) style))))))
-       (declare (inline ,put ,put-octets hex put-code)
-                (ignorable #',put-octets #',put-escaped))
+                (cond ((> code 255) (,put 63))
+                      ((and (<= 32 code 126) (/= code 34) (/= code 92)) (,put code))
+                      ;; nginx's escape=default: \xHH
+                      (t (,put 92) (,put 120) (hex "0123456789ABCDEF" code))))
+              (put-json-ascii (code)
+                (declare (type (integer 0 127) code))
+                (cond ((or (= code 34) (= code 92)) (,put 92) (,put code))
+                      ((and (<= 32 code) (/= code 127)) (,put code))
+                      (t (put-u00 code))))
+              (put-u00 (code)
+                (declare (type (unsigned-byte 8) code))
+                (,put 92) (,put 117) (,put 48) (,put 48) (hex "0123456789abcdef" code))
+              (,put-text (string style)
+                (macrolet ((walk (type)
+                             `(let ((s string)
+                                    (i 0))
+                                (declare (type ,type s) (type fixnum i))
+                                (if (eq style :clf)
+                                    (loop for char across s do (put-clf (char-code char)))
+                                    (let ((n (length s)))
+                                      (loop while (< i n)
+                                            do (let ((code (char-code (char s i))))
+                                                 (cond ((< code 128) (put-json-ascii code) (incf i))
+                                                       ((> code 255) (,',put 63) (incf i))
+                                                       (t (let ((k (utf-8-sequence-length s i n)))
+                                                            (if k
+                                                                (loop repeat k
+                                                                      do (,',put (char-code (char s i)))
+                                                                         (incf i))
+                                                                (progn (put-u00 code) (incf i)))))))))))))
+                  (typecase string
+                    ((simple-array character (*)) (walk (simple-array character (*))))
+                    (simple-base-string (walk simple-base-string))
+                    (t (walk string))))))
+       (declare (inline ,put ,put-octets hex put-clf put-json-ascii)
+                (ignorable #',put-octets #',put-text))
        ,@body
        (values line at))))
 
@@ -324,8 +373,8 @@ octet vector, PUT-ESCAPED a string escaped for STYLE :CLF or :JSON.  Returns the
 
 (declaim (inline escaped-size))
 (defun escaped-size (string)
-  "The most octets STRING may take escaped (six a character)."
-  (* 6 (length (the string string))))
+  "The most octets STRING (or NIL) may take escaped (six a character)."
+  (if string (the fixnum (* 6 (length (the string string)))) 0))
 
 (defun name-octets (symbol)
   "SYMBOL's name as octets, kept on its property list: a method or protocol
@@ -334,6 +383,116 @@ keyword (a token of the request line: nothing in it is escaped)."
       (setf (get symbol 'log-octets)
             (map '(simple-array (unsigned-byte 8) (*)) (lambda (c) (logand 255 (char-code c)))
                  (symbol-name symbol)))))
+
+(defun basic-auth-user (value)
+  "The user name in the Authorization header VALUE (its octets as
+characters), read as nginx reads $remote_user: \"Basic \" in any case, then
+spaces, then base64 up to the first \"=\" (the rest ignored), decoded, up to
+its first colon.  NIL (logged \"-\") when there is no such name: another
+scheme, a character outside base64's alphabet or 4n+1 of them before the
+\"=\", no colon, or nothing before it."
+  (declare (type string value))
+  (let ((n (length value)))
+    (when (and (>= n 6) (string-equal "Basic " value :end2 6))
+      (let* ((start (or (position #\Space value :start 6 :test-not #'char=) n))
+             (end (or (position #\= value :start start) n))
+             (count (- end start)))
+        (flet ((digit (char)
+                 (let ((code (char-code char)))
+                   (cond ((<= 65 code 90) (- code 65))
+                         ((<= 97 code 122) (- code 71))
+                         ((<= 48 code 57) (+ code 4))
+                         ((= code 43) 62)
+                         ((= code 47) 63)))))
+          (when (and (plusp count) (/= 1 (mod count 4))
+                     (loop for i from start below end always (digit (char value i))))
+            (let ((octets (make-array (floor (* 3 count) 4) :element-type '(unsigned-byte 8)))
+                  (bits 0) (held 0) (k 0))
+              (declare (type fixnum bits held k))
+              (loop for i from start below end
+                    do (setf bits (logior (ash (logand bits #xffff) 6) (digit (char value i))))
+                       (incf held 6)
+                       (when (>= held 8)
+                         (decf held 8)
+                         (setf (aref octets k) (ldb (byte 8 held) bits))
+                         (incf k)))
+              (let ((colon (position 58 octets :end k)))
+                (when (and colon (plusp colon))
+                  (map 'string #'code-char (subseq octets 0 colon)))))))))))
+
+(declaim (inline log-line-size))
+(defun log-line-size (address user method uri protocol referer agent)
+  "The most octets the line of these parts can take (see FILL-LOG-LINE): the
+fixed parts (a JSON line's names, the time, the status and a fixnum of
+octets, under 256 octets) and each variable part escaped."
+  (the fixnum (+ 320 (escaped-size address) (escaped-size user) (escaped-size uri)
+                 (escaped-size referer) (escaped-size agent)
+                 (if method (length (symbol-name method)) 0)
+                 (if protocol (length (symbol-name protocol)) 0))))
+
+(defun fill-log-line (buffer format address user method uri protocol status bytes referer agent)
+  "Write the access-log line (its newline included) of an answer into
+BUFFER (LOG-LINE-SIZE octets at least); return BUFFER and the line's length.
+FORMAT is :COMBINED or :JSON; ADDRESS the peer's; USER the Basic
+authentication's user name, or NIL; METHOD and PROTOCOL symbols and URI the
+request target, or when METHOD is NIL, URI the request line as received
+\(NIL: nothing came), for an answer the engine wrote itself; STATUS; BYTES
+of body sent, or NIL when not known; REFERER and AGENT the header values, or
+NIL when the request had none.  Strings from the request are escaped (see
+above).  An absent field is \"-\" in the combined format, as nginx writes
+it, and a present but empty one \"\"; in JSON both are \"\", as in nginx's,
+and the request line of an answer of the engine's goes in \"request\",
+method, uri and protocol being null."
+  (declare (optimize speed) (type (or null string) user uri referer agent)
+           (type string address) (type symbol method protocol)
+           (type fixnum status) (type (or null fixnum) bytes))
+  (multiple-value-bind (clf iso) (log-time-stamps)
+    (declare (type (simple-array (unsigned-byte 8) (*)) clf iso))
+    (with-line-writer (put put-octets put-text) buffer
+      (flet ((put-decimal (n)
+               (setf at (gallop.core:put-decimal line at n))))
+        (ecase format
+          (:combined
+           ;; ADDRESS - USER [TIME] "METHOD URI PROTOCOL" STATUS BYTES "REFERER" "AGENT"
+           (put-text address :clf)
+           (put-octets (text-octets " - "))
+           (if user (put-text user :clf) (put 45))
+           (put-octets (text-octets " [")) (put-octets clf) (put-octets (text-octets "] \""))
+           (cond (method
+                  (put-octets (name-octets method)) (put 32) (put-text uri :clf) (put 32)
+                  (put-octets (name-octets protocol)))
+                 (uri (put-text uri :clf))
+                 (t (put 45)))
+           (put-octets (text-octets "\" "))
+           (put-decimal status) (put 32)
+           (if bytes (put-decimal bytes) (put 45))
+           (put-octets (text-octets " \""))
+           (if referer (put-text referer :clf) (put 45))
+           (put-octets (text-octets "\" \""))
+           (if agent (put-text agent :clf) (put 45))
+           (put 34))
+          (:json
+           (put-octets (text-octets "{\"time\":\"")) (put-octets iso)
+           (put-octets (text-octets "\",\"remote_addr\":\"")) (put-text address :json)
+           (put-octets (text-octets "\",\"remote_user\":\"")) (when user (put-text user :json))
+           (cond (method
+                  (put-octets (text-octets "\",\"method\":\"")) (put-octets (name-octets method))
+                  (put-octets (text-octets "\",\"uri\":\"")) (put-text uri :json)
+                  (put-octets (text-octets "\",\"protocol\":\"")) (put-octets (name-octets protocol))
+                  (put-octets (text-octets "\",\"status\":")))
+                 (t
+                  (put-octets (text-octets "\",\"method\":null,\"uri\":null,\"protocol\":null,\"request\":"))
+                  (if uri
+                      (progn (put 34) (put-text uri :json) (put 34))
+                      (put-octets (text-octets "null")))
+                  (put-octets (text-octets ",\"status\":"))))
+           (put-decimal status)
+           (put-octets (text-octets ",\"bytes\":"))
+           (if bytes (put-decimal bytes) (put-octets (text-octets "null")))
+           (put-octets (text-octets ",\"referer\":\"")) (when referer (put-text referer :json))
+           (put-octets (text-octets "\",\"user_agent\":\"")) (when agent (put-text agent :json))
+           (put-octets (text-octets "\"}"))))
+        (put 10)))))
 
 (defun log-access (log ex status bytes)
   "Queue LOG's line for the answer STATUS, BYTES octets of body (NIL: not
@@ -345,70 +504,77 @@ counted: the answer never suffers for its log."
             (uri (exchange-uri ex)) (protocol (exchange-protocol ex)))
         (if (and (stringp address) (symbolp method) (stringp uri) (symbolp protocol))
             (log-access-line log address method uri protocol
-                             (or (exchange-agent ex) "") (or (exchange-referer ex) "")
+                             (exchange-agent ex) (exchange-referer ex) (exchange-authorization ex)
                              status bytes)
             (sb-ext:atomic-incf (access-log-dropped log))))
     (error ()
       (sb-ext:atomic-incf (access-log-dropped log))))
   nil)
 
-(defun log-access-line (log address method uri protocol agent referer status bytes)
+(defun head-log-fields (buffer request)
+  "The User-Agent, Referer and Authorization values (or NIL) of the checked
+head REQUEST in BUFFER, repeated fields joined by \", \" as MAKE-ENV does."
+  (let ((agent nil) (referer nil) (authorization nil))
+    (gallop.core:do-request-fields (name-start name-end value-start value-end) request
+      (flet ((join (old)
+               (let ((value (latin1-string buffer value-start value-end)))
+                 (if old (concatenate 'string old ", " value) value))))
+        (gallop.core:octets-case (buffer name-start name-end :ignore-case t)
+          ("user-agent" (setf agent (join agent)))
+          ("referer" (setf referer (join referer)))
+          ("authorization" (setf authorization (join authorization))))))
+    (values agent referer authorization)))
+
+(defun log-engine-answer (log c status bytes buffer start end)
+  "LOG's line for an answer the engine wrote itself on C (GALLOP.CORE:MAKE-
+ENGINE's LOG-ANSWER): STATUS, BYTES octets of its body sent, and the
+request line received, BUFFER[START,END) (BUFFER NIL: none).  A head the
+engine had accepted (its body failed) is logged as any request; else the
+line as received.  In whatever thread wrote the answer: a worker puts it in
+its ring, another thread (the housekeeper's 408 and 503) on the queue, both
+bounded as any line is."
+  (handler-case
+      (let ((address (remote-address-string c))
+            (request (gallop.core:connection-request c)))
+        (if (and buffer (gallop.core:connection-head-pending-p c))
+            (multiple-value-bind (agent referer authorization) (head-log-fields buffer request)
+              (log-access-line log address (gallop.core:request-method request)
+                               (latin1-string buffer (gallop.core:request-target-start request)
+                                              (gallop.core:request-target-end request))
+                               (if (zerop (gallop.core:request-minor request)) :http/1.0 :http/1.1)
+                               agent referer authorization status bytes))
+            (log-access-line log address nil (and buffer (latin1-string buffer start end)) nil
+                             nil nil nil status bytes)))
+    (error ()
+      (sb-ext:atomic-incf (access-log-dropped log))))
+  nil)
+
+(defun log-access-line (log address method uri protocol agent referer authorization status bytes)
+  "Make LOG's line (FILL-LOG-LINE; AUTHORIZATION the header's value, or NIL)
+and queue it."
   (declare (optimize speed))
-  (let* ((method (name-octets method))
-         (protocol (name-octets protocol))
+  (let* ((user (and authorization (basic-auth-user authorization)))
          (status (if (typep status '(integer 0 999)) status 500))
          (bytes (and (typep bytes '(integer 0 #.most-positive-fixnum)) bytes))
-         ;; The fixed parts (a JSON line's names, the time, the status and
-         ;; a fixnum of octets: 153 octets) and every variable part escaped.
-         (size (+ 256 (escaped-size referer) (escaped-size agent) (escaped-size uri)
-                  (escaped-size address) (length method) (length protocol))))
+         (size (log-line-size address user method uri protocol referer agent))
+         (format (access-log-format log)))
     (declare (type fixnum size))
-    (multiple-value-bind (clf iso) (log-time-stamps)
-      (flet ((fill-line (buffer)
-              (with-line-writer (put put-octets put-escaped) buffer
-                (flet ((put-decimal (n)
-                         (setf at (gallop.core:put-decimal line at n))))
-                  (ecase (access-log-format log)
-                    (:combined
-                     ;; ADDRESS - - [TIME] "METHOD URI PROTOCOL" STATUS BYTES "REFERER" "AGENT"
-                     (put-escaped address :clf)
-                     (put-octets (text-octets " - - [")) (put-octets clf) (put-octets (text-octets "] \""))
-                     (put-octets method) (put 32) (put-escaped uri :clf) (put 32)
-                     (put-octets protocol) (put-octets (text-octets "\" "))
-                     (put-decimal status) (put 32)
-                     (if bytes (put-decimal bytes) (put 45))
-                     ;; An absent field is "-", as nginx writes it.
-                     (put-octets (text-octets " \""))
-                     (if (plusp (length (the string referer))) (put-escaped referer :clf) (put 45))
-                     (put-octets (text-octets "\" \""))
-                     (if (plusp (length (the string agent))) (put-escaped agent :clf) (put 45))
-                     (put 34))
-                    (:json
-                     (put-octets (text-octets "{\"time\":\"")) (put-octets iso)
-                     (put-octets (text-octets "\",\"remote_addr\":\"")) (put-escaped address :json)
-                     (put-octets (text-octets "\",\"method\":\"")) (put-octets method)
-                     (put-octets (text-octets "\",\"uri\":\"")) (put-escaped uri :json)
-                     (put-octets (text-octets "\",\"protocol\":\"")) (put-octets protocol)
-                     (put-octets (text-octets "\",\"status\":")) (put-decimal status)
-                     (put-octets (text-octets ",\"bytes\":"))
-                     (if bytes (put-decimal bytes) (put-octets (text-octets "null")))
-                     (put-octets (text-octets ",\"referer\":\"")) (put-escaped referer :json)
-                     (put-octets (text-octets "\",\"user_agent\":\"")) (put-escaped agent :json)
-                     (put-octets (text-octets "\"}"))))
-                  (put 10)))))
-        ;; Made on the stack, kept at its length: a line costs the heap
-        ;; only its own octets, for as long as it waits.  A long one (a
-        ;; long target or header can make it 6 times as long escaped) is
-        ;; made where it stays.
-        (let ((locals gallop.core:*worker-locals*))
-          (if (and locals (<= size 8192))
-              (let ((scratch (make-array size :element-type '(unsigned-byte 8))))
-                (declare (dynamic-extent scratch))
-                (multiple-value-bind (scratch length) (fill-line scratch)
-                  (ring-put log (worker-ring log locals) scratch length)))
-              (multiple-value-bind (line length)
-                  (fill-line (make-array size :element-type '(unsigned-byte 8)))
-                (queue-put log (subseq line 0 length) length))))))
+    ;; Made on the stack, kept at its length: a line costs the heap only
+    ;; its own octets, for as long as it waits.  A long one (a long target
+    ;; or header can make it 6 times as long escaped) is made where it
+    ;; stays.
+    (let ((locals gallop.core:*worker-locals*))
+      (if (and locals (<= size 8192))
+          (let ((scratch (make-array size :element-type '(unsigned-byte 8))))
+            (declare (dynamic-extent scratch))
+            (multiple-value-bind (scratch length)
+                (fill-log-line scratch format address user method uri protocol status bytes
+                               referer agent)
+              (ring-put log (worker-ring log locals) scratch length)))
+          (multiple-value-bind (line length)
+              (fill-log-line (make-array size :element-type '(unsigned-byte 8)) format address
+                             user method uri protocol status bytes referer agent)
+            (queue-put log (subseq line 0 length) length))))
     nil))
 
 (defun worker-ring (log locals)

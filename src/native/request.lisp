@@ -148,23 +148,27 @@ HOST (see HOST-VALUE)."
             (setf (server-host-memo server) (make-host-memo host name)))
           name))))
 
+(defun address-string (address)
+  "The peer ADDRESS (octets, as accept gave it, or NIL) as a string: dotted
+for IPv4, eight groups of hex digits for IPv6."
+  (coerce (cond ((null address) "0.0.0.0")
+                ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
+                (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))
+          'simple-string))
+
 (defun remote-address-string (c)
   "The peer address of C as a string, made once per connection and kept as
 its user data."
   (or (gallop.core:connection-user-data c)
-      (let ((address (connection-remote-address c)))
-        (setf (gallop.core:connection-user-data c)
-              (coerce (cond ((null address) "0.0.0.0")
-                            ((= (length address) 4) (format nil "~{~D~^.~}" (coerce address 'list)))
-                            (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}" (coerce address 'list))))
-                      'simple-string)))))
+      (setf (gallop.core:connection-user-data c)
+            (address-string (connection-remote-address c)))))
 
 (defun make-env (server c)
   "The environment property list of the request C serves, built from its
 record (GALLOP.CORE:REQUEST, read once by the core, never scanned again
 here), and whether the client wants the connection kept alive, and whether
-it is HTTP/1.0, and whether it expects 100-continue, and its User-Agent and
-Referer (or NIL)."
+it is HTTP/1.0, and whether it expects 100-continue, and its User-Agent,
+Referer and Authorization (or NIL), for the access log."
   (let ((buffer (gallop.core:connection-head c)))
     (declare (type octets buffer))
     (let* ((r (gallop.core:connection-request c))
@@ -180,7 +184,8 @@ Referer (or NIL)."
            (content-type nil)
            (host nil)
            (agent nil)                  ; for the access log, without a lookup
-           (referer nil))
+           (referer nil)
+           (authorization nil))
       (declare (type fixnum target-start target-end query-start fields))
       ;; header fields: lower-case names; repeated fields joined with ", "
       (gallop.core:do-request-fields (name-start name-end value-start value-end) r
@@ -203,7 +208,9 @@ Referer (or NIL)."
                 ((eq name (load-time-value (common-header-name "user-agent") t))
                  (setf agent joined))
                 ((eq name (load-time-value (common-header-name "referer") t))
-                 (setf referer joined)))))
+                 (setf referer joined))
+                ((eq name (load-time-value (common-header-name "authorization") t))
+                 (setf authorization joined)))))
       (let* ((keep-alive (and (gallop.core:request-keep-alive r)
                               (not (gallop.core:connection-close-after-p c))))
              (env (list :request-method (gallop.core:request-method r)
@@ -224,4 +231,4 @@ Referer (or NIL)."
                         :clack.streaming t
                         :gallop.connection c)))
         (values env keep-alive http-1.0 (gallop.core:request-expect-continue r)
-                agent referer)))))
+                agent referer authorization)))))

@@ -283,7 +283,7 @@ threads can share it.")
   "The engine's handler: build the environment, read the body, run the app,
 write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
 :SUSPENDED, see GALLOP.CORE:MAKE-ENGINE)."
-  (multiple-value-bind (env keep-alive http-1.0 expect-continue agent referer)
+  (multiple-value-bind (env keep-alive http-1.0 expect-continue agent referer authorization)
       (make-env server c)
     (let ((ex (make-exchange c server keep-alive http-1.0
                              (eq (gallop.core:request-method (gallop.core:connection-request c))
@@ -301,7 +301,8 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
         (when log
           (setf (exchange-access-log ex) log
                 (exchange-agent ex) agent
-                (exchange-referer ex) referer)
+                (exchange-referer ex) referer
+                (exchange-authorization ex) authorization)
           (loop for (key value) on env by #'cddr
                 do (case key
                      (:remote-addr (setf (exchange-address ex) value))
@@ -402,9 +403,10 @@ and REUSE-PORT are the supervisor's: ACTIVATED-SOCKET T (the default) takes
 the one on PORT (any, when PORT is 0; an error when none is on PORT), a
 string the one of that name (LISTEN_FDNAMES, an error if it is missing),
 NIL never takes one.
-ACCESS-LOG, a file (appended to) or a stream, gets a line per answer in
-ACCESS-LOG-FORMAT: :COMBINED (nginx's and Apache's) or :JSON (one object
-a line); see access-log.lisp."
+ACCESS-LOG, a file (appended to) or a stream, gets a line per answer
+\(the engine's own refusals, 408s and 503s included) in ACCESS-LOG-FORMAT:
+:COMBINED (nginx's and Apache's) or :JSON (one object a line); see
+access-log.lisp."
   (check-type app function)
   (let ((access-log (and access-log (open-access-log access-log access-log-format))))
     (handler-bind ((error (lambda (e) (declare (ignore e))
@@ -445,6 +447,11 @@ engine made with SETTINGS (its keyword arguments)."
                                :handler (lambda (c) (serve-request server c))
                                :log-error (lambda (format-control &rest args)
                                             (apply #'log-error server format-control args))
+                               ;; The answers the engine writes itself.
+                               :log-answer (and access-log
+                                                (lambda (c status bytes buffer start end)
+                                                  (log-engine-answer access-log c status bytes
+                                                                     buffer start end)))
                                settings)))
             (setf (server-engine server) engine
                   (server-access-log server) access-log)

@@ -79,6 +79,7 @@ with the count of those not logged since the last."
   (protocol nil)
   (agent nil)
   (referer nil)
+  (authorization nil)
   ;; Once the app took the connection as a socket (socket.lisp):
   (read-callback nil)
   (close-callback nil)

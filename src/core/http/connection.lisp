@@ -394,15 +394,49 @@ precise clock\")."
                      status
                      (and (plusp begun) (- (the fixnum (now-us)) begun)))))
 
-(defun count-refusal (c response)
-  "Count RESPONSE, one of the engine's own answers (its status line at the
-start), sent to the request C was reading, unless an answer to it was
-counted already."
-  (declare (type octets response))
+(defconstant +logged-line-octets+ 8192
+  "The most octets of a refused request's line given to the layer above's
+log: nginx logs at most what its header buffer holds, 8 KiB by default, and
+a client that sends a longer line costs the log no more than that.")
+
+(defun received-line-end (c)
+  "The end of the request line (or of what came of it) in C's input from
+IN-START: its first CR or LF, else IN-END, at most +LOGGED-LINE-OCTETS+
+on; NIL when C holds no input."
+  (with-connection-slots (inbuf in-start in-end) c
+    (when (and inbuf (< in-start in-end))
+      (let ((buffer inbuf)
+            (end (min in-end (+ in-start +logged-line-octets+))))
+        (declare (type octets buffer) (type fixnum end))
+        (loop for i of-type fixnum from in-start below end
+              when (or (= (aref buffer i) +cr+) (= (aref buffer i) +lf+))
+                return i
+              finally (return end))))))
+
+(defun note-refusal (c response sent &key (line t))
+  "RESPONSE, one of the engine's own answers (its status line at the start),
+went to the request C was reading, the socket taking SENT octets of it (all
+of it when the rest waits with C): count it for the metrics, and give it to
+the engine's LOG-ANSWER, unless an answer to that request was counted
+already (its layer above then logged it).  LOG-ANSWER is called in this
+thread (a worker, the housekeeper, the layer above's listener) as (LOG-ANSWER
+C STATUS BODY-OCTETS-SENT BUFFER START END), BUFFER[START,END) the request
+line as received (when LINE, the input is at C's IN-START, up to
+RECEIVED-LINE-END), BUFFER NIL when nothing of it came or it is gone.  The
+head is in C's record only while CONNECTION-HEAD-PENDING-P.  LOG-ANSWER
+must not block, nor keep BUFFER: C's buffers go back to the pool next."
+  (declare (type octets response) (type fixnum sent))
   (unless (and (plusp (conn-slot c begun)) (conn-slot c answered))
-    (connection-count-answer c (+ (* 100 (- (aref response 9) 48))
-                                  (* 10 (- (aref response 10) 48))
-                                  (- (aref response 11) 48)))))
+    (let ((status (response-status response))
+          (engine (connection-engine c)))
+      (connection-count-answer c status)
+      (let ((log (engine-log-answer engine)))
+        (when log
+          (let ((end (and line (received-line-end c))))
+            (handler-case
+                (funcall log c status (response-body-sent response sent)
+                         (and end (conn-slot c inbuf)) (if end (conn-slot c in-start) 0) (or end 0))
+              (error (e) (log-engine-error engine "Logging an answer on ~A: ~A" c e)))))))))
 
 (defun connection-local-address (c)
   (with-connection-slots (local-address local-port fd) c

@@ -53,8 +53,10 @@ read yet (SSL_pending)."
   "Answer the refused request on C with RESPONSE (one of the engine's own
 answers) and make C end after it."
   (sb-ext:atomic-incf (engine-rejected (connection-engine c)))
-  (count-refusal c response)
-  (ignore-errors (send-to-source c response 0 (length response)))
+  (note-refusal c response (if (and (ignore-errors (send-to-source c response 0 (length response)) t)
+                                    (not (conn-slot c gone)))
+                               (length response)
+                               0))
   (setf (conn-slot c close-after) t)
   nil)
 

@@ -127,17 +127,20 @@ octets and their accept were ordered."
               (setf (connection-state c) :active)
               (close-connection c)))))))
 
-(defun engine-shed-fd (engine fd &key close-hook late)
+(defun engine-shed-fd (engine fd &key close-hook late remote-address remote-port)
   "Answer the fresh socket FD with 503 and Retry-After, without a worker, and
 close it after the client has read the answer.  Once ENGINE stopped running
-\(unless LATE, see ENGINE-ADOPT-FD) FD is only closed: nothing would watch it."
+\(unless LATE, see ENGINE-ADOPT-FD) FD is only closed: nothing would watch it.
+REMOTE-ADDRESS and REMOTE-PORT, the peer's, are for the answer's log."
   (set-nonblocking fd)
   (sb-ext:atomic-incf (engine-shed engine))
   (sb-ext:atomic-incf (engine-accepted engine))
   (let ((table (engine-table engine)))
     (if (or (>= fd (length table)) (not (or late (engine-running-p engine))))
         (if close-hook (funcall close-hook) (close-fd fd))
-        (let ((c (make-connection engine fd :close-hook close-hook)))
+        (let ((c (make-connection engine fd :close-hook close-hook
+                                            :remote-address remote-address
+                                            :remote-port remote-port)))
           (setf (conn-slot c fresh) nil
                 (connection-state c) :active
                 (svref table fd) c)
@@ -155,7 +158,9 @@ ENGINE-ADOPT-FD."
         do (multiple-value-bind (fd address-or-errno port) (accept-connection (engine-listen-fd engine))
              (cond ((>= fd 0)
                     (if (engine-overloaded-p engine)
-                        (engine-shed-fd engine fd :late late)
+                        (engine-shed-fd engine fd :late late
+                                                  :remote-address address-or-errno
+                                                  :remote-port port)
                         (engine-adopt-fd engine fd :remote-address address-or-errno
                                                    :remote-port port :nonblocking t
                                                    :late late)))

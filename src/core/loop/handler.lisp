@@ -53,9 +53,15 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
   (when (and (zerop (the fixnum (conn-slot c sent))) (not (engine-raw-p engine)))
     (setf (conn-slot c out-fill) 0)
     (let ((response (response-503 engine)))
-      (count-refusal c response)
-      ;; After what is queued (an interim 100 Continue), never before it.
-      (ignore-errors (send-all c response 0 (length response) :reference)))))
+      ;; After what is queued (an interim 100 Continue), never before it;
+      ;; what the socket does not take now waits with C.  The request line
+      ;; is at IN-START only while the handler has not taken the head.
+      (note-refusal c response
+                    (if (and (ignore-errors (send-all c response 0 (length response) :reference) t)
+                             (not (conn-slot c gone)))
+                        (length response)
+                        0)
+                    :line (plusp (the fixnum (conn-slot c head-left)))))))
 
 (defun run-handler (engine c)
   "Run the engine's handler on C, which returns what becomes of C:

@@ -196,8 +196,8 @@ the write side and let the housekeeper drain and close C.  The caller owns C."
     ;; (On TLS, nothing before the handshake is done: no answer can be read
     ;; then.  After the answer, close_notify.)
     (when (and response (not (tls-handshaking-p c)))
-      (count-refusal c response)
-      (connection-send c response 0 (length response)))
+      ;; One send, never waiting: what the socket does not take is lost.
+      (note-refusal c response (max 0 (connection-send c response 0 (length response)))))
     (end-tls c)
     (shutdown-fd fd +shut-wr+)
     (with-connection-slots (in-start in-end out-fill) c
