@@ -24,6 +24,7 @@
            (stop-block)
            (list 200 '(:content-type "text/plain") (list *stop-big-body*)))
           ((string= path "/stop-block") (stop-block) '(200 (:content-type "text/plain") ("Hey!")))
+          ((string= path "/stop-streamed") (stop-native-streamed env))
           (t '(200 (:content-type "text/plain") ("Hey!"))))))
 
 (hunchentoot:define-easy-handler (handle-stop-ready :uri "/ready") ()
@@ -38,6 +39,30 @@
   (stop-block)
   (setf (hunchentoot:content-type*) "text/plain")
   "Hey!")
+
+(defparameter *stop-streamed-body* "Streamed while stopping."
+  "What the answers whose heads go out before their bodies carry.")
+
+(defvar *stop-static-file* nil
+  "The file /stop-static serves with HUNCHENTOOT:HANDLE-STATIC-FILE.")
+
+(defun stop-native-streamed (env)
+  "A delayed answer whose head goes out through the writer before its body."
+  (declare (ignore env))
+  (lambda (responder)
+    (let ((writer (funcall responder '(200 (:content-type "text/plain")))))
+      (funcall writer *stop-streamed-body* :close t))))
+
+(hunchentoot:define-easy-handler (handle-stop-send-headers :uri "/stop-send-headers") ()
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) (length *stop-streamed-body*))
+  (let ((stream (hunchentoot:send-headers)))
+    (write-sequence (map '(vector (unsigned-byte 8)) #'char-code *stop-streamed-body*) stream)
+    (finish-output stream)
+    nil))
+
+(hunchentoot:define-easy-handler (handle-stop-static :uri "/stop-static") ()
+  (hunchentoot:handle-static-file *stop-static-file* "text/plain"))
 
 (defun start-stop-server (kind port &rest settings &key reuse-port &allow-other-keys)
   "Front end KIND (:NATIVE, :EASY) on 127.0.0.1:PORT (0: any) with SETTINGS
@@ -164,6 +189,55 @@ ends once no connection is left, not at the end of the grace."
         (when (and stopper (sb-thread:thread-alive-p stopper))
           (sb-thread:join-thread stopper :default nil))
         (stop-server kind server)))))
+
+(test a-soft-stop-s-answers-written-head-first-say-connection-close
+  "During a soft stop, an answer whose head goes out before its body (a
+Hunchentoot handler calling SEND-HEADERS, HANDLE-STATIC-FILE, a native
+streaming writer) says Connection: close, whatever Hunchentoot decided
+before writing it, and the connection then ends: its client sends its next
+request elsewhere instead of on a connection the stop closes."
+  (with-globals ((*stop-static-file* (merge-pathnames "stop-static.txt" (run-directory))))
+    (let ((static-body (with-output-to-string (out)
+                         (dotimes (i 200) (format out "Line ~D of a static file.~%" i)))))
+      (with-open-file (out *stop-static-file* :direction :output :if-exists :supersede)
+        (write-string static-body out))
+      (dolist (kind '(:native :easy))
+        (let* ((server (start-stop-server kind 0 :stop-idle-grace 600))
+               (port (server-port-of kind server))
+               (cases (ecase kind
+                        (:native `(("/stop-streamed" ,*stop-streamed-body*)))
+                        (:easy `(("/stop-send-headers" ,*stop-streamed-body*)
+                                 ("/stop-static" ,static-body)))))
+               (clients (loop repeat (length cases) collect (connect port)))
+               (stopper nil))
+          (unwind-protect
+               (progn
+                 ;; Each connection kept alive by a first answer.
+                 (dolist (client clients)
+                   (send client (crlf "GET /yo HTTP/1.1" "Host: x"))
+                   (is (exact-answer-p (read-wire-or-error client) "Hey!")))
+                 (setf stopper (soft-stop-in-thread kind server))
+                 (is (wait-until (lambda ()
+                                   (let ((engine (gallop::server-engine-of server)))
+                                     (or (null engine)
+                                         (gallop.core::engine-accepting-ended engine))))
+                                 :timeout 30)
+                     "~(~A~): accepting ended" kind)
+                 (loop for (path body) in cases
+                       for client in clients
+                       do (send client (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))
+                          (let ((answer (read-wire-or-error client :close t)))
+                            (is (and (wire-response-p answer)
+                                     (= 200 (wire-status answer))
+                                     (string= body (wire-body-string answer))
+                                     (equalp "close" (wire-header answer "Connection"))
+                                     (null (wire-header answer "Keep-Alive")))
+                                "~(~A~) ~A during the stop: ~A" kind path answer)))
+                 (is (joined-p stopper) "~(~A~): the soft stop ended" kind))
+            (mapc #'usocket:socket-close clients)
+            (when (and stopper (sb-thread:thread-alive-p stopper))
+              (sb-thread:join-thread stopper :default nil))
+            (stop-server kind server)))))))
 
 (test a-soft-stop-cuts-what-outlasts-its-stop-timeout
   "A handler that would run for two minutes does not hold a soft stop past
