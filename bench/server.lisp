@@ -29,7 +29,10 @@
 ;;;; measures the server's memory while clients upload to them.  /error
 ;;;; signals an error in the handler, and /stream streams /big's 1 MiB in
 ;;;; 16 KiB writes (Hunchentoot: to SEND-HEADERS's stream; native: a
-;;;; writer) (bench/attacks.lisp).
+;;;; writer) (bench/attacks.lisp).  /static answers the checkout's LICENSE
+;;;; file (Hunchentoot: HANDLE-STATIC-FILE, whose head goes out through
+;;;; SEND-HEADERS; native: a pathname body), for the restart drills
+;;;; (tests/stress/restart.lisp).
 ;;;;
 ;;;; BENCH_TLS_CERT and BENCH_TLS_KEY (PEM files; `make bench-tls`) make
 ;;;; every kind answer HTTPS only: stock HUNCHENTOOT:EASY-SSL-ACCEPTOR,
@@ -151,6 +154,14 @@
     (funcall (gallop-symbol "AFTER") *later-seconds* (lambda () (funcall answer "Hey!")))
     nil))
 
+(defparameter *static-file*
+  (uiop:merge-pathnames* "LICENSE" (uiop:pathname-parent-directory-pathname
+                                    (uiop:pathname-directory-pathname *load-truename*)))
+  "The file /static answers.")
+
+(hunchentoot:define-easy-handler (static :uri "/static") ()
+  (hunchentoot:handle-static-file *static-file* "text/plain"))
+
 (hunchentoot:define-easy-handler (big :uri "/big") ()
   (setf (hunchentoot:content-type*) "application/octet-stream")
   *big-body*)
@@ -211,7 +222,7 @@ names are plain)."
               return (subseq part (length prefix))))))
 
 (defun native-app (env)
-  "The native counterpart of /yo, /big, /stream, /upload and /ignore; and /later,
+  "The native counterpart of /yo, /static, /big, /stream, /upload and /ignore; and /later,
 answered \"Hey!\" *LATER-SECONDS* after the request by a timer
 \(GALLOP:AFTER), with no thread waiting: cl-async's seed test."
   (let ((path (getf env :path-info)))
@@ -229,6 +240,8 @@ answered \"Hey!\" *LATER-SECONDS* after the request by a timer
            (let ((name (query-parameter (getf env :query-string) "name")))
              (list 200 '(:content-type "text/plain")
                    (list (if name (concatenate 'string "Hey " name "!") "Hey!")))))
+          ((string= path "/static")
+           (list 200 '(:content-type "text/plain") *static-file*))
           ((string= path "/big")
            (list 200 '(:content-type "application/octet-stream") *big-body*))
           ((string= path "/stream")

@@ -220,6 +220,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (upgraded 0 :type sb-ext:word)  ; connections that switched protocols, open now
   (upgrades 0 :type sb-ext:word)  ; and in all
   (switched 0 :type sb-ext:word)  ; switched under a handler that keeps its thread, open now
+  (stop-cut 0 :type sb-ext:word)  ; requests whose handler a stop cut (ENGINE-STOP)
   (lock (sb-thread:make-mutex :name "gallop engine"))
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
@@ -506,6 +507,10 @@ first SENT octets."
                           #\Return #\Linefeed #\Return #\Linefeed))
   #'equalp
   "The interim answer to Expect: 100-continue.")
+
+(defun error-body-bytes (status)
+  "Octets of the body of the engine's own answer STATUS (MAKE-ERROR-RESPONSE)."
+  (length (format nil "~D ~A~%" status (reason-phrase status))))
 
 (defun response-503 (engine)
   (or (engine-response-503 engine)

@@ -65,6 +65,9 @@
       ("gallop_aborted_total" "counter"
        "Requests whose client closed or reset the connection while a handler read or answered."
        :aborted)
+      ("gallop_stop_cut_total" "counter"
+       "Requests whose handler still ran when a stop gave up waiting: interrupted, and answered 503 if no answer had begun."
+       :stop-cut)
       ("gallop_head_budget_used_bytes" "gauge"
        "Input buffers of partial request heads counted against the head budget." :head-bytes)
       ("gallop_body_budget_used_bytes" "gauge"

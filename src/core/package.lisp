@@ -36,6 +36,7 @@
    #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error
    #:connection-timeout-error #:handler-timeout #:handler-timeout-seconds
+   #:stop-cut-message #:error-body-bytes
    #:request-body-error #:request-body-error-status
    #:chunk-decoder #:make-chunk-decoder #:reset-chunk-decoder #:chunk-decoder-step
    #:chunk-decoder-take #:chunk-decoder-state #:chunk-decoder-left

@@ -156,17 +156,39 @@ empties its queue and shuts it (FINAL-ACCEPT)."
   t)
 
 (defconstant +hard-stop-grace-ms+ 1000
-  "How long a hard stop waits for handlers after cutting their sockets,
-before it interrupts the ones still running.")
+  "How long a stop waits for the handlers it interrupted (CUT-REQUESTS)
+before it shuts the sockets of those still running and interrupts them
+again.")
+
+(defun cut-requests (engine)
+  "A stop gives up waiting: make every handler still running signal
+HANDLER-TIMEOUT (with no deadline: counted in :STOP-CUT, see
+INTERRUPT-HANDLER).  Its own worker then answers 503 if no byte of an
+answer went out yet (RUN-HANDLER), after the layer above logged the
+request (STOP-CUT-MESSAGE), and closes the connection: the worker owns it,
+so the 503 is written once and never beside the handler's own output.
+Other connections a thread still holds between requests have their
+sockets shut."
+  (loop for c across (engine-table engine)
+        when (and c (member (connection-state c) '(:active :dirty)))
+          do (let ((thread (conn-slot c handler-thread))
+                   (serial (conn-slot c handler-serial)))
+               (if thread
+                   (handler-case (interrupt-handler c thread serial nil)
+                     (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
+                   (shutdown-fd (connection-fd c) +shut-rdwr+)))))
 
 (defun interrupt-running-handlers (engine)
-  "Signal HANDLER-TIMEOUT in every worker still running a handler."
+  "Signal HANDLER-TIMEOUT again in every worker still running a handler a
+while after CUT-REQUESTS interrupted it (it caught the condition and ran on,
+or ran without interrupts all that time)."
   (loop for c across (engine-table engine)
         when c
           do (let ((thread (conn-slot c handler-thread))
                    (serial (conn-slot c handler-serial)))
                (when (and thread (member (connection-state c) '(:active :dirty)))
-                 (log-engine-error engine "Stopping: interrupting the handler of ~A" c)
+                 (log-engine-error engine "Stopping: the handler of ~A still runs a second ~
+                                           after its interruption: interrupting it again" c)
                  (ignore-errors (interrupt-handler c thread serial nil))))))
 
 (defun stop-pending-count (engine)
@@ -198,17 +220,19 @@ stop sending before a soft stop begins."
   (and (engine-running-p engine) (not (engine-draining engine))))
 
 (defun engine-stop (engine &key soft)
-  "Stop ENGINE: stop accepting, close idle connections, let in-flight requests
-finish or cut their sockets (handlers still running a second later are
-interrupted with HANDLER-TIMEOUT), and join every thread.  A SOFT stop first
-accepts what waits on a listen socket of its own (FINAL-ACCEPT), keeps idle
-keep-alive connections for STOP-IDLE-GRACE, answers every request that
-arrives meanwhile with Connection: close, and waits for requests in flight
-and for answers their clients are still reading: all within STOP-TIMEOUT,
-after which it cuts the rest as a hard stop does (so a stop can take that,
-the hard stop's second, and the workers' exits).  Connections a handler
-detached are left to it.  The listen socket itself belongs to the caller,
-who closes it afterwards."
+  "Stop ENGINE: stop accepting, close idle connections, cut the requests in
+flight (CUT-REQUESTS: each handler still running is interrupted with
+HANDLER-TIMEOUT, its client gets 503 if no answer began, its request is
+logged and counted in :STOP-CUT; a handler still running a second later has
+its socket shut and is interrupted again), and join every thread.  A SOFT
+stop first accepts what waits on a listen socket of its own (FINAL-ACCEPT),
+keeps idle keep-alive connections for STOP-IDLE-GRACE, answers every request
+that arrives meanwhile with Connection: close, and waits for requests in
+flight and for answers their clients are still reading: all within
+STOP-TIMEOUT, after which it cuts the rest as a hard stop does (so a stop
+can take that, the hard stop's second, and the workers' exits).
+Connections a handler detached are left to it.  The listen socket itself
+belongs to the caller, who closes it afterwards."
   ;; The state first: a thread that finds the engine draining finds its
   ;; answers saying Connection: close.  One caller stops it; another (a
   ;; SIGTERM's beside the application's own) waits until it is stopped, so
@@ -256,12 +280,13 @@ who closes it afterwards."
     (end-housekeeper engine)
     (close-idle-connections engine)
     (unless (and soft (wait-for-in-flight engine (max 0 (- deadline (now-ms)))))
-      (loop for c across (engine-table engine)
-            when (and c (member (connection-state c) '(:active :dirty)))
-              do (shutdown-fd (connection-fd c) +shut-rdwr+))
-      ;; A handler that is not reading or writing (sleeping, computing,
-      ;; waiting on a database) didn't notice: interrupt it.
+      (cut-requests engine)
+      ;; A handler that caught the interrupt and runs on, or was in a
+      ;; stretch without interrupts: cut its socket, then interrupt it again.
       (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
+        (loop for c across (engine-table engine)
+              when (and c (member (connection-state c) '(:active :dirty)))
+                do (shutdown-fd (connection-fd c) +shut-rdwr+))
         (interrupt-running-handlers engine))))
   (pool-stop (engine-pool engine))
   ;; Timers still pending are dropped: their server is gone.
@@ -301,7 +326,9 @@ too), :ABANDONED (such requests whose client went away before the answer:
 freed at once), :UPGRADED and :UPGRADES (connections that switched
 protocols, a WebSocket, see upgrade.lisp: open now, and in all),
 :SWITCHED (connections that switched protocols under a handler that keeps
-its thread, hunchensocket's WebSockets, see CONNECTION-SWITCH: open now), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
+its thread, hunchensocket's WebSockets, see CONNECTION-SWITCH: open now),
+:STOP-CUT (requests whose handler still ran when a stop gave up waiting, and
+was interrupted: see ENGINE-STOP), :BODY-BYTES and :DISK-BYTES (request bodies the engine is
 reading or holds for their handlers, in memory and in temporary files, see
 spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
 :SLOW-CLIENTS (connections ended for sending or reading under the minimum
@@ -346,6 +373,7 @@ served for another group whose workers were all busy), see pool.lisp."
             :upgraded (engine-upgraded engine)
             :upgrades (engine-upgrades engine)
             :switched (engine-switched engine)
+            :stop-cut (engine-stop-cut engine)
             :timers (timers-pending-count (and pool (pool-timers pool)))
             :threads (if pool (pool-thread-count pool) 0)
             :idle-threads (if pool (pool-idle-count pool) 0)

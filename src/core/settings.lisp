@@ -87,7 +87,9 @@ gets 408 or is closed.  NIL: no minimum.")
       (stop-timeout 20
        "Seconds a soft stop may take: for requests in flight, for those clients
 had already sent, and for idle keep-alive connections' next requests.  Past
-it the rest are cut as a hard stop cuts them.")
+it the rest are cut as a hard stop cuts them: a handler still running is
+interrupted, its client gets 503 if no answer began, and the request is
+logged and counted (:STOP-CUT).")
       (stop-idle-grace 1
        "Seconds a soft stop keeps idle keep-alive connections open (within
 STOP-TIMEOUT), so that a request a client sends on one meanwhile is

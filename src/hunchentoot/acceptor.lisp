@@ -111,10 +111,15 @@ plaintext."))
   ;; exhaustion is a STORAGE-CONDITION, and a handler past its deadline gets
   ;; GALLOP:HANDLER-TIMEOUT, another SERIOUS-CONDITION: unwind them here,
   ;; inside the request, and answer 500 or 503 (the connection then closes).
+  ;; A stop's cut (no deadline) is logged as one, and answered 503 by the
+  ;; engine (NOTE-REQUEST-CUT), unless the engine cannot write on the
+  ;; connection (TLS through a library above it): then by Hunchentoot.
   (declare (ignore request))
   (handler-case (call-next-method)
     (handler-timeout (condition)
-      (hunchentoot:log-message* :error "~A" condition)
+      (if (gallop.core:handler-timeout-seconds condition)
+          (hunchentoot:log-message* :error "~A" condition)
+          (note-request-cut acceptor))
       (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+)
       (hunchentoot:abort-request-handler))
     (storage-condition (condition)

@@ -45,7 +45,7 @@
     ("HUNCHENTOOT" "*HUNCHENTOOT-STREAM*" :special
      "bound by the request loop, and again for a deferred answer" "request-loop.lisp, defer.lisp")
     ("HUNCHENTOOT" "*HEADERS-SENT*" :special "the same; and for HANDLER-DONE"
-     "defer.lisp, acceptor.lisp, taskmaster.lisp")
+     "defer.lisp, acceptor.lisp, taskmaster.lisp, request-loop.lisp")
     ("HUNCHENTOOT" "*FINISH-PROCESSING-SOCKET*" :special "the same"
      "request-loop.lisp, defer.lisp, acceptor.lisp")
     ("HUNCHENTOOT" "*CLOSE-HUNCHENTOOT-STREAM*" :special "the same" "request-loop.lisp, defer.lisp")
@@ -64,7 +64,8 @@
     ("HUNCHENTOOT" "REQUESTS-IN-PROGRESS" :slot
      "requests in progress, counted without a lock" "in-progress.lisp")
     ("USOCKET" "REAL-ERROR" :slot
-     "the condition in the UNKNOWN-ERROR Hunchentoot makes of every one" "taskmaster.lisp")
+     "the condition in the UNKNOWN-ERROR Hunchentoot makes of every one"
+     "taskmaster.lisp, request-loop.lisp")
     ("CL+SSL" "SSL-STREAM" :class "telling a cl+ssl stream" "taskmaster.lisp")
     ("CL+SSL" "SSL-STREAM-HANDLE" :accessor "SSL_pending on its handle" "taskmaster.lisp")
     ("CL+SSL" "*SOCKET*" :special "close_notify through a Lisp BIO" "taskmaster.lisp"))

@@ -200,10 +200,43 @@ number in decimal, anything else as PRINC writes it."
     (number (write-to-string value :escape nil :readably nil :base 10))
     (t (princ-to-string value))))
 
+(defun answer-closes-p (acceptor c)
+  "True when the answer to the request on the Gallop connection C of
+ACCEPTOR must end its connection: the server is stopping (HUNCHENTOOT:STOP
+began, or the engine's stop), or the request's framing leaves nothing to
+read after it (CONNECTION-CLOSE-AFTER-P)."
+  (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
+      ;; HUNCHENTOOT:STOP sets this before it stops the engine.
+      (hunchentoot-shutdown-p acceptor)
+      (gallop.core:connection-close-after-p c)))
+
+(defun closing-headers (headers)
+  "The headers alist HEADERS of an answer that ends its connection: a fresh
+alist saying Connection: Close, without the Keep-Alive header Hunchentoot
+may have added."
+  (acons :connection "Close"
+         (remove-if (lambda (entry) (member (car entry) '(:connection :keep-alive)))
+                    headers)))
+
 (defun write-response (original acceptor stream status-code &rest args &key headers cookies content)
   "SEND-RESPONSE (see the file's header): on a Gallop connection, what
 Hunchentoot's own does, with the head written into the connection's buffer;
-else ORIGINAL, Hunchentoot's own."
+else ORIGINAL, Hunchentoot's own.  Either way, an answer whose connection
+must end (ANSWER-CLOSES-P) says Connection: Close and ends the request loop,
+whatever START-OUTPUT decided: a head that SEND-HEADERS writes (as
+HANDLE-STATIC-FILE does) goes out before the handler returns, and a
+keep-alive it promised while the server stops would bring the client's next
+request to a connection the stop closes."
+  (let ((c (if (typep stream 'gallop.core:connection) stream (request-connection))))
+    (when (and c (/= status-code 101) (answer-closes-p acceptor c)
+               (not (let ((value (cdr (assoc :connection headers))))
+                      (and (stringp value) (connection-token-p value "close")))))
+      (setf headers (closing-headers headers)
+            args (list* :headers headers args))
+      ;; The request loop reads the reply's header, and ends the
+      ;; connection (SERVE-REQUESTS; a deferred answer, ANSWER-DEFERRED).
+      (when (boundp 'hunchentoot:*reply*)
+        (setf (hunchentoot:header-out :connection) "Close"))))
   (if (not (and (typep stream 'gallop.core:connection) (null hunchentoot:*header-stream*)))
       (progn
         ;; Every answer on a Gallop connection is counted for the metrics.

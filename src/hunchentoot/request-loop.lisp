@@ -123,18 +123,66 @@ makes it (an error when ACCEPTOR takes no chunked input)."
                 (close-stream %hunchentoot-stream))
               (close-stream socket-stream))))))))
 
+;;; A request a stop cuts (GALLOP.CORE:CUT-REQUESTS) gets HANDLER-TIMEOUT
+;;; with no deadline in its worker.  Gallop's HANDLE-REQUEST (acceptor.lisp)
+;;; catches it in the handler, the method below anywhere else in the
+;;; request (a stock acceptor served by GALLOP:TASKMASTER has no such
+;;; HANDLE-REQUEST; Hunchentoot's PROCESS-REQUEST wraps it in a
+;;; USOCKET:UNKNOWN-ERROR); either logs the request once and leaves its 503
+;;; to the engine (GALLOP.CORE:RUN-HANDLER), which writes the same octets on
+;;; both front ends.
+
+(defun stop-cut-condition-p (object)
+  "True if OBJECT is the HANDLER-TIMEOUT of a stop that cut the request, or
+Hunchentoot's USOCKET:UNKNOWN-ERROR around one."
+  (typecase object
+    (handler-timeout (null (gallop.core:handler-timeout-seconds object)))
+    (usocket:unknown-error (stop-cut-condition-p (usocket-real-error object)))))
+
+(defun note-request-cut (acceptor)
+  "In a request on a Gallop connection that a stop cut, in its dynamic
+context: log the request's line at :WARNING, once (GALLOP.CORE:STOP-CUT-
+MESSAGE); and unless its head went out, log the 503 the engine writes in the
+access log, and mark the head sent, so that Hunchentoot writes nothing more.
+On TLS through a library above the engine, which cannot write there, the
+answer is left to Hunchentoot."
+  (let ((request (and (boundp 'hunchentoot:*request*) hunchentoot:*request*)))
+    (when (and *connection* request)
+      (let* ((uri (hunchentoot:request-uri request))
+             (line (gallop.core:stop-cut-message
+                    *connection* (hunchentoot:request-method request)
+                    (subseq uri 0 (position #\? uri))
+                    (hunchentoot:remote-addr request) (hunchentoot:remote-port request))))
+        (when line
+          (hunchentoot:acceptor-log-message acceptor :warning "~A" line)))
+      (when (and (eq (request-connection) *connection*)
+                 (boundp 'hunchentoot:*reply*) hunchentoot:*reply*
+                 (not (hunchentoot-headers-sent-p)))
+        (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+
+              (hunchentoot:content-length*) (gallop.core:error-body-bytes 503)
+              ;; The request loop then ends the connection.
+              (hunchentoot:header-out :connection) "Close")
+        (hunchentoot:acceptor-log-access acceptor :return-code 503)
+        (hunchentoot-headers-sent)))))
+
 (defmethod hunchentoot:process-connection ((acceptor hunchentoot:acceptor)
                                             (socket connection-usocket))
   ;; A client that hangs up after its answer was written into the buffer
   ;; makes the last FINISH-OUTPUT fail outside any request; the error would
   ;; reach the log wrapped in usocket conditions.  Count it instead
   ;; (GALLOP:STATS :ABORTED), like the errors inside a request (see
-  ;; ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).
+  ;; ACCEPTOR-LOG-MESSAGE in taskmaster.lisp).  A stop's cut is logged as
+  ;; one (NOTE-REQUEST-CUT), not as an error.
   (block serve
     (handler-bind ((gallop.core:connection-error
                      (lambda (condition)
                        (when (client-abort-condition-p condition)
                          (gallop.core:note-client-abort
                           (gallop.core:connection-engine (usocket-connection socket)))
+                         (return-from serve nil))))
+                   ((or handler-timeout usocket:unknown-error)
+                     (lambda (condition)
+                       (when (stop-cut-condition-p condition)
+                         (note-request-cut acceptor)
                          (return-from serve nil)))))
       (serve-requests acceptor socket))))

@@ -322,10 +322,9 @@ is set to 503 and it is \"draining\".
   nil)
 
 (defmethod hunchentoot:handle-request :around ((acceptor served-acceptor) request)
-  ;; On a Gallop connection:
-  ;;  - a response written while the server stops, or after which the
-  ;;    connection must close (chunked HTTP/1.0 body, broken body framing),
-  ;;    says so (Hunchentoot would announce keep-alive);
+  ;; On a Gallop connection (an answer written while the server stops, or
+  ;; after which the connection must close, says so when its head is
+  ;; written: WRITE-RESPONSE, heads.lisp):
   ;;  - a client's malformed or oversized chunked body
   ;;    (GALLOP.CORE:REQUEST-BODY-ERROR, signalled while the handler reads
   ;;    it) is answered 400 or 413, like any bad request, not a logged 500;
@@ -340,28 +339,17 @@ is set to 503 and it is \"draining\".
   (let ((c (request-connection)))
     (if (null c)
         (call-next-method)
-        (flet ((closing ()
-                 ;; Unless the head went out already (SEND-HEADERS): then
-                 ;; what it said holds.
-                 (when (and (not (hunchentoot-headers-sent-p))
-                            (or (not (gallop.core:engine-running-p (gallop.core:connection-engine c)))
-                           ;; HUNCHENTOOT:STOP sets this before it stops us
-                           (hunchentoot-shutdown-p acceptor)
-                           (gallop.core:connection-close-after-p c)))
-                   (setf (hunchentoot:header-out :connection) "Close"))))
-          (handler-case (multiple-value-call
-                            ;; Hunchentoot 1.2.38 reads three values here
-                            ;; (contents, error, backtrace); 1.3.x the first.
-                            (lambda (&optional contents error backtrace)
-                              (closing)
-                              (when (typep contents '(or string (vector (unsigned-byte 8))))
-                                (gallop.core:connection-give-body c))
-                              (values contents error backtrace))
-                          (call-next-method))
-            (gallop.core:request-body-error (condition)
-              (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
-              (closing)
-              (hunchentoot:abort-request-handler)))))))
+        (handler-case (multiple-value-call
+                          ;; Hunchentoot 1.2.38 reads three values here
+                          ;; (contents, error, backtrace); 1.3.x the first.
+                          (lambda (&optional contents error backtrace)
+                            (when (typep contents '(or string (vector (unsigned-byte 8))))
+                              (gallop.core:connection-give-body c))
+                            (values contents error backtrace))
+                        (call-next-method))
+          (gallop.core:request-body-error (condition)
+            (setf (hunchentoot:return-code*) (gallop.core:request-body-error-status condition))
+            (hunchentoot:abort-request-handler))))))
 
 (defun leave-unread-body (request)
   "Before Hunchentoot answers REQUEST: if its body was not read, mark it as

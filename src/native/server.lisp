@@ -242,15 +242,38 @@ log line, and nobody to answer."
       (when engine (gallop.core:note-client-abort engine)))
     t))
 
-(defun internal-error (server ex condition)
+(defun note-exchange-cut (server ex env)
+  "A stop cut the request of EX, whose environment is ENV (its handler was
+interrupted, see GALLOP.CORE:CUT-REQUESTS): log its line, once; and unless
+the app answered, the 503 the engine writes for it (GALLOP.CORE:RUN-HANDLER)
+in the access log."
+  (let* ((uri (getf env :request-uri))
+         (line (gallop.core:stop-cut-message
+                (exchange-connection ex) (getf env :request-method)
+                (and (stringp uri) (subseq uri 0 (position #\? uri)))
+                (getf env :remote-addr) (getf env :remote-port)))
+         (log (exchange-access-log ex)))
+    (when line
+      (log-error server "~A" line))
+    (when (and log (not (exchange-responded ex)))
+      (log-access log ex 503 (gallop.core:error-body-bytes 503)))))
+
+(defun internal-error (server ex condition &optional env)
   "The app failed with CONDITION: log it once, answer 500 (503 when it ran
 past its deadline; 400 or 413 when it was the client's body, not logged)
 unless it already answered.  The connection closes after it, but for a 500
 written whole: the engine then goes on with the connection as after any
-answer (the rest of an unread body skipped, or the connection closed)."
+answer (the rest of an unread body skipped, or the connection closed).  A
+stop's cut (HANDLER-TIMEOUT with no deadline) is NOTE-EXCHANGE-CUT's, with ENV,
+the request's environment: the engine itself answers it 503, with the same
+octets on both front ends."
   (let ((timeout (typep condition 'handler-timeout))
         (body-status (and (typep condition 'gallop.core:request-body-error)
                           (gallop.core:request-body-error-status condition))))
+    (when (and timeout (null (gallop.core:handler-timeout-seconds condition)))
+      (setf (exchange-keep-alive ex) nil)
+      (note-exchange-cut server ex env)
+      (return-from internal-error))
     (when (or timeout body-status (exchange-responded ex))
       (setf (exchange-keep-alive ex) nil))
     (when (client-gone-p server condition)
@@ -311,13 +334,13 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
                      (:server-protocol (setf (exchange-protocol ex) value))))))
       (let ((response (handler-case (funcall (server-app server) env)
                         (serious-condition (e)
-                          (internal-error server ex e)
+                          (internal-error server ex e env)
                           (complete ex)
                           :failed))))
         (cond ((eq response :failed))   ; answered (or not: the client left)
               ((functionp response)
                (handler-case (funcall response (make-responder ex))
-                 (serious-condition (e) (internal-error server ex e) (complete ex))))
+                 (serious-condition (e) (internal-error server ex e env) (complete ex))))
               ((gallop.core:connection-upgraded-p c)) ; the app took it as a socket
               ((consp response)
                ;; (status headers &optional body), taken apart by hand:
@@ -331,7 +354,7 @@ write its response, and return what becomes of C (:KEEP-ALIVE, :CLOSE or
                                         (let ((*print-length* 4) (*print-level* 2)
                                               (*print-circle* t) (*print-readably* nil))
                                           (prin1-to-string response))))
-                 (serious-condition (e) (internal-error server ex e)))
+                 (serious-condition (e) (internal-error server ex e env)))
                (complete ex))
               ((not (exchange-responded ex))
                (internal-error server ex "the app returned no response")

@@ -64,6 +64,7 @@ parser's error output, when it failed."
     ("gallop_active_connections" "gauge") ("gallop_suspended_requests" "gauge")
     ("gallop_pool_threads" "gauge") ("gallop_pool_run_permits" "gauge")
     ("gallop_shed" "counter") ("gallop_timeouts" "counter") ("gallop_aborted" "counter")
+    ("gallop_stop_cut" "counter")
     ("gallop_tls_handshakes" "counter")
     ("gallop_head_budget_used_bytes" "gauge") ("gallop_head_budget_bytes" "gauge")
     ("gallop_body_budget_used_bytes" "gauge") ("gallop_body_budget_bytes" "gauge")
@@ -294,7 +295,7 @@ TYPE lines, the buckets are cumulative, the sum is in seconds, and the text
 parses as Prometheus reads it."
   (let* ((counts (make-array gallop.core::+counts-end+ :initial-element 0))
          (stats '(:open 3 :idle 2 :active 1 :suspended 4 :threads 5 :run-permits 2
-                  :shed 6 :head-bytes 8192))
+                  :shed 6 :head-bytes 8192 :stop-cut 2))
          (text (progn
                  (setf (svref counts (+ gallop.core::+answer-cells+ (* 5 2) 4)) 7 ; POST 5xx
                        (svref counts (+ gallop.core::+bucket-cells+ 0)) 3
@@ -323,7 +324,7 @@ parses as Prometheus reads it."
                     "gallop_tls_handshakes_total 9" "gallop_open_connections 3"
                     "gallop_shed_total 6" "gallop_pool_run_permits 2"
                     "gallop_head_budget_used_bytes 8192" "gallop_head_budget_bytes 1000"
-                    "gallop_aborted_total 0"))
+                    "gallop_aborted_total 0" "gallop_stop_cut_total 2"))
       (is-true (member line lines :test #'string=) "no line ~S" line))
     (is (= 40 (count-if (lambda (line) (uiop:string-prefix-p "gallop_http_requests_total{" line))
                         lines)))

@@ -24,6 +24,14 @@
            (stop-block)
            (list 200 '(:content-type "text/plain") (list *stop-big-body*)))
           ((string= path "/stop-block") (stop-block) '(200 (:content-type "text/plain") ("Hey!")))
+          ((string= path "/stop-streamed") (stop-native-streamed env))
+          ((string= path "/stop-partial")
+           (lambda (responder)
+             (let ((writer (funcall responder '(200 (:content-type "text/plain"
+                                                     :content-length "100")))))
+               (funcall writer "partial")
+               (stop-block)
+               (funcall writer "never" :close t))))
           (t '(200 (:content-type "text/plain") ("Hey!"))))))
 
 (hunchentoot:define-easy-handler (handle-stop-ready :uri "/ready") ()
@@ -39,30 +47,72 @@
   (setf (hunchentoot:content-type*) "text/plain")
   "Hey!")
 
-(defun start-stop-server (kind port &rest settings &key reuse-port &allow-other-keys)
-  "Front end KIND (:NATIVE, :EASY) on 127.0.0.1:PORT (0: any) with SETTINGS
-\(GALLOP:START's keywords, GALLOP:TASKMASTER's initargs), and REUSE-PORT."
+(defparameter *stop-streamed-body* "Streamed while stopping."
+  "What the answers whose heads go out before their bodies carry.")
+
+(defvar *stop-static-file* nil
+  "The file /stop-static serves with HUNCHENTOOT:HANDLE-STATIC-FILE.")
+
+(defun stop-native-streamed (env)
+  "A delayed answer whose head goes out through the writer before its body."
+  (declare (ignore env))
+  (lambda (responder)
+    (let ((writer (funcall responder '(200 (:content-type "text/plain")))))
+      (funcall writer *stop-streamed-body* :close t))))
+
+(hunchentoot:define-easy-handler (handle-stop-send-headers :uri "/stop-send-headers") ()
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) (length *stop-streamed-body*))
+  (let ((stream (hunchentoot:send-headers)))
+    (write-sequence (map '(vector (unsigned-byte 8)) #'char-code *stop-streamed-body*) stream)
+    (finish-output stream)
+    nil))
+
+(hunchentoot:define-easy-handler (handle-stop-partial :uri "/stop-partial") ()
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) 100)
+  (let ((stream (hunchentoot:send-headers)))
+    (write-sequence (map '(vector (unsigned-byte 8)) #'char-code "partial") stream)
+    (finish-output stream)
+    (stop-block)
+    (write-sequence (map '(vector (unsigned-byte 8)) #'char-code "never") stream)
+    nil))
+
+(hunchentoot:define-easy-handler (handle-stop-static :uri "/stop-static") ()
+  (hunchentoot:handle-static-file *stop-static-file* "text/plain"))
+
+(defun start-stop-server (kind port &rest settings &key reuse-port log &allow-other-keys)
+  "Front end KIND (:NATIVE, :EASY; :STOCK, Hunchentoot's own EASY-ACCEPTOR
+with a GALLOP:TASKMASTER) on 127.0.0.1:PORT (0: any) with SETTINGS
+\(GALLOP:START's keywords, GALLOP:TASKMASTER's initargs), REUSE-PORT, and LOG
+\(a stream for the message log, or the tests' usual one)."
   (let ((settings (loop for (key value) on settings by #'cddr
-                        unless (eq key :reuse-port) append (list key value))))
+                        unless (member key '(:reuse-port :log)) append (list key value)))
+        (log (or log (message-log-destination))))
     (ecase kind
       (:native (apply #'gallop:start #'stop-native-app :address "127.0.0.1" :port port
-                                                       :log (message-log-destination)
+                                                       :log log
                                                        :reuse-port reuse-port settings))
       ;; MAKE-SERVER's own :PORT 0 comes after, and so loses.
       (:easy (hunchentoot:start
               (make-server 'gallop:easy-acceptor
                            :port port :reuse-port reuse-port
-                           :taskmaster (apply #'make-instance 'gallop:taskmaster settings)))))))
+                           :message-log-destination log
+                           :taskmaster (apply #'make-instance 'gallop:taskmaster settings))))
+      (:stock (hunchentoot:start
+               (make-server 'hunchentoot:easy-acceptor
+                            :port port :message-log-destination log
+                            :taskmaster (apply #'make-instance 'gallop:taskmaster settings)))))))
 
 (defun stop-server (kind server &key soft)
   (ecase kind
     (:native (gallop:stop server :soft soft))
-    (:easy (when (hunchentoot:started-p server) (hunchentoot:stop server :soft soft)))))
+    ((:easy :stock) (when (hunchentoot:started-p server) (hunchentoot:stop server :soft soft)))))
 
 (defun server-port-of (kind server)
   (ecase kind
     (:native (gallop:server-port server))
-    (:easy (port-of server))))
+    ((:easy :stock) (port-of server))))
 
 (defun pause-accepting (server)
   "Take SERVER's listen socket out of its housekeeper's epoll set: connections
@@ -165,18 +215,80 @@ ends once no connection is left, not at the end of the grace."
           (sb-thread:join-thread stopper :default nil))
         (stop-server kind server)))))
 
+(test a-soft-stop-s-answers-written-head-first-say-connection-close
+  "During a soft stop, an answer whose head goes out before its body (a
+Hunchentoot handler calling SEND-HEADERS, HANDLE-STATIC-FILE, a native
+streaming writer) says Connection: close, whatever Hunchentoot decided
+before writing it, and the connection then ends: its client sends its next
+request elsewhere instead of on a connection the stop closes."
+  (with-globals ((*stop-static-file* (merge-pathnames "stop-static.txt" (run-directory))))
+    (let ((static-body (with-output-to-string (out)
+                         (dotimes (i 200) (format out "Line ~D of a static file.~%" i)))))
+      (with-open-file (out *stop-static-file* :direction :output :if-exists :supersede)
+        (write-string static-body out))
+      (dolist (kind '(:native :easy))
+        (let* ((server (start-stop-server kind 0 :stop-idle-grace 600))
+               (port (server-port-of kind server))
+               (cases (ecase kind
+                        (:native `(("/stop-streamed" ,*stop-streamed-body*)))
+                        (:easy `(("/stop-send-headers" ,*stop-streamed-body*)
+                                 ("/stop-static" ,static-body)))))
+               (clients (loop repeat (length cases) collect (connect port)))
+               (stopper nil))
+          (unwind-protect
+               (progn
+                 ;; Each connection kept alive by a first answer.
+                 (dolist (client clients)
+                   (send client (crlf "GET /yo HTTP/1.1" "Host: x"))
+                   (is (exact-answer-p (read-wire-or-error client) "Hey!")))
+                 (setf stopper (soft-stop-in-thread kind server))
+                 (is (wait-until (lambda ()
+                                   (let ((engine (gallop::server-engine-of server)))
+                                     (or (null engine)
+                                         (gallop.core::engine-accepting-ended engine))))
+                                 :timeout 30)
+                     "~(~A~): accepting ended" kind)
+                 (loop for (path body) in cases
+                       for client in clients
+                       do (send client (crlf (format nil "GET ~A HTTP/1.1" path) "Host: x"))
+                          (let ((answer (read-wire-or-error client :close t)))
+                            (is (and (wire-response-p answer)
+                                     (= 200 (wire-status answer))
+                                     (string= body (wire-body-string answer))
+                                     (equalp "close" (wire-header answer "Connection"))
+                                     (null (wire-header answer "Keep-Alive")))
+                                "~(~A~) ~A during the stop: ~A" kind path answer)))
+                 (is (joined-p stopper) "~(~A~): the soft stop ended" kind))
+            (mapc #'usocket:socket-close clients)
+            (when (and stopper (sb-thread:thread-alive-p stopper))
+              (sb-thread:join-thread stopper :default nil))
+            (stop-server kind server)))))))
+
+(defun log-lines-with (text log)
+  "The lines of the string LOG that contain TEXT."
+  (remove-if-not (lambda (line) (search text line))
+                 (uiop:split-string log :separator '(#\Newline))))
+
 (test a-soft-stop-cuts-what-outlasts-its-stop-timeout
   "A handler that would run for two minutes does not hold a soft stop past
-STOP-TIMEOUT (1 s here): its connection is cut and its handler interrupted."
-  (dolist (kind '(:native :easy))
+STOP-TIMEOUT (1 s here): it is interrupted, and its client gets the engine's
+503 (Connection: close, Retry-After), the same octets on both front ends,
+then the end of the connection.  One line of the message log names the
+request (method, path without its query, the peer's address and port, how
+long it ran; Hunchentoot's at level WARNING), and the stats and the metrics
+count it.  The same on a stock acceptor served by GALLOP:TASKMASTER, whose
+HANDLE-REQUEST is Hunchentoot's."
+  (dolist (kind '(:native :easy :stock))
     (with-globals ((*stop-gate* (sb-thread:make-semaphore))
                    (*stop-entered* (sb-thread:make-semaphore)))
-      (let* ((server (start-stop-server kind 0 :stop-timeout 1))
+      (let* ((log (make-string-output-stream))
+             (server (start-stop-server kind 0 :stop-timeout 1 :log log))
              (port (server-port-of kind server))
+             (engine (gallop::server-engine-of server))
              (client (connect port :timeout 60)))
         (unwind-protect
              (progn
-               (send client (crlf "GET /stop-block HTTP/1.1" "Host: x"))
+               (send client (crlf "GET /stop-block?key=s3cret HTTP/1.1" "Host: x"))
                (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
                (let ((stopper (soft-stop-in-thread kind server))
                      (start (get-internal-real-time)))
@@ -187,8 +299,57 @@ STOP-TIMEOUT (1 s here): its connection is cut and its handler interrupted."
                         (* 10 internal-time-units-per-second))
                      "~(~A~): the soft stop took ~,1F s" kind
                      (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
-               (let ((answer (read-wire-or-error client)))
-                 (is (not (wire-response-p answer)) "~(~A~): ~A" kind answer)))
+               (let ((octets (read-to-eof (usocket:socket-stream client))))
+                 (is (equalp (gallop.core::response-503 engine) octets)
+                     "~(~A~): the client read ~S" kind (map 'string #'code-char octets)))
+               (let* ((text (get-output-stream-string log))
+                      (lines (log-lines-with "Stopping: cut" text))
+                      (request (format nil "GET /stop-block from 127.0.0.1:~D "
+                                       (usocket:get-local-port client))))
+                 (is (= 1 (length lines)) "~(~A~): the log says~%~A" kind text)
+                 (is (and lines
+                          (search request (first lines))
+                          (cl-ppcre:scan " after [0-9]+\\.[0-9]{3} s" (first lines))
+                          (not (search "s3cret" (first lines)))
+                          (or (eq kind :native) (search "[WARNING]" (first lines))))
+                     "~(~A~): the line ~S names not ~S, its duration, or its level"
+                     kind (first lines) request))
+               (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind)
+               (multiple-value-bind (table error) (parse-metrics (gallop.core:engine-metrics engine))
+                 (is (and table (= 1 (metric-value table "gallop_stop_cut_total{}")))
+                     "~(~A~): ~A" kind (or error (and table (metric-value table "gallop_stop_cut_total{}"))))))
+          (sb-thread:signal-semaphore *stop-gate* 10)
+          (usocket:socket-close client)
+          (stop-server kind server))))))
+
+(test a-soft-stop-cuts-an-answer-under-way-without-a-503
+  "A handler that sent its head and part of its body, then blocks, is cut at
+STOP-TIMEOUT like any other (logged once, counted), but its client gets no
+503 after what it read: only the end of the connection."
+  (dolist (kind '(:native :easy))
+    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
+                   (*stop-entered* (sb-thread:make-semaphore)))
+      (let* ((log (make-string-output-stream))
+             (server (start-stop-server kind 0 :stop-timeout 1 :log log))
+             (port (server-port-of kind server))
+             (engine (gallop::server-engine-of server))
+             (client (connect port :timeout 60)))
+        (unwind-protect
+             (progn
+               (send client (crlf "GET /stop-partial HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+               (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
+               (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
+                      (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string)
+                                   text)))
+                 (is (and (uiop:string-prefix-p "HTTP/1.1 200 " text)
+                          end
+                          (string= "partial" (subseq text (+ end 4))))
+                     "~(~A~): the client read ~S" kind text))
+               (is (= 1 (length (log-lines-with "Stopping: cut GET /stop-partial from "
+                                                (get-output-stream-string log))))
+                   "~(~A~)" kind)
+               (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind))
           (sb-thread:signal-semaphore *stop-gate* 10)
           (usocket:socket-close client)
           (stop-server kind server))))))

@@ -4,6 +4,11 @@
 ;;;; restarts them, one at a time, with SIGTERM (GALLOP:STOP-ON-SIGTERM: a
 ;;;; soft stop, then exit) and a fresh process; the bar is wrk's: no socket
 ;;;; error and no non-2xx answer, and every process exits with status 0.
+;;;; wrk's requests take turns between /yo (an answer the handler returns)
+;;;; and /static (a file: Hunchentoot's HANDLE-STATIC-FILE, whose head goes
+;;;; out through SEND-HEADERS before the handler returns; the native API's
+;;;; pathname body), so that every way an answer's head is written meets
+;;;; the stops.
 ;;;;   1. two processes on one port with :REUSE-PORT (plain, and TLS);
 ;;;;   2. one process on a socket the test passes it as systemd would (the
 ;;;;      socket, the test's, queues connections while no process runs);
@@ -60,13 +65,31 @@ Returns its exit code (NIL if it had to be killed)."
   "Requests the child server began, from its stats (0 if unknown)."
   (or (getf (limited-server-stats process) :requests) 0))
 
+(defparameter *drill-paths* '("/yo" "/static")
+  "The paths each of wrk's connections requests in turn.")
+
+(defun drill-script ()
+  "A wrk script (Lua) whose requests take turns among *DRILL-PATHS*;
+written once into the run's directory.  Returns its file name."
+  (let ((file (merge-pathnames "drill-paths.lua" (run-directory))))
+    (with-open-file (out file :direction :output :if-exists :supersede)
+      (format out "local paths = {~{~S~^, ~}}
+local i = 0
+request = function()
+  i = i % #paths + 1
+  return wrk.format(nil, paths[i])
+end
+" *drill-paths*))
+    (namestring file)))
+
 (defun run-drill (url slots)
-  "Run wrk -t2 -c100 against URL for *DRILL-SECONDS*, restarting each of
-SLOTS in turn meanwhile.  A slot is a cons (PROCESS . START), START a
-function of no argument that starts its replacement.  Returns wrk's output,
-the exit codes of the stopped processes, and the requests each replacement
-served by the end."
+  "Run wrk -t2 -c100 against URL (its paths: *DRILL-PATHS*) for
+*DRILL-SECONDS*, restarting each of SLOTS in turn meanwhile.  A slot is a
+cons (PROCESS . START), START a function of no argument that starts its
+replacement.  Returns wrk's output, the exit codes of the stopped processes,
+and the requests each replacement served by the end."
   (let* ((output nil)
+         (script (drill-script))
          (wrk (sb-thread:make-thread
                (lambda ()
                  (setf output
@@ -75,7 +98,7 @@ served by the end."
                                                          (format nil "-d~Ds" *drill-seconds*)
                                                          ;; A restart under socket activation
                                                          ;; holds requests while SBCL starts.
-                                                         "--timeout" "10s" url)
+                                                         "--timeout" "10s" "-s" script url)
                                              :search t :output out :error out))))
                :name "wrk"))
          (codes '()))

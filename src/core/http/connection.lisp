@@ -62,10 +62,11 @@ went away (end of file, reset, broken pipe)."))
                          (handler-timeout-seconds c))
                  (format s "The request handler was interrupted: the server is stopping."))))
   (:documentation "Signalled in a worker whose request handler ran past the
-engine's HANDLER-TIMEOUT, or still ran when a hard stop gave up waiting for
-it.  It is a SERIOUS-CONDITION, not an ERROR, so that handlers that catch
-every ERROR (IGNORE-ERRORS, HANDLER-CASE on ERROR) still unwind; their
-UNWIND-PROTECT cleanups run.  The connection is closed after the request."))
+engine's HANDLER-TIMEOUT (SECONDS), or still ran when a stop gave up waiting
+for it (SECONDS NIL: see ENGINE-STOP).  It is a SERIOUS-CONDITION, not an
+ERROR, so that handlers that catch every ERROR (IGNORE-ERRORS, HANDLER-CASE
+on ERROR) still unwind; their UNWIND-PROTECT cleanups run.  The connection
+is closed after the request."))
 
 ;;; What a connection that switched protocols holds in its UPGRADE slot
 ;;; (upgrade.lisp).
@@ -243,7 +244,12 @@ what C does with what it receives, and what other threads send on it.")
    (out-parked :initform nil
                :documentation "While SUSPENDED: true while the engine, not the answering
 thread, owns C (its worker has not let go yet, or C waits in epoll for its
-unsent output to drain); see CONNECTION-ACQUIRE."))
+unsent output to drain); see CONNECTION-ACQUIRE.")
+   (stop-cut :initform nil
+             :documentation "NIL until a stop cuts the handler running on C (INTERRUPT-HANDLER
+with no deadline: the stop's timeout ran out, or a hard stop): then :CUT,
+and :REPORTED once its log line was made (STOP-CUT-MESSAGE).  Never reset:
+C closes after that request."))
   (:documentation "A client connection, and the binary stream the layers above
 read requests from and write responses to."))
 
@@ -922,7 +928,9 @@ that is what happened under the TLS library."
                  (let ((cipher (conn-slot c cipher)))
                    (cond ((conn-slot cipher interrupted)
                           (let ((ms (engine-handler-timeout-ms (connection-engine c))))
-                            (error 'handler-timeout :seconds (and (plusp ms) (/ ms 1000.0)))))
+                            (error 'handler-timeout
+                                   :seconds (and (plusp ms) (not (conn-slot cipher stop-cut))
+                                                 (/ ms 1000.0)))))
                          ((conn-slot cipher timed-out)
                           (setf (conn-slot cipher timed-out) nil)
                           (error 'connection-timeout-error :stream c :operation "TLS read"))

@@ -30,7 +30,8 @@ mark: after a hand-off (CONNECTION-SUSPEND) another thread may own C."
 
 (defun interrupt-handler (c thread serial seconds)
   "Make THREAD, if it still runs handler run number SERIAL on C, signal
-HANDLER-TIMEOUT (SECONDS NIL: the server is stopping).  Any thread."
+HANDLER-TIMEOUT (SECONDS NIL: a stop cuts the request, counted in
+:STOP-CUT).  Any thread."
   (sb-thread:interrupt-thread
    thread
    (lambda ()
@@ -40,9 +41,47 @@ HANDLER-TIMEOUT (SECONDS NIL: the server is stopping).  Any thread."
                 (eql (conn-slot c handler-serial) serial)
                 (eq (conn-slot c handler-thread) sb-thread:*current-thread*))
        (setf (conn-slot c interrupted) t)
+       (when (and (null seconds) (null (conn-slot c stop-cut)))
+         (setf (conn-slot c stop-cut) :cut)
+         (sb-ext:atomic-incf (engine-stop-cut (connection-engine c))))
        ;; ERROR, not SIGNAL: unless something in the handler unwinds it,
        ;; RUN-HANDLER's HANDLER-CASE does.
        (error 'handler-timeout :seconds seconds)))))
+
+(defun stop-cut-message (c method path address port)
+  "The log line of the request on C that a stop cut (see STOP-CUT), naming
+its METHOD (a symbol or a string), PATH, the peer's ADDRESS (a string) and
+PORT, and how long it ran; NIL when none is due: no stop cut it, or the line
+was made already.  Called by the layer above, which knows the request, where
+it catches HANDLER-TIMEOUT, and by RUN-HANDLER for a request it did not."
+  (when (eq :cut (sb-ext:compare-and-swap (%conn-slot c stop-cut) :cut :reported))
+    (let* ((owner (connection-owner-stream c))
+           ;; On TLS through a library above, the request is read on the
+           ;; plaintext connection (tls.lisp).
+           (begun (request-begun (conn-slot (if (typep owner 'connection) owner c) request)))
+           (ms (and (plusp begun) (max 0 (- (now-ms) begun)))))
+      (format nil "Stopping: cut ~A ~A from ~A:~D~@[ after ~A s~]: its handler still ran ~
+                   when the stop gave up waiting"
+              (cond ((null method) "-") ((symbolp method) (symbol-name method)) (t method))
+              (or path "-") (or address "-") port
+              (and ms (multiple-value-bind (seconds rest) (floor ms 1000)
+                        (format nil "~D.~3,'0D" seconds rest)))))))
+
+(defun report-stop-cut (engine c)
+  "Log the line of C's request if a stop cut it and the layer above did not
+\(STOP-CUT-MESSAGE): with the method of C's record, but no path, which the
+record no longer holds once a body was read."
+  (when (eq (conn-slot c stop-cut) :cut)
+    (let ((line (stop-cut-message c (request-method (conn-slot c request)) nil
+                                  (let ((address (connection-remote-address c)))
+                                    (cond ((null address) nil)
+                                          ((= (length address) 4)
+                                           (format nil "~{~D~^.~}" (coerce address 'list)))
+                                          (t (format nil "~{~(~2,'0X~2,'0X~)~^:~}"
+                                                     (coerce address 'list)))))
+                                  (connection-remote-port c))))
+      (when line
+        (log-engine-error engine "~A" line)))))
 
 (defun answer-interrupted-handler (engine c condition)
   "After HANDLER-TIMEOUT cut a handler short: log CONDITION (NIL: the layer
@@ -86,7 +125,8 @@ still checks that the request ended cleanly), :CLOSE,
                  (handler-case (let ((*handler-connection* c))
                                  (funcall (the function (engine-handler engine)) c))
                    (handler-timeout (e)
-                     (answer-interrupted-handler engine c e)
+                     ;; A stop's is reported as a cut request, below.
+                     (answer-interrupted-handler engine c (and (handler-timeout-seconds e) e))
                      (setf interrupted :answered)
                      :close)
                    (connection-error (e)
@@ -108,6 +148,7 @@ still checks that the request ended cleanly), :CLOSE,
           ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
           ;; PROCESS-CONNECTION makes it an error it logs): still answer.
           (answer-interrupted-handler engine c nil))
+        (report-stop-cut engine c)
         (setf outcome :close))
       (case outcome
         (:keep-alive :park)
