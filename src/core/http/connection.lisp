@@ -167,7 +167,9 @@ TLS stream it reads and writes instead of its fd.")
 line of the head being read (until BEGIN-MESSAGE).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
-CONNECTION-DETACH): its reads pass through and know no request boundary.")
+CONNECTION-DETACH): its reads pass through and know no request boundary.
+T while the worker still holds C; then :LET-GO, or :CLOSED when the stream
+was closed first (LET-GO-DETACHED decides, with CLOSE, who closes C).")
    (remote-port :initarg :remote-port :initform 0)
    (user-data :initarg :user-data :initform nil
               :documentation "What the layer above keeps with this connection.")
