@@ -233,6 +233,30 @@ thread closing a connection meanwhile)."
         when (> (get-internal-real-time) deadline) return nil
         do (sleep interval)))
 
+(defvar *handler-waiting* nil
+  "A semaphore a handler that calls WAIT-FOR-CLIENT-OCTETS signals when it
+begins to wait, or NIL.")
+(defvar *client-octets-sent* nil
+  "A semaphore the test signals once its client sent the octets a handler
+waits for (WAIT-FOR-CLIENT-OCTETS); NIL: handlers do not wait.")
+
+(defun wait-for-client-octets (fd)
+  "In a handler, when a test asks for it (*CLIENT-OCTETS-SENT*): wait until
+the client sent its next octets and they are in the socket FD, not yet
+read by the engine, whose event for them comes while the handler runs."
+  (let ((sent *client-octets-sent*))
+    (when sent
+      (sb-thread:signal-semaphore *handler-waiting*)
+      (sb-thread:wait-on-semaphore sent :timeout 10)
+      (gallop.core::poll-fds fd gallop.core::+pollin+ -1 5000))))
+
+(defun send-while-handler-waits (socket string)
+  "Send STRING on SOCKET once the handler waits for it (WAIT-FOR-CLIENT-OCTETS),
+then let the handler go on."
+  (sb-thread:wait-on-semaphore *handler-waiting* :timeout 10)
+  (send socket string)
+  (sb-thread:signal-semaphore *client-octets-sent*))
+
 (defmacro with-globals ((&rest bindings) &body body)
   "Set global (not thread-local) values for BODY, then restore them: handlers
 run in worker threads, which do not see a LET binding of the test's thread."

@@ -103,6 +103,88 @@
                (usocket:socket-close socket)))
         (hunchentoot:stop server)))))
 
+(test a-detached-stream-closed-before-its-handler-returns-closes
+  ;; The handler's thread may read, answer and close the detached stream
+  ;; before the worker is done with the connection (the handler returns
+  ;; last here, every time); the handler may also close it itself.  Either
+  ;; close ends the connection: the client reads the echo, then the end.
+  ;; The line comes with the request, so the echo needs no further write.
+  (dolist (initargs (list '() (list :taskmaster (make-instance 'gallop:taskmaster))))
+    (let ((server (apply #'make-server (if initargs 'hunchentoot:easy-acceptor 'gallop:easy-acceptor)
+                         initargs)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (dolist (path '("/detach-echo-first" "/detach-echo-here"))
+             (let ((socket (connect (port-of server) :timeout 5)))
+               (unwind-protect
+                    (let ((stream (usocket:socket-stream socket)))
+                      (send socket (format nil "~A~A~C"
+                                           (crlf (format nil "GET ~A HTTP/1.0" path) "Host: x")
+                                           "hello" #\Linefeed))
+                      (let ((head (loop for line = (read-line-crlf stream)
+                                        collect line
+                                        until (or (null line) (zerop (length line)))))
+                            (rest (handler-case (map 'string #'code-char (read-to-eof stream))
+                                    (sb-sys:io-timeout () :no-end-of-file))))
+                        (is (equal "HTTP/1.1 200 OK" (first head)) "~A: ~S" path head)
+                        (is (equal "echo: hello" rest) "~A: ~S" path rest)))
+                 (usocket:socket-close socket))))
+        (is (wait-until (lambda () (zerop (stat server :open)))) "a connection left open")
+        (hunchentoot:stop server)))))
+
+(defun echo-through (port request timing)
+  "Send REQUEST to PORT, whose handler answers, then echoes a line on the
+same connection (a stream it detached or switched protocols on); the
+line goes TIMING: :WITH-REQUEST (in the same write), :WHILE-HANDLER-WAITS
+\(in the socket before the handler detaches or switches, see WAIT-FOR-
+CLIENT-OCTETS) or :AFTER-HEAD (once the answer's head was read).  The
+answer's status line, and what came after its head up to the end of file
+\(:NO-END-OF-FILE if none came)."
+  (let ((socket (connect port :timeout 5))
+        (line (format nil "hello~C" #\Linefeed)))
+    (unwind-protect
+         (let ((stream (usocket:socket-stream socket)))
+           (ecase timing
+             (:with-request (send socket (concatenate 'string request line)))
+             (:while-handler-waits (send socket request) (send-while-handler-waits socket line))
+             (:after-head (send socket request)))
+           (let ((head (loop for l = (read-line-crlf stream)
+                             collect l
+                             until (or (null l) (zerop (length l))))))
+             (when (eq timing :after-head)
+               (send socket line))
+             (values (first head)
+                     (handler-case (map 'string #'code-char (read-to-eof stream))
+                       (sb-sys:io-timeout () :no-end-of-file)))))
+      (usocket:socket-close socket))))
+
+(test the-next-octets-reach-a-detached-or-switched-stream
+  ;; What the client sends after its request reaches the handler's stream
+  ;; whenever it came: read by the engine with the head, in the socket
+  ;; before the handler detached (DETACH-SOCKET) or switched protocols
+  ;; (a 101), or after the answer's head (a WebSocket's first frame).
+  (dolist (initargs (list '() (list :taskmaster (make-instance 'gallop:taskmaster))))
+    (let ((server (apply #'make-server (if initargs 'hunchentoot:easy-acceptor 'gallop:easy-acceptor)
+                         :output-chunking-p nil initargs)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (loop for (request status)
+                   in (list (list (crlf "GET /detach-echo HTTP/1.0" "Host: x") "HTTP/1.1 200 OK")
+                            (list (crlf "GET /switch-echo HTTP/1.1" "Host: x"
+                                        "Upgrade: echo" "Connection: Upgrade")
+                                  "HTTP/1.1 101 Switching Protocols"))
+                 do (dolist (timing '(:with-request :while-handler-waits :after-head))
+                      (with-globals ((*handler-waiting* (and (eq timing :while-handler-waits)
+                                                             (sb-thread:make-semaphore)))
+                                     (*client-octets-sent* (and (eq timing :while-handler-waits)
+                                                                (sb-thread:make-semaphore))))
+                        (multiple-value-bind (status-line rest)
+                            (echo-through (port-of server) request timing)
+                          (is (equal status status-line) "~A, ~A: ~S" request timing status-line)
+                          (is (equal "echo: hello" rest) "~A, ~A: ~S" request timing rest)))))
+        (is (wait-until (lambda () (zerop (stat server :open)))) "a connection left open")
+        (hunchentoot:stop server)))))
+
 (test detach-socket-hands-the-stream-to-the-handler
   (with-server (server 'gallop:easy-acceptor)
     (let ((response (get-request (port-of server) "/detach")))

@@ -97,23 +97,62 @@
      :name "detached writer"))
   nil)
 
+(defun echo-a-line (stream)
+  "Read a line from STREAM, write it back after \"echo: \", close STREAM."
+  (ignore-errors
+   (let ((line (loop for b = (read-byte stream nil nil)
+                     until (or (null b) (= b 10))
+                     collect b)))
+     (write-sequence (coerce (list* 101 99 104 111 58 32 line) '(vector (unsigned-byte 8)))
+                     stream)
+     (finish-output stream)
+     (close stream))))
+
 (hunchentoot:define-easy-handler (handle-detach-echo :uri "/detach-echo") ()
   ;; As a WebSocket-style handler: answer, keep the socket, then read what
   ;; the client sends next (a line) and write it back.
+  (wait-for-client-octets (gallop.core:connection-fd gallop::*connection*))
   (setf (hunchentoot:content-type*) "text/plain")
   (let ((stream (hunchentoot:send-headers)))
     (hunchentoot:detach-socket hunchentoot:*acceptor*)
-    (sb-thread:make-thread
-     (lambda ()
-       (ignore-errors
-        (let ((line (loop for b = (read-byte stream nil nil)
-                          until (or (null b) (= b 10))
-                          collect b)))
-          (write-sequence (coerce (list* 101 99 104 111 58 32 line) '(vector (unsigned-byte 8)))
-                          stream)
-          (finish-output stream)
-          (close stream))))
-     :name "detached echo"))
+    (sb-thread:make-thread (lambda () (echo-a-line stream)) :name "detached echo"))
+  nil)
+
+(hunchentoot:define-easy-handler (handle-detach-echo-first :uri "/detach-echo-first") ()
+  ;; As /detach-echo, but the handler returns only once its thread has
+  ;; echoed and closed the stream: the close comes before the worker is
+  ;; done with the connection, every time.
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((stream (hunchentoot:send-headers))
+        (closed (sb-thread:make-semaphore)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (sb-thread:make-thread (lambda ()
+                             (unwind-protect (echo-a-line stream)
+                               (sb-thread:signal-semaphore closed)))
+                           :name "detached echo")
+    (sb-thread:wait-on-semaphore closed :timeout 10))
+  nil)
+
+(hunchentoot:define-easy-handler (handle-detach-echo-here :uri "/detach-echo-here") ()
+  ;; Detach, then echo and close in the handler itself, before it returns.
+  (setf (hunchentoot:content-type*) "text/plain")
+  (let ((stream (hunchentoot:send-headers)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (echo-a-line stream))
+  nil)
+
+(hunchentoot:define-easy-handler (handle-switch-echo :uri "/switch-echo") ()
+  ;; As a WebSocket library on Hunchentoot does (hunchensocket): a 101, then
+  ;; the new protocol on the same stream, in the handler's thread: a line
+  ;; echoed.  (On an acceptor without output chunking: a 101 has no body.)
+  (wait-for-client-octets (gallop.core:connection-fd gallop::*connection*))
+  (setf (hunchentoot:return-code*) 101
+        (hunchentoot:header-out :upgrade) "echo"
+        (hunchentoot:header-out :connection) "Upgrade"
+        (hunchentoot:content-type*) nil)
+  (let ((stream (hunchentoot:send-headers)))
+    (finish-output stream)
+    (echo-a-line stream))
   nil)
 
 (defun bottomless (n)

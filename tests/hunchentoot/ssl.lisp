@@ -47,6 +47,42 @@ made once per run."
              (is (= *big-size* (length body)))))
       (hunchentoot:stop server))))
 
+(test a-detached-or-switched-stream-speaks-tls
+  ;; After DETACH-SOCKET, or a 101, the handler's reads and writes on the
+  ;; engine's TLS stay TLS: the client reads the echo of the line it sent
+  ;; with its request, then the end of the TLS stream.
+  (dolist (initargs (list '() (list :taskmaster (make-instance 'gallop:taskmaster))))
+    (let ((server (apply #'make-ssl-server (if initargs 'hunchentoot:easy-ssl-acceptor
+                                               'gallop:easy-ssl-acceptor)
+                         :output-chunking-p nil initargs)))
+      (hunchentoot:start server)
+      (unwind-protect
+           (loop for (request status)
+                   in (list (list (crlf "GET /detach-echo-first HTTP/1.0" "Host: x")
+                                  "HTTP/1.1 200 OK")
+                            (list (crlf "GET /switch-echo HTTP/1.1" "Host: x"
+                                        "Upgrade: echo" "Connection: Upgrade")
+                                  "HTTP/1.1 101 Switching Protocols"))
+                 do (let ((socket (connect (port-of server) :timeout 5)))
+                      (unwind-protect
+                           (let ((tls (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket)
+                                                                     :verify nil)))
+                             (write-sequence (octets (format nil "~Ahello~C" request #\Linefeed)) tls)
+                             (force-output tls)
+                             (let ((head (handler-case
+                                             (loop for line = (read-line-crlf tls)
+                                                   collect line
+                                                   until (or (null line) (zerop (length line))))
+                                           (error (e) (list (princ-to-string e)))))
+                                   (rest (handler-case (map 'string #'code-char (read-to-eof tls))
+                                           (error (e) (princ-to-string e)))))
+                               (is (equal status (first head)) "~A: ~S" request (first head))
+                               (is (equal "echo: hello" rest) "~A: ~S" request rest))
+                             (ignore-errors (close tls)))
+                        (usocket:socket-close socket))))
+        (is (wait-until (lambda () (zerop (stat server :open)))) "a connection left open")
+        (hunchentoot:stop server)))))
+
 (test ssl-acceptor-answers-over-tls
   (let ((server (make-ssl-server 'gallop:ssl-acceptor)))
     (hunchentoot:start server)

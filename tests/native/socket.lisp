@@ -25,8 +25,10 @@
 
 (defun echo-protocol-app (env)
   "Switch to a toy protocol at /echo: echo what comes; on \"bye\", answer
-\"ciao\" and close.  Anything else: 200 \"plain\"."
-  (if (string= (getf env :path-info) "/echo")
+\"ciao\" and close.  At /echo-waits the same, after waiting for the
+client's next octets (WAIT-FOR-CLIENT-OCTETS) once it wrote its 101.
+Anything else: 200 \"plain\"."
+  (if (member (getf env :path-info) '("/echo" "/echo-waits") :test #'string=)
       (let ((socket (gallop:env-socket env)))
         (setf *last-socket* socket
               (gallop:socket-close-callback socket) (lambda () (note-socket-event :closed))
@@ -38,6 +40,8 @@
                              (gallop:socket-close socket))
                       (gallop:socket-write socket (subseq octets start end))))))
         (gallop:socket-write socket *switching*)
+        (when (string= (getf env :path-info) "/echo-waits")
+          (wait-for-client-octets (gallop.core:connection-fd (gallop::exchange-connection socket))))
         (lambda (responder) (declare (ignore responder))))
       '(200 (:content-type "text/plain") ("plain"))))
 
@@ -84,6 +88,26 @@ connection; the close callback runs once; the server keeps serving HTTP."
              (sleep 0.2)
              (is (= 1 (socket-event-count :closed)) "the close callback ran more than once"))
         (usocket:socket-close socket)))))
+
+(test socket-reads-what-came-while-the-app-ran
+  "Octets the client sent while the app still ran, in the socket before the
+engine read them (their event came while the app's worker owned the
+connection), reach the read callback, after the 101."
+  (setf *socket-events* nil)
+  (with-globals ((*handler-waiting* (sb-thread:make-semaphore))
+                 (*client-octets-sent* (sb-thread:make-semaphore)))
+    (with-app (server #'echo-protocol-app)
+      (let ((socket (connect (native-port server))))
+        (unwind-protect
+             (progn
+               (send socket (upgrade-request "/echo-waits"))
+               (send-while-handler-waits socket "early")
+               (is (string= (concatenate 'string *switching* "early")
+                            (read-exact-octets socket (+ (length *switching*) 5))))
+               (send socket "bye")
+               (is (string= "ciao" (read-exact-octets socket 4)))
+               (is (closed-by-peer-p socket)))
+          (usocket:socket-close socket))))))
 
 (test socket-writes-from-other-threads
   "Writes from a timer on another worker and from a thread of the app's own

@@ -88,7 +88,10 @@ the start of the response."
 DETACH-SOCKET: a WebSocket, a tunnel): from now on its reads and writes pass
 through as they are, past the end of the request just served (what is left
 of its head is dropped; a body not read yet is read as it is).  C's input
-buffer no longer counts against the head budget."
+buffer no longer counts against the head budget.  Called by the handler,
+in its worker, which still owns C until the handler returned; output the
+socket did not take yet goes now, before the handler can give the stream to
+another thread, whose writes are blocking sends from the first."
   (with-connection-slots (in-start head-left body-mode boundary raw) c
     (incf in-start head-left)
     (setf head-left 0
@@ -100,11 +103,14 @@ buffer no longer counts against the head budget."
     (release-request-fields (conn-slot c request))
     (release-spool c)
     (uncharge-head c)
+    (when (conn-slot c unsent)
+      (handler-case (finish-unsent c)
+        (connection-error () (discard-unsent c))))
     c))
 
 (defun connection-detached-p (c)
   "True once the layer above kept C's stream (CONNECTION-DETACH)."
-  (conn-slot c detaching))
+  (and (conn-slot c detaching) t))
 
 (defun connection-head-pending-p (c)
   "True if the layer above has not read the checked request head yet."

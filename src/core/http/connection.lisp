@@ -168,7 +168,9 @@ TLS stream it reads and writes instead of its fd.")
 line of the head being read (until BEGIN-MESSAGE).")
    (detaching :initform nil
               :documentation "True once the layer above detached the stream (see
-CONNECTION-DETACH): its reads pass through and know no request boundary.")
+CONNECTION-DETACH): its reads pass through and know no request boundary.
+T while the worker still holds C; then :LET-GO, or :CLOSED when the stream
+was closed first (LET-GO-DETACHED decides, with CLOSE, who closes C).")
    (remote-port :initarg :remote-port :initform 0)
    (user-data :initarg :user-data :initform nil
               :documentation "What the layer above keeps with this connection.")
@@ -1158,15 +1160,16 @@ was queued.  On a RAW connection, blocks until all is sent."
     (return-from send-all (send-to-source c buffer start end)))
   (when (conn-slot c gone)
     (return-from send-all nil))
-  (let ((fd (connection-fd c))
-        (engine (connection-engine c)))
+  (let ((engine (connection-engine c)))
     (when (conn-slot c raw)
       (when (conn-slot c unsent) (finish-unsent c))
       (let ((timeout (engine-write-timeout-ms engine)))
         (loop while (< start end)
-              do (multiple-value-bind (n errno) (send-from fd buffer start end)
-                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n)
-                          (tally-add c +bytes-out-cell+ n))
+              ;; Through CONNECTION-SEND: a detached connection on the
+              ;; engine's own TLS still speaks TLS.
+              do (multiple-value-bind (n errno) (connection-send c buffer start end)
+                   (declare (type fixnum n))
+                   (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))

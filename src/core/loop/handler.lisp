@@ -102,6 +102,18 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
                         0)
                     :line (plusp (the fixnum (conn-slot c head-left)))))))
 
+(defun let-go-detached (c)
+  "The worker lets go of C, whose handler kept the stream (CONNECTION-DETACH),
+its last act on C.  The stream's owner (the handler's own thread, or any it
+gave the stream to) may have closed it already, before this: CLOSE then left
+C to this worker, which closes it now.  One compare-and-swap on DETACHING
+decides which of the two closes C (see CLOSE, stream.lisp): T until one of
+them acts, then :LET-GO (this worker was first: CLOSE closes C) or :CLOSED
+\(CLOSE was first)."
+  (setf (connection-state c) :detached)
+  (when (eq :closed (sb-ext:compare-and-swap (%conn-slot c detaching) t :let-go))
+    (close-connection c)))
+
 (defun run-handler (engine c)
   "Run the engine's handler on C, which returns what becomes of C:
 :KEEP-ALIVE (done with this request; C may serve another), :CLOSE,
@@ -158,13 +170,8 @@ still checks that the request ended cleanly), :CLOSE,
          ;; on, with no more events.  Unregister before anyone else may
          ;; close it (and the fd number be reused by a new connection).
          (epoll-ctl (group-epfd (connection-group c)) +epoll-ctl-del+ (connection-fd c) 0 0)
-         (setf boundary nil
-               (connection-state c) :detached)
-         ;; Its owner writes with blocking sends from now on: what is
-         ;; queued (the answer that switched protocols) goes first.
-         (when (conn-slot c unsent)
-           (handler-case (finish-unsent c)
-             (connection-error () (discard-unsent c))))
+         (setf boundary nil)
+         (let-go-detached c)
          :detached)
         (t
          (log-engine-error engine "The handler of ~A returned ~A, not :KEEP-ALIVE, ~

@@ -150,7 +150,8 @@ be read through the stream (part of it was read already, or C is raw)."
 (defmethod close ((c connection) &key abort)
   "While a worker serves C this only records that the layer above is done
 with it; the worker then parks or closes it.  A detached connection is closed
-at once."
+at once, or, while its worker has not let go of it yet (the handler has not
+returned), by that worker when it does (LET-GO-DETACHED)."
   (case (connection-state c)
     ((:active :dirty)
      (unless (conn-slot c stream-closed)
@@ -158,12 +159,18 @@ at once."
            (setf (conn-slot c out-fill) 0)
            (ignore-errors (flush-output c)))
        (setf (conn-slot c stream-closed) t)
-       (when (conn-slot c source)
-         ;; The plaintext side of TLS: closing the TLS stream ends the
-         ;; session and closes the cipher connection under it.
-         (release-buffers c)
-         (uncharge-head c)              ; a buffer still holding input
-         (ignore-errors (close (conn-slot c source) :abort abort)))))
+       (cond ((conn-slot c source)
+              ;; The plaintext side of TLS: closing the TLS stream ends the
+              ;; session and closes the cipher connection under it.
+              (release-buffers c)
+              (uncharge-head c)         ; a buffer still holding input
+              (ignore-errors (close (conn-slot c source) :abort abort)))
+             ((conn-slot c detaching)
+              ;; Its owner closes it, maybe on another thread, while the
+              ;; worker still holds C: left to the worker, unless the
+              ;; worker let go meanwhile.
+              (when (eq :let-go (sb-ext:compare-and-swap (%conn-slot c detaching) t :closed))
+                (close-connection c))))))
     (:detached
      (unless abort (ignore-errors (flush-output c)))
      (setf (conn-slot c out-fill) 0)
