@@ -269,6 +269,28 @@ request elsewhere instead of on a connection the stop closes."
   (remove-if-not (lambda (line) (search text line))
                  (uiop:split-string log :separator '(#\Newline))))
 
+;;; A request whose handler waits on *STOP-GATE* until its stop cuts it.
+
+(defmacro with-cut-request ((kind server engine client log) (kinds path) &body body)
+  "For each KIND of KINDS: a server with a STOP-TIMEOUT of 1 s logging to LOG
+\(ENGINE its engine), and CLIENT, whose GET of PATH its handler entered; BODY
+runs then, and the handler, the client and the server are always let go."
+  `(dolist (,kind ,kinds)
+     (with-globals ((*stop-gate* (sb-thread:make-semaphore))
+                    (*stop-entered* (sb-thread:make-semaphore)))
+       (let* ((,log (make-string-output-stream))
+              (,server (start-stop-server ,kind 0 :stop-timeout 1 :log ,log))
+              (,engine (gallop::server-engine-of ,server))
+              (,client (connect (server-port-of ,kind ,server) :timeout 60)))
+         (unwind-protect
+              (progn
+                (send ,client (crlf (format nil "GET ~A HTTP/1.1" ,path) "Host: x"))
+                (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+                ,@body)
+           (sb-thread:signal-semaphore *stop-gate* 10)
+           (usocket:socket-close ,client)
+           (stop-server ,kind ,server))))))
+
 (test a-soft-stop-cuts-what-outlasts-its-stop-timeout
   "A handler that would run for two minutes does not hold a soft stop past
 STOP-TIMEOUT (1 s here): it is interrupted, and its client gets the engine's
@@ -278,81 +300,53 @@ request (method, path without its query, the peer's address and port, how
 long it ran; Hunchentoot's at level WARNING), and the stats and the metrics
 count it.  The same on a stock acceptor served by GALLOP:TASKMASTER, whose
 HANDLE-REQUEST is Hunchentoot's."
-  (dolist (kind '(:native :easy :stock))
-    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
-                   (*stop-entered* (sb-thread:make-semaphore)))
-      (let* ((log (make-string-output-stream))
-             (server (start-stop-server kind 0 :stop-timeout 1 :log log))
-             (port (server-port-of kind server))
-             (engine (gallop::server-engine-of server))
-             (client (connect port :timeout 60)))
-        (unwind-protect
-             (progn
-               (send client (crlf "GET /stop-block?key=s3cret HTTP/1.1" "Host: x"))
-               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
-               (let ((stopper (soft-stop-in-thread kind server))
-                     (start (get-internal-real-time)))
-                 (is (joined-p stopper) "~(~A~): the soft stop ended" kind)
-                 ;; Ten times the timeout, and half the default one: a stop
-                 ;; that ignored it would take 20 s.
-                 (is (< (- (get-internal-real-time) start)
-                        (* 10 internal-time-units-per-second))
-                     "~(~A~): the soft stop took ~,1F s" kind
-                     (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
-               (let ((octets (read-to-eof (usocket:socket-stream client))))
-                 (is (equalp (gallop.core::response-503 engine) octets)
-                     "~(~A~): the client read ~S" kind (map 'string #'code-char octets)))
-               (let* ((text (get-output-stream-string log))
-                      (lines (log-lines-with "Stopping: cut" text))
-                      (request (format nil "GET /stop-block from 127.0.0.1:~D "
-                                       (usocket:get-local-port client))))
-                 (is (= 1 (length lines)) "~(~A~): the log says~%~A" kind text)
-                 (is (and lines
-                          (search request (first lines))
-                          (cl-ppcre:scan " after [0-9]+\\.[0-9]{3} s" (first lines))
-                          (not (search "s3cret" (first lines)))
-                          (or (eq kind :native) (search "[WARNING]" (first lines))))
-                     "~(~A~): the line ~S names not ~S, its duration, or its level"
-                     kind (first lines) request))
-               (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind)
-               (multiple-value-bind (table error) (parse-metrics (gallop.core:engine-metrics engine))
-                 (is (and table (= 1 (metric-value table "gallop_stop_cut_total{}")))
-                     "~(~A~): ~A" kind (or error (and table (metric-value table "gallop_stop_cut_total{}"))))))
-          (sb-thread:signal-semaphore *stop-gate* 10)
-          (usocket:socket-close client)
-          (stop-server kind server))))))
+  (with-cut-request (kind server engine client log) ('(:native :easy :stock) "/stop-block?key=s3cret")
+    (let ((stopper (soft-stop-in-thread kind server))
+          (start (get-internal-real-time)))
+      (is (joined-p stopper) "~(~A~): the soft stop ended" kind)
+      ;; Ten times the timeout, and half the default one: a stop
+      ;; that ignored it would take 20 s.
+      (is (< (- (get-internal-real-time) start)
+             (* 10 internal-time-units-per-second))
+          "~(~A~): the soft stop took ~,1F s" kind
+          (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
+    (let ((octets (read-to-eof (usocket:socket-stream client))))
+      (is (equalp (gallop.core::response-503 engine) octets)
+          "~(~A~): the client read ~S" kind (map 'string #'code-char octets)))
+    (let* ((text (get-output-stream-string log))
+           (lines (log-lines-with "Stopping: cut" text))
+           (request (format nil "GET /stop-block from 127.0.0.1:~D "
+                            (usocket:get-local-port client))))
+      (is (= 1 (length lines)) "~(~A~): the log says~%~A" kind text)
+      (is (and lines
+               (search request (first lines))
+               (cl-ppcre:scan " after [0-9]+\\.[0-9]{3} s" (first lines))
+               (not (search "s3cret" (first lines)))
+               (or (eq kind :native) (search "[WARNING]" (first lines))))
+          "~(~A~): the line ~S names not ~S, its duration, or its level"
+          kind (first lines) request))
+    (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind)
+    (multiple-value-bind (table error) (parse-metrics (gallop.core:engine-metrics engine))
+      (is (and table (= 1 (metric-value table "gallop_stop_cut_total{}")))
+          "~(~A~): ~A" kind (or error (and table (metric-value table "gallop_stop_cut_total{}")))))))
 
 (test a-soft-stop-cuts-an-answer-under-way-without-a-503
   "A handler that sent its head and part of its body, then blocks, is cut at
 STOP-TIMEOUT like any other (logged once, counted), but its client gets no
 503 after what it read: only the end of the connection."
-  (dolist (kind '(:native :easy))
-    (with-globals ((*stop-gate* (sb-thread:make-semaphore))
-                   (*stop-entered* (sb-thread:make-semaphore)))
-      (let* ((log (make-string-output-stream))
-             (server (start-stop-server kind 0 :stop-timeout 1 :log log))
-             (port (server-port-of kind server))
-             (engine (gallop::server-engine-of server))
-             (client (connect port :timeout 60)))
-        (unwind-protect
-             (progn
-               (send client (crlf "GET /stop-partial HTTP/1.1" "Host: x"))
-               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
-               (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
-               (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
-                      (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string)
-                                   text)))
-                 (is (and (uiop:string-prefix-p "HTTP/1.1 200 " text)
-                          end
-                          (string= "partial" (subseq text (+ end 4))))
-                     "~(~A~): the client read ~S" kind text))
-               (is (= 1 (length (log-lines-with "Stopping: cut GET /stop-partial from "
-                                                (get-output-stream-string log))))
-                   "~(~A~)" kind)
-               (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind))
-          (sb-thread:signal-semaphore *stop-gate* 10)
-          (usocket:socket-close client)
-          (stop-server kind server))))))
+  (with-cut-request (kind server engine client log) ('(:native :easy) "/stop-partial")
+    (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
+    (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
+           (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string)
+                        text)))
+      (is (and (uiop:string-prefix-p "HTTP/1.1 200 " text)
+               end
+               (string= "partial" (subseq text (+ end 4))))
+          "~(~A~): the client read ~S" kind text))
+    (is (= 1 (length (log-lines-with "Stopping: cut GET /stop-partial from "
+                                     (get-output-stream-string log))))
+        "~(~A~)" kind)
+    (is (eql 1 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind)))
 
 (test a-soft-stop-waits-for-a-slow-reader-of-a-late-answer
   "A handler still running when the idle grace ends answers 1 MiB to a client
