@@ -160,6 +160,14 @@ empties its queue and shuts it (FINAL-ACCEPT)."
 before it shuts the sockets of those still running and interrupts them
 again.")
 
+(defun left-to-owner-p (c)
+  "True when the handler on C detached its stream (CONNECTION-DETACH) and
+may have given it to another thread: a stop shuts nothing and writes nothing
+there, even before the handler returns (its interruption, if it still runs,
+only unwinds it: INTERRUPT-HANDLER).  A stream that switched protocols under
+its handler (CONNECTION-SWITCH) is not: the stop shuts it."
+  (and (conn-slot c detaching) (not (conn-slot c switched))))
+
 (defun cut-requests (engine)
   "A stop gives up waiting: make every handler still running signal
 HANDLER-TIMEOUT (with no deadline: counted in :STOP-CUT, see
@@ -168,15 +176,16 @@ answer went out yet (RUN-HANDLER), after the layer above logged the
 request (STOP-CUT-MESSAGE), and closes the connection: the worker owns it,
 so the 503 is written once and never beside the handler's own output.
 Other connections a thread still holds between requests have their
-sockets shut."
+sockets shut; not those a handler detached (LEFT-TO-OWNER-P)."
   (loop for c across (engine-table engine)
         when (and c (member (connection-state c) '(:active :dirty)))
           do (let ((thread (conn-slot c handler-thread))
                    (serial (conn-slot c handler-serial)))
-               (if thread
-                   (handler-case (interrupt-handler c thread serial nil)
-                     (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e)))
-                   (shutdown-fd (connection-fd c) +shut-rdwr+)))))
+               (cond (thread
+                      (handler-case (interrupt-handler c thread serial nil)
+                        (error (e) (log-engine-error engine "Interrupting ~A: ~A" thread e))))
+                     ((not (left-to-owner-p c))
+                      (shutdown-fd (connection-fd c) +shut-rdwr+))))))
 
 (defun interrupt-running-handlers (engine)
   "Signal HANDLER-TIMEOUT again in every worker still running a handler a
@@ -285,7 +294,8 @@ belongs to the caller, who closes it afterwards."
       ;; stretch without interrupts: cut its socket, then interrupt it again.
       (unless (wait-for-in-flight engine +hard-stop-grace-ms+)
         (loop for c across (engine-table engine)
-              when (and c (member (connection-state c) '(:active :dirty)))
+              when (and c (member (connection-state c) '(:active :dirty))
+                        (not (left-to-owner-p c)))
                 do (shutdown-fd (connection-fd c) +shut-rdwr+))
         (interrupt-running-handlers engine))))
   (pool-stop (engine-pool engine))

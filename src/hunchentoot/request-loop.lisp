@@ -142,8 +142,9 @@ Hunchentoot's USOCKET:UNKNOWN-ERROR around one."
 (defun note-request-cut (acceptor)
   "In a request on a Gallop connection that a stop cut, in its dynamic
 context: log the request's line at :WARNING, once (GALLOP.CORE:STOP-CUT-
-MESSAGE); and unless its head went out, log the 503 the engine writes in the
-access log, and mark the head sent, so that Hunchentoot writes nothing more.
+MESSAGE); and unless its head went out or its handler detached the stream,
+log the 503 the engine writes in the access log, and mark the head sent, so
+that Hunchentoot writes nothing more.
 On TLS through a library above the engine, which cannot write there, the
 answer is left to Hunchentoot."
   (let ((request (and (boundp 'hunchentoot:*request*) hunchentoot:*request*)))
@@ -156,6 +157,9 @@ answer is left to Hunchentoot."
         (when line
           (hunchentoot:acceptor-log-message acceptor :warning "~A" line)))
       (when (and (eq (request-connection) *connection*)
+                 ;; A detached stream is its owner's: the engine writes
+                 ;; nothing there (GALLOP.CORE:INTERRUPT-HANDLER).
+                 (not (gallop.core:connection-detached-p *connection*))
                  (boundp 'hunchentoot:*reply*) hunchentoot:*reply*
                  (not (hunchentoot-headers-sent-p)))
         (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+

@@ -584,11 +584,15 @@ made and listed on first use; the entries of closed logs are dropped."
     (if entry
         (cdr entry)
         (let ((ring (make-ring sb-thread:*current-thread*)))
+          ;; Listed before it is used: a stop's interrupt unwinding this
+          ;; handler's thread between the two steps leaves at worst an empty
+          ;; ring listed (dropped when its thread ends), never one whose
+          ;; lines the log's thread does not see.
+          (sb-thread:with-mutex ((access-log-rings-lock log))
+            (push ring (access-log-rings log)))
           (setf (svref locals 0)
                 (acons log ring (remove-if (lambda (entry) (access-log-stop (car entry)))
                                            (svref locals 0))))
-          (sb-thread:with-mutex ((access-log-rings-lock log))
-            (push ring (access-log-rings log)))
           ring))))
 
 (defun ring-put (log ring line length)

@@ -81,27 +81,32 @@
 (hunchentoot:define-easy-handler (handle-stop-static :uri "/stop-static") ()
   (hunchentoot:handle-static-file *stop-static-file* "text/plain"))
 
-(defun start-stop-server (kind port &rest settings &key reuse-port log &allow-other-keys)
+(defun start-stop-server (kind port &rest settings &key reuse-port log access-log
+                          &allow-other-keys)
   "Front end KIND (:NATIVE, :EASY; :STOCK, Hunchentoot's own EASY-ACCEPTOR
 with a GALLOP:TASKMASTER) on 127.0.0.1:PORT (0: any) with SETTINGS
-\(GALLOP:START's keywords, GALLOP:TASKMASTER's initargs), REUSE-PORT, and LOG
-\(a stream for the message log, or the tests' usual one)."
+\(GALLOP:START's keywords, GALLOP:TASKMASTER's initargs), REUSE-PORT, LOG
+\(a stream for the message log, or the tests' usual one) and ACCESS-LOG (a
+file for the access log, or none)."
   (let ((settings (loop for (key value) on settings by #'cddr
-                        unless (member key '(:reuse-port :log)) append (list key value)))
+                        unless (member key '(:reuse-port :log :access-log))
+                          append (list key value)))
         (log (or log (message-log-destination))))
     (ecase kind
       (:native (apply #'gallop:start #'stop-native-app :address "127.0.0.1" :port port
-                                                       :log log
+                                                       :log log :access-log access-log
                                                        :reuse-port reuse-port settings))
       ;; MAKE-SERVER's own :PORT 0 comes after, and so loses.
       (:easy (hunchentoot:start
               (make-server 'gallop:easy-acceptor
                            :port port :reuse-port reuse-port
                            :message-log-destination log
+                           :access-log-destination access-log
                            :taskmaster (apply #'make-instance 'gallop:taskmaster settings))))
       (:stock (hunchentoot:start
                (make-server 'hunchentoot:easy-acceptor
                             :port port :message-log-destination log
+                            :access-log-destination access-log
                             :taskmaster (apply #'make-instance 'gallop:taskmaster settings)))))))
 
 (defun stop-server (kind server &key soft)
@@ -271,15 +276,18 @@ request elsewhere instead of on a connection the stop closes."
 
 ;;; A request whose handler waits on *STOP-GATE* until its stop cuts it.
 
-(defmacro with-cut-request ((kind server engine client log) (kinds path) &body body)
+(defmacro with-cut-request ((kind server engine client log) (kinds path &key access-log)
+                            &body body)
   "For each KIND of KINDS: a server with a STOP-TIMEOUT of 1 s logging to LOG
-\(ENGINE its engine), and CLIENT, whose GET of PATH its handler entered; BODY
-runs then, and the handler, the client and the server are always let go."
+\(ENGINE its engine) and writing its access log to the file ACCESS-LOG (if
+any), and CLIENT, whose GET of PATH its handler entered; BODY runs then, and
+the handler, the client and the server are always let go."
   `(dolist (,kind ,kinds)
      (with-globals ((*stop-gate* (sb-thread:make-semaphore))
                     (*stop-entered* (sb-thread:make-semaphore)))
        (let* ((,log (make-string-output-stream))
-              (,server (start-stop-server ,kind 0 :stop-timeout 1 :log ,log))
+              (,server (start-stop-server ,kind 0 :stop-timeout 1 :log ,log
+                                                  :access-log ,access-log))
               (,engine (gallop::server-engine-of ,server))
               (,client (connect (server-port-of ,kind ,server) :timeout 60)))
          (unwind-protect
@@ -297,7 +305,7 @@ STOP-TIMEOUT (1 s here): it is interrupted, and its client gets the engine's
 503 (Connection: close, Retry-After), the same octets on both front ends,
 then the end of the connection.  One line of the message log names the
 request (method, path without its query, the peer's address and port, how
-long it ran; Hunchentoot's at level WARNING), and the stats and the metrics
+long it ran, at least the stop's timeout; Hunchentoot's at level WARNING), and the stats and the metrics
 count it.  The same on a stock acceptor served by GALLOP:TASKMASTER, whose
 HANDLE-REQUEST is Hunchentoot's."
   (with-cut-request (kind server engine client log) ('(:native :easy :stock) "/stop-block?key=s3cret")
@@ -320,7 +328,10 @@ HANDLE-REQUEST is Hunchentoot's."
       (is (= 1 (length lines)) "~(~A~): the log says~%~A" kind text)
       (is (and lines
                (search request (first lines))
-               (cl-ppcre:scan " after [0-9]+\\.[0-9]{3} s" (first lines))
+               ;; It ran through the stop's timeout, 1 s, at least.
+               (cl-ppcre:register-groups-bind ((#'parse-integer seconds))
+                   (" after ([0-9]+)\\.[0-9]{3} s" (first lines))
+                 (>= seconds 1))
                (not (search "s3cret" (first lines)))
                (or (eq kind :native) (search "[WARNING]" (first lines))))
           "~(~A~): the line ~S names not ~S, its duration, or its level"
@@ -421,3 +432,129 @@ which runs after Gallop's, is not made to be called twice at once.)"
           (sb-thread:signal-semaphore *stop-gate* 10)
           (usocket:socket-close client)
           (stop-server kind server))))))
+
+(test a-stop-cut-request-has-one-access-log-line
+  "The 503 a stop's cut answers is logged once in the access log, as the
+request's answer: its method and path, 503 and the octets of its body."
+  (flet ((access-log (kind)
+           (merge-pathnames (format nil "stop-cut-~(~A~).log" kind) (run-directory))))
+    (with-cut-request (kind server engine client log)
+        ('(:native :easy :stock) "/stop-block"
+         :access-log (let ((path (access-log kind)))
+                       (when (probe-file path) (delete-file path))
+                       path))
+      (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
+      (let ((octets (read-to-eof (usocket:socket-stream client))))
+        (is (equalp (gallop.core::response-503 engine) octets)
+            "~(~A~): the client read ~S" kind (map 'string #'code-char octets)))
+      ;; The stop wrote what its access log held.
+      (let ((lines (log-lines (access-log kind)))
+            (want (format nil "\"GET /stop-block HTTP/1.1\" 503 ~D "
+                          (gallop.core:error-body-bytes 503))))
+        (is (and (= 1 (length lines)) (search want (first lines)))
+            "~(~A~): the access log holds ~S, not one line with ~S" kind lines want)))))
+
+;;; A handler that detaches its stream, gives it to another thread (the
+;;; test's), then blocks on *STOP-GATE* until its stop unwinds it.
+
+(defvar *stop-detached* nil "The stream /stop-detach detached.")
+
+(defparameter *stop-detached-answer* "echo: hello"
+  "The body the thread given /stop-detach's stream writes.")
+
+(hunchentoot:define-easy-handler (handle-stop-detach :uri "/stop-detach") ()
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) (length *stop-detached-answer*))
+  (let ((stream (hunchentoot:send-headers)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (setf *stop-detached* stream)
+    (stop-block))
+  nil)
+
+(test a-stop-leaves-a-detached-stream-to-its-owner
+  "A handler that detached its stream (HUNCHENTOOT:DETACH-SOCKET) and gave
+it to another thread still runs when a soft stop gives up waiting: the stop
+unwinds the handler, but writes nothing on the stream and closes nothing.
+The owner then reads what the client sends and answers it; the client reads
+the head and exactly what the owner wrote.  No cut is counted or logged, and
+no 503 answered."
+  (with-globals ((*stop-detached* nil))
+    (with-cut-request (kind server engine client log) ('(:easy :stock) "/stop-detach")
+      (let ((stream *stop-detached*))
+        (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
+        (send client (format nil "hello~C" #\Linefeed))
+        (let ((owner (handler-case
+                         (let ((line (loop for b = (read-byte stream nil nil)
+                                           until (or (null b) (= b 10))
+                                           collect (code-char b))))
+                           (write-sequence (octets (format nil "echo: ~{~C~}" line)) stream)
+                           (finish-output stream)
+                           (close stream)
+                           :done)
+                       (error (e) e))))
+          (is (eq :done owner) "~(~A~): the owner's reads and writes failed: ~A" kind owner))
+        (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
+               (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string) text)))
+          (is (and (uiop:string-prefix-p "HTTP/1.1 200 " text)
+                   end
+                   (string= *stop-detached-answer* (subseq text (+ end 4))))
+              "~(~A~): the client read ~S" kind text))
+        (is (null (log-lines-with "Stopping: cut" (get-output-stream-string log))) "~(~A~)" kind)
+        (is (eql 0 (getf (gallop.core:engine-stats engine) :stop-cut)) "~(~A~)" kind)
+        (multiple-value-bind (table error) (parse-metrics (gallop.core:engine-metrics engine))
+          (is (and table (= 0 (+ (metric-value table (answers-key "GET" "5xx"))
+                                 (metric-value table (answers-key "other" "5xx")))))
+              "~(~A~): ~A" kind (or error "a 503 counted")))))))
+
+(hunchentoot:define-easy-handler (handle-detach-outlast :uri "/detach-outlast") ()
+  ;; /stop-detach, but the handler returns by itself, 3 s on: past its
+  ;; deadline (1 s in the test), which must not cut it.
+  (setf (hunchentoot:content-type*) "text/plain"
+        (hunchentoot:content-length*) (length *stop-detached-answer*))
+  (let ((stream (hunchentoot:send-headers)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (setf *stop-detached* stream)
+    (sb-thread:signal-semaphore *stop-entered*)
+    (sb-thread:wait-on-semaphore *stop-gate* :timeout 3))
+  nil)
+
+(test a-handler-deadline-leaves-a-detached-stream-to-its-owner
+  "A handler that detached its stream and gave it to another thread, then
+ran past its deadline: its request is over, and the deadline cuts nothing.
+Once it returned, the owner reads what the client sends and answers it; the
+client reads the head and exactly what the owner wrote.  (Were the deadline
+to cut the handler, it would do so 2 s before the handler returns.)"
+  (with-globals ((*stop-detached* nil)
+                 (*stop-gate* (sb-thread:make-semaphore))
+                 (*stop-entered* (sb-thread:make-semaphore)))
+    (with-server (server 'gallop:easy-acceptor
+                         :taskmaster (make-instance 'gallop:taskmaster :handler-timeout 1))
+      (let ((client (connect (port-of server) :timeout 60))
+            (engine (gallop::server-engine-of server)))
+        (unwind-protect
+             (progn
+               (send client (crlf "GET /detach-outlast HTTP/1.1" "Host: x"))
+               (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
+               (is (wait-until (lambda () (zerop (gallop.core::engine-in-flight engine)))
+                               :timeout 30))
+               (send client (format nil "hello~C" #\Linefeed))
+               (let* ((stream *stop-detached*)
+                      (owner (handler-case
+                                 (let ((line (loop for b = (read-byte stream nil nil)
+                                                   until (or (null b) (= b 10))
+                                                   collect (code-char b))))
+                                   (write-sequence (octets (format nil "echo: ~{~C~}" line)) stream)
+                                   (finish-output stream)
+                                   (close stream)
+                                   :done)
+                               (error (e) e))))
+                 (is (eq :done owner) "the owner's reads and writes failed: ~A" owner))
+               (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
+                      (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string)
+                                   text)))
+                 (is (and (uiop:string-prefix-p "HTTP/1.1 200 " text)
+                          end
+                          (string= *stop-detached-answer* (subseq text (+ end 4))))
+                     "the client read ~S" text)))
+          (sb-thread:signal-semaphore *stop-gate* 10)
+          (usocket:socket-close client))))))

@@ -91,18 +91,21 @@ of its head is dropped; a body not read yet is read as it is).  C's input
 buffer no longer counts against the head budget.  Called by the handler,
 in its worker, which still owns C until the handler returned; output the
 socket did not take yet goes now, before the handler can give the stream to
-another thread, whose writes are blocking sends from the first."
+another thread, whose writes are blocking sends from the first.  The
+change of state is whole or not at all: a stop's interrupt (INTERRUPT-
+HANDLER) finds C either served or detached, never between."
   (with-connection-slots (in-start head-left body-mode boundary raw) c
-    (incf in-start head-left)
-    (setf head-left 0
-          body-mode nil
-          boundary nil
-          raw t
-          (conn-slot c rate-start) 0
-          (conn-slot c detaching) t)
-    (release-request-fields (conn-slot c request))
-    (release-spool c)
-    (uncharge-head c)
+    (sb-sys:without-interrupts
+      (incf in-start head-left)
+      (setf head-left 0
+            body-mode nil
+            boundary nil
+            raw t
+            (conn-slot c rate-start) 0
+            (conn-slot c detaching) t)
+      (release-request-fields (conn-slot c request))
+      (release-spool c)
+      (uncharge-head c))
     (when (conn-slot c unsent)
       (handler-case (finish-unsent c)
         (connection-error () (discard-unsent c))))

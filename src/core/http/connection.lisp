@@ -421,12 +421,13 @@ on; NIL when C holds no input."
                 return i
               finally (return end))))))
 
-(defun note-refusal (c response sent &key (line t))
+(defun note-refusal (c response sent &key (line t) (log t))
   "RESPONSE, one of the engine's own answers (its status line at the start),
 went to the request C was reading, the socket taking SENT octets of it (all
 of it when the rest waits with C): count it for the metrics, and give it to
-the engine's LOG-ANSWER, unless an answer to that request was counted
-already (its layer above then logged it).  LOG-ANSWER is called in this
+the engine's LOG-ANSWER (unless LOG is NIL: the layer above logged it
+already), unless an answer to that request was counted already (its layer
+above then logged it).  LOG-ANSWER is called in this
 thread (a worker, the housekeeper, the layer above's listener) as (LOG-ANSWER
 C STATUS BODY-OCTETS-SENT BUFFER START END), BUFFER[START,END) the request
 line as received (when LINE, the input is at C's IN-START, up to
@@ -438,7 +439,7 @@ must not block, nor keep BUFFER: C's buffers go back to the pool next."
     (let ((status (response-status response))
           (engine (connection-engine c)))
       (connection-count-answer c status)
-      (let ((log (engine-log-answer engine)))
+      (let ((log (and log (engine-log-answer engine))))
         (when log
           (let ((end (and line (received-line-end c))))
             (handler-case

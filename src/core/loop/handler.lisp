@@ -31,7 +31,12 @@ mark: after a hand-off (CONNECTION-SUSPEND) another thread may own C."
 (defun interrupt-handler (c thread serial seconds)
   "Make THREAD, if it still runs handler run number SERIAL on C, signal
 HANDLER-TIMEOUT (SECONDS NIL: a stop cuts the request, counted in
-:STOP-CUT).  Any thread."
+:STOP-CUT).  Any thread.
+  Once the handler detached C (CONNECTION-DETACH) its request is over and
+the stream belongs to whichever thread it gave it to: no deadline cuts it,
+and a stop only unwinds the handler (so that its worker can end) without
+counting a cut; RUN-HANDLER then lets go of C as of any detached one,
+writing nothing on it and closing nothing."
   (sb-thread:interrupt-thread
    thread
    (lambda ()
@@ -40,26 +45,35 @@ HANDLER-TIMEOUT (SECONDS NIL: a stop cuts the request, counted in
      (when (and (eq *handler-connection* c)
                 (eql (conn-slot c handler-serial) serial)
                 (eq (conn-slot c handler-thread) sb-thread:*current-thread*))
-       (setf (conn-slot c interrupted) t)
-       (when (and (null seconds) (null (conn-slot c stop-cut)))
-         (setf (conn-slot c stop-cut) :cut)
-         (sb-ext:atomic-incf (engine-stop-cut (connection-engine c))))
-       ;; ERROR, not SIGNAL: unless something in the handler unwinds it,
-       ;; RUN-HANDLER's HANDLER-CASE does.
-       (error 'handler-timeout :seconds seconds)))))
+       ;; DETACHING is set in this thread, with interrupts off.
+       (cond ((conn-slot c detaching)
+              (when (null seconds)
+                (error 'handler-timeout :seconds nil)))
+             (t
+              (setf (conn-slot c interrupted) t)
+              (when (and (null seconds) (null (conn-slot c stop-cut)))
+                (setf (conn-slot c stop-cut) :cut)
+                (sb-ext:atomic-incf (engine-stop-cut (connection-engine c))))
+              ;; ERROR, not SIGNAL: unless something in the handler unwinds
+              ;; it, RUN-HANDLER's HANDLER-CASE does.
+              (error 'handler-timeout :seconds seconds)))))))
 
 (defun stop-cut-message (c method path address port)
   "The log line of the request on C that a stop cut (see STOP-CUT), naming
 its METHOD (a symbol or a string), PATH, the peer's ADDRESS (a string) and
 PORT, and how long it ran; NIL when none is due: no stop cut it, or the line
 was made already.  Called by the layer above, which knows the request, where
-it catches HANDLER-TIMEOUT, and by RUN-HANDLER for a request it did not."
+it catches HANDLER-TIMEOUT, and by RUN-HANDLER for a request it did not.
+A layer that calls it logs the engine's 503 in its own access log, with the
+request's fields (ANSWER-INTERRUPTED-HANDLER then logs none: one line per
+answer)."
   (when (eq :cut (sb-ext:compare-and-swap (%conn-slot c stop-cut) :cut :reported))
     (let* ((owner (connection-owner-stream c))
            ;; On TLS through a library above, the request is read on the
            ;; plaintext connection (tls.lisp).
            (begun (request-begun (conn-slot (if (typep owner 'connection) owner c) request)))
-           (ms (and (plusp begun) (max 0 (- (now-ms) begun)))))
+           ;; REQUEST-BEGUN is read on the precise clock, in microseconds.
+           (ms (and (plusp begun) (max 0 (floor (- (the fixnum (now-us)) begun) 1000)))))
       (format nil "Stopping: cut ~A ~A from ~A:~D~@[ after ~A s~]: its handler still ran ~
                    when the stop gave up waiting"
               (cond ((null method) "-") ((symbolp method) (symbol-name method)) (t method))
@@ -100,7 +114,10 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
                              (not (conn-slot c gone)))
                         (length response)
                         0)
-                    :line (plusp (the fixnum (conn-slot c head-left)))))))
+                    :line (plusp (the fixnum (conn-slot c head-left)))
+                    ;; A stop's cut the layer above reported: it logged
+                    ;; this 503 (STOP-CUT-MESSAGE).
+                    :log (not (eq (conn-slot c stop-cut) :reported))))))
 
 (defun let-go-detached (c)
   "The worker lets go of C, whose handler kept the stream (CONNECTION-DETACH),
@@ -137,10 +154,15 @@ still checks that the request ended cleanly), :CLOSE,
                  (handler-case (let ((*handler-connection* c))
                                  (funcall (the function (engine-handler engine)) c))
                    (handler-timeout (e)
-                     ;; A stop's is reported as a cut request, below.
-                     (answer-interrupted-handler engine c (and (handler-timeout-seconds e) e))
-                     (setf interrupted :answered)
-                     :close)
+                     (cond ((conn-slot c detaching)
+                            ;; A stop unwound the handler of a stream it
+                            ;; detached (INTERRUPT-HANDLER): its owner's.
+                            :detached)
+                           (t
+                            ;; A stop's is reported as a cut request, below.
+                            (answer-interrupted-handler engine c (and (handler-timeout-seconds e) e))
+                            (setf interrupted :answered)
+                            :close)))
                    (connection-error (e)
                      ;; The client went away or stalled (timeouts are
                      ;; counted where they happen): close, quietly.
@@ -155,6 +177,10 @@ still checks that the request ended cleanly), :CLOSE,
       (when (eq outcome :suspended)
         ;; Another thread owns C now (see CONNECTION-SUSPEND): hands off.
         (return-from run-handler :suspended))
+      (when (and interrupted (conn-slot c detaching))
+        ;; Cut short, the handler ran on and detached the stream: it is
+        ;; its owner's, to end; nothing more is written on it.
+        (setf interrupted nil))
       (when interrupted
         (unless (eq interrupted :answered)
           ;; The layer above caught HANDLER-TIMEOUT itself (Hunchentoot's
