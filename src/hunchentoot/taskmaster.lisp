@@ -29,9 +29,6 @@ an acceptor to its taskmaster.")
   "The GALLOP:TASKMASTER running ACCEPTOR, or NIL."
   (values (gethash acceptor *taskmasters*)))
 
-(defun make-log-counts ()
-  (make-array 2 :element-type 'sb-ext:word :initial-element 0))
-
 (macrolet ((define-taskmaster-class (slots &rest options)
              ;; One slot per setting (GALLOP.CORE:+SETTINGS+), then SLOTS.
              `(defclass taskmaster (hunchentoot:taskmaster)
@@ -57,10 +54,10 @@ MAX-QUEUE-LENGTH to MAX-ACCEPT-COUNT - MAX-THREAD-COUNT.")
                  :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
 when the acceptor is not a GALLOP:ACCEPTOR.")
        (soft-stop :initform nil :accessor taskmaster-soft-stop)
-       (log-counts :initform (make-log-counts) :accessor taskmaster-log-counts
-                   :documentation "Lines of the engine's own answers handed to the pool
-and not written yet, and lines dropped (access-log.lisp), since the engine
-started: a vector of two words."))
+       (answer-log :initform nil :accessor taskmaster-answer-log
+                   :documentation "The lines of the engine's own answers waiting for
+their writer, and the count of those dropped, since the engine started (an
+ANSWER-LOG, access-log.lisp)."))
     (:documentation "A taskmaster that serves requests from an elastic pool of
 threads (no thread per connection) and keeps idle connections in epoll.  Use
 it with any Hunchentoot acceptor:
@@ -100,7 +97,11 @@ new connections get 503.")
 (defmethod stats ((tm taskmaster))
   (let ((engine (taskmaster-engine tm)))
     (and engine (append (gallop.core:engine-stats engine)
-                        (list :access-log-dropped (aref (taskmaster-log-counts tm) 1))))))
+                        (list :access-log-dropped
+                              (let ((log (taskmaster-answer-log tm)))
+                                ;; (Defined in access-log.lisp, loaded after.)
+                                (declare (notinline answer-log-dropped))
+                                (if log (answer-log-dropped log) 0)))))))
 
 (defmethod server-pool ((tm taskmaster))
   (let ((engine (taskmaster-engine tm)))
@@ -216,11 +217,11 @@ first.  The default method says NIL.")
 (defmethod hunchentoot:execute-acceptor ((tm taskmaster))
   (let* ((acceptor (serve-with-gallop (hunchentoot:taskmaster-acceptor tm)))
          (engine (make-taskmaster-engine tm acceptor)))
-    ;; Fresh counts: a line the last engine's pool never wrote stays
-    ;; counted in the old vector.
     (setf (slot-value tm 'engine) engine
           (taskmaster-soft-stop tm) nil
-          (taskmaster-log-counts tm) (make-log-counts))
+          (taskmaster-answer-log tm)
+          (make-answer-log acceptor (let ((pool (gallop.core:engine-pool engine)))
+                                      (lambda (thunk) (gallop.core:pool-submit pool thunk)))))
     (setf (gethash acceptor *taskmasters*) tm)
     (cond ((typep acceptor 'acceptor)
            (gallop.core:engine-start
@@ -272,6 +273,9 @@ first.  The default method says NIL.")
       (setf listener nil))
     (when engine
       (gallop.core:engine-stop engine :soft (taskmaster-soft-stop tm))
+      ;; Every thread that adds lines is joined now: write what is left.
+      (let ((log (taskmaster-answer-log tm)))
+        (when log (finish-answer-log log)))
       (let ((tls (gallop.core:engine-tls engine)))
         (when tls (gallop.core:free-tls-context tls)))
       (setf engine nil))

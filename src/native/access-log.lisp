@@ -15,8 +15,10 @@
 ;;;; in the queue) and writes it with one write(2) (O_APPEND: lines of
 ;;;; several processes on one file never mix).  A disk that cannot keep up
 ;;;; costs at most a full ring a worker (+RING-BYTES+) and
-;;;; +MAX-QUEUED-BYTES+: past them lines are dropped, and counted.  A
-;;;; file is opened again by its name on GALLOP:REOPEN-ACCESS-LOGS (or
+;;;; *ACCESS-LOG-MAX-QUEUED-BYTES* (32 MiB) queued: past them lines are
+;;;; dropped, and counted (a line for the queue has its room counted before
+;;;; it is made, so none is made to be dropped, and is kept at its length).
+;;;; A file is opened again by its name on GALLOP:REOPEN-ACCESS-LOGS (or
 ;;;; SIGHUP, GALLOP:REOPEN-LOGS-ON-SIGHUP), for logrotate.
 
 (in-package #:gallop)
@@ -29,6 +31,9 @@
 
 (defconstant +max-queued-bytes+ (* 32 1024 1024)
   "Octets queued past which lines are dropped (counted in ACCESS-LOG-DROPPED).")
+
+(defvar *access-log-max-queued-bytes* +max-queued-bytes+
+  "The queue's bound of the access logs opened from now on, in octets.")
 
 (defconstant +ring-bytes+ (* 256 1024)
   "The octets of a worker's ring (a power of two): a worker fills a quarter
@@ -56,7 +61,8 @@ copied them out."
   (queue '())                    ; (octets . length) entries, newest first
   (rings '())                    ; the workers' RINGs, added under RINGS-LOCK
   (rings-lock (sb-thread:make-mutex :name "gallop access log rings"))
-  (queued-bytes 0 :type sb-ext:word)
+  (queued-bytes 0 :type sb-ext:word)  ; queued, and reserved by lines in the making
+  (max-queued-bytes *access-log-max-queued-bytes* :type fixnum :read-only t)
   (dropped 0 :type sb-ext:word)      ; lines not queued: no room, or not made
   (lost-octets 0 :type sb-ext:word)  ; octets the destination did not take
   (reopen nil)
@@ -571,10 +577,18 @@ and queue it."
                 (fill-log-line scratch format address user method uri protocol status bytes
                                referer agent)
               (ring-put log (worker-ring log locals) scratch length)))
-          (multiple-value-bind (line length)
-              (fill-log-line (make-array size :element-type '(unsigned-byte 8)) format address
-                             user method uri protocol status bytes referer agent)
-            (queue-put log (subseq line 0 length) length))))
+          ;; Room first, at the line's longest: no line is made to be
+          ;; dropped.
+          (let ((before (queue-reserve log size)))
+            (when before
+              (let ((entry nil))
+                (unwind-protect
+                     (multiple-value-bind (line length)
+                         (fill-log-line (make-array size :element-type '(unsigned-byte 8)) format
+                                        address user method uri protocol status bytes referer agent)
+                       (declare (type fixnum length))
+                       (setf entry (cons (subseq line 0 length) length)))
+                  (queue-put log entry size before)))))))
     nil))
 
 (defun worker-ring (log locals)
@@ -618,17 +632,33 @@ the ring is three quarters full."
                      (>= (+ used length) (* 3 (ash +ring-bytes+ -2))))
             (sb-thread:signal-semaphore (access-log-wake log)))))))
 
-(defun queue-put (log line length)
-  "Push LINE (LENGTH octets) onto LOG's queue, from a thread with no ring."
-  (declare (type fixnum length))
-  (if (>= (access-log-queued-bytes log) +max-queued-bytes+)
-      (sb-ext:atomic-incf (access-log-dropped log))
-      ;; Counted before it is pushed: TAKE-QUEUE never takes more than it adds.
-      (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) length)))
-        (declare (type sb-ext:word before))
-        (sb-ext:atomic-push (cons line length) (access-log-queue log))
-        (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
-          (sb-thread:signal-semaphore (access-log-wake log))))))
+(defun queue-reserve (log size)
+  "Count SIZE octets on LOG's queue for a line about to be made for it (in
+a thread with no ring, or too long for a worker's scratch), and return the
+octets counted before; NIL, counting the line as dropped, when the queue
+holds its most."
+  (declare (type fixnum size))
+  (let ((before (sb-ext:atomic-incf (access-log-queued-bytes log) size)))
+    (declare (type sb-ext:word before))
+    (if (< before (access-log-max-queued-bytes log))
+        before
+        (progn (sb-ext:atomic-decf (access-log-queued-bytes log) size)
+               (sb-ext:atomic-incf (access-log-dropped log))
+               nil))))
+
+(defun queue-put (log entry size before)
+  "Push ENTRY, (LINE . LENGTH), onto LOG's queue, SIZE octets having been
+reserved for it (QUEUE-RESERVE, which saw BEFORE): only LENGTH stay
+counted.  ENTRY NIL (its line was not made, an error the caller counts)
+gives the room back."
+  (declare (type fixnum size) (type sb-ext:word before))
+  (let ((length (if entry (the fixnum (cdr entry)) 0)))
+    ;; Counted before it is pushed: TAKE-QUEUE never takes more than it adds.
+    (sb-ext:atomic-decf (access-log-queued-bytes log) (- size length))
+    (when entry
+      (sb-ext:atomic-push entry (access-log-queue log))
+      (when (and (< before +wake-bytes+) (>= (+ before length) +wake-bytes+))
+        (sb-thread:signal-semaphore (access-log-wake log))))))
 
 (defun access-log-stats (log)
   "LOG's losses, as a property list for GALLOP:STATS: :ACCESS-LOG-DROPPED

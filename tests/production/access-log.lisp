@@ -644,3 +644,230 @@ request line as received escaped as nginx escapes it."
                                                       :taskmaster (make-instance 'gallop:taskmaster))
         (exchange-raw (port-of server) request))
       (check "stock acceptor" (log-lines path)))))
+
+;;; A storm of the engine's own answers: the lines waiting for the disk are
+;;; bounded, made only when kept, and each is written or counted.
+
+(defun answers-from-clients (port requests clients)
+  "Send each of REQUESTS (strings) on a connection of its own, from CLIENTS
+threads at once, each reading its answer to the close; the answers, in the
+order of REQUESTS (a WIRE-ERROR for an answer that did not come whole, or
+no close within 5 s).  NIL for a request whose thread did not end in 20 s."
+  (let* ((answers (make-array (length requests) :initial-element nil))
+         (threads (loop for k below clients
+                        collect (let ((k k))
+                                  (sb-thread:make-thread
+                                   (lambda ()
+                                     (loop for i from k below (length requests) by clients
+                                           do (setf (aref answers i)
+                                                    (exchange-raw port (nth i requests))))))))))
+    (dolist (thread threads)
+      (sb-thread:join-thread thread :default nil :timeout 20))
+    (coerce answers 'list)))
+
+(defun statuses (answers)
+  (mapcar (lambda (a) (if (wire-response-p a) (wire-status a) a)) answers))
+
+(test a-storm-of-bad-heads-holds-few-lines-and-never-waits-on-the-file
+  "A GALLOP:ACCEPTOR whose access log cannot be written (Hunchentoot's
+access-log lock held by the test) gets 40 bad heads from 4 clients at
+once: every client gets its 400 and its close at once (no worker waits on
+the file), the taskmaster holds the first 8 lines (its bound, made small
+here), each at its length, and drops the other 32 without making them,
+counted.  Once the lock is free those 8 lines are written, no more: written
++ dropped = sent."
+  (let ((path (merge-pathnames "storm-acceptor.log" (run-directory)))
+        (n 40)
+        (bound 8)
+        (made (list 0))
+        (held nil))
+    (sb-int:encapsulate 'gallop::fill-log-line 'count
+                        (lambda (function &rest arguments)
+                          (sb-ext:atomic-incf (car made))
+                          (apply function arguments)))
+    (unwind-protect
+         (with-globals ((gallop::*answer-log-max-lines* bound))
+           (call-with-logged-front-end
+            :acceptor path '()
+            (lambda (port server)
+              (let ((requests (loop for i below n
+                                    collect (crlf (format nil "GET /bad-~3,'0D HTTP/1.1" i)
+                                                  "Host: x" "Bad Header")))
+                    (answers nil)
+                    (lock (gallop::hunchentoot-access-log-lock)))
+                (bt:acquire-lock lock)
+                (unwind-protect
+                     (progn
+                       (setf answers (answers-from-clients port requests 4))
+                       (is (equal (make-list n :initial-element 400) (statuses answers))
+                           "~S" (statuses answers))
+                       (is (eql (- n bound) (stat server :access-log-dropped)))
+                       (is (= bound (car made)) "~D lines made" (car made))
+                       (let ((log (gallop::taskmaster-answer-log
+                                   (gallop::acceptor-gallop-taskmaster server))))
+                         (is (= bound (gallop::answer-log-waiting log)))
+                         (setf held (gallop::answer-log-octets log))))
+                  (bt:release-lock lock))
+                (is (wait-until (lambda () (= bound (length (ignore-errors (log-lines path)))))))
+                (let ((log (gallop::taskmaster-answer-log (gallop::acceptor-gallop-taskmaster server))))
+                  (is (wait-until (lambda () (zerop (gallop::answer-log-waiting log)))))
+                  (is (zerop (gallop::answer-log-octets log))))
+                (is (eql (- n bound) (stat server :access-log-dropped)))
+                (is (= bound (car made))))))
+           ;; What the taskmaster held is what it wrote: the lines at their
+           ;; length, not the buffers they were made in.
+           (let ((lines (log-lines path)))
+             (is (= bound (length lines)) "~S" lines)
+             (is (eql held (with-open-file (in path :element-type '(unsigned-byte 8))
+                             (file-length in))))
+             (is (= bound (length (remove-duplicates lines :test #'string=))))
+             (dolist (line lines)
+               (is (cl-ppcre:scan "^127\\.0\\.0\\.1 - - \\[T\\] \"GET /bad-0[0-3]\\d HTTP/1\\.1\" 400 16 \"-\" \"-\"$"
+                                  (without-time line))
+                   "~S" line))))
+      (sb-int:unencapsulate 'gallop::fill-log-line 'count))))
+
+(defclass gated-octet-stream (sb-gray:fundamental-binary-output-stream)
+  ((gate :initform (sb-thread:make-semaphore) :reader gate
+         :documentation "Signalled once: the first write waits for it.")
+   (open :initform nil)
+   (octets :initform (make-array 0 :element-type '(unsigned-byte 8) :adjustable t
+                                   :fill-pointer 0)
+           :reader gated-octets))
+  (:documentation "A binary stream whose first write waits until its GATE
+is signalled (a disk that stalls), then keeps what it is given."))
+
+(defmethod stream-element-type ((stream gated-octet-stream))
+  '(unsigned-byte 8))
+
+(defmethod sb-gray:stream-write-sequence ((stream gated-octet-stream) sequence
+                                          &optional (start 0) end)
+  (with-slots (gate open octets) stream
+    (unless open
+      (sb-thread:wait-on-semaphore gate :timeout 30)
+      (setf open t))
+    (loop for i from start below (or end (length sequence))
+          do (vector-push-extend (elt sequence i) octets))
+    sequence))
+
+(test a-storm-of-long-bad-heads-makes-only-the-lines-the-queue-keeps-native
+  "The native access log, its disk stalled (a stream whose first write
+waits) and its queue's bound made 16 KiB, gets 40 bad heads of 2 KiB
+(their lines too long for a worker's scratch, so they go to the queue),
+from 4 clients at once: each gets its 400; the lines made are exactly the
+lines the log writes, the others dropped before they are made, and
+counted: made + dropped = sent; the queue held no more than its bound and a
+line."
+  (let ((n 40)
+        (bound 16384)
+        (made (list 0))
+        (out (make-instance 'gated-octet-stream))
+        (dropped nil))
+    (sb-int:encapsulate 'gallop::fill-log-line 'count
+                        (lambda (function &rest arguments)
+                          (sb-ext:atomic-incf (car made))
+                          (apply function arguments)))
+    (unwind-protect
+         (with-globals ((gallop::*access-log-max-queued-bytes* bound))
+           (let* ((server (gallop:start #'hey-app :address "127.0.0.1" :port 0
+                                                  :log (message-log-destination) :access-log out))
+                  (log (gallop::server-access-log server))
+                  (long (make-string 2000 :initial-element #\a)))
+             (unwind-protect
+                  (let ((answers (answers-from-clients
+                                  (gallop:server-port server)
+                                  (loop for i below n
+                                        collect (crlf (format nil "GET /~A-~3,'0D HTTP/1.1" long i)
+                                                      "Host: x" "Bad Header"))
+                                  4)))
+                    (is (equal (make-list n :initial-element 400) (statuses answers))
+                        "~S" (statuses answers))
+                    (setf dropped (stat server :access-log-dropped))
+                    (is (plusp dropped))
+                    (is (= n (+ (car made) dropped)) "~D made, ~D dropped" (car made) dropped)
+                    (is (< (gallop::access-log-queued-bytes log) (+ bound 2100))
+                        "~D octets queued" (gallop::access-log-queued-bytes log)))
+               (sb-thread:signal-semaphore (gate out))
+               (gallop:stop server))))
+      (sb-int:unencapsulate 'gallop::fill-log-line 'count))
+    (let ((lines (uiop:split-string (string-right-trim '(#\Newline)
+                                                       (map 'string #'code-char (gated-octets out)))
+                                    :separator '(#\Newline))))
+      (is (= (car made) (length lines)) "~D made, ~D written" (car made) (length lines))
+      (is (= n (+ (length lines) dropped)))
+      (is (= (length lines) (length (remove-duplicates lines :test #'string=))))
+      (is (every (lambda (line) (search "HTTP/1.1\" 400 16 \"-\" \"-\"" line)) lines)))))
+
+(defun check-lines-past-the-pool (submit more)
+  "On a GALLOP:ACCEPTOR, six clients each send part of a head, and get 408
+from the housekeeper, whose lines go to a writer handed to the pool
+through GALLOP.CORE:POOL-SUBMIT, here SUBMIT instead (called with the
+original, the pool and the thunk).  Then, when MORE, one bad head (its
+400 from a worker, POOL-SUBMIT back).  The lines written before the stop,
+and after it, and the lines dropped."
+  (let ((path (merge-pathnames "past-the-pool.log" (run-directory)))
+        (before nil)
+        (dropped nil)
+        (bytes nil))
+    (sb-int:encapsulate 'gallop.core:pool-submit 'past-the-pool submit)
+    (unwind-protect
+         (call-with-logged-front-end
+          :acceptor path '(:header-timeout 1)
+          (lambda (port server)
+            (let ((answers (answers-from-clients
+                            port (loop for i below 6
+                                       collect (format nil "GET /slow-~D HTTP/1.1~C~CHost: x~C~C"
+                                                       i #\Return #\Linefeed #\Return #\Linefeed))
+                            6)))
+              (is (equal (make-list 6 :initial-element 408) (statuses answers))
+                  "~S" (statuses answers))
+              (when (wire-response-p (first answers))
+                (setf bytes (length (wire-body (first answers))))))
+            (sb-int:unencapsulate 'gallop.core:pool-submit 'past-the-pool)
+            (when more
+              (is (eql 400 (first (statuses (list (exchange-raw port (crlf "GET /bad HTTP/1.1" "Host: x"
+                                                                           "Bad Header")))))))
+              (wait-until (lambda () (= 7 (length (ignore-errors (log-lines path)))))
+                          :timeout 5))
+            (setf before (ignore-errors (log-lines path))
+                  dropped (stat server :access-log-dropped))))
+      (sb-int:unencapsulate 'gallop.core:pool-submit 'past-the-pool))
+    (values (mapcar #'without-time before) (sorted-lines path) dropped bytes)))
+
+(defun slow-head-lines (bytes &optional more)
+  "The lines of CHECK-LINES-PAST-THE-POOL's answers, sorted: its 408s
+having BYTES of body."
+  (sort (append (loop for i below 6
+                      collect (format nil "127.0.0.1 - - [T] \"GET /slow-~D HTTP/1.1\" 408 ~D \"-\" \"-\""
+                                      i bytes))
+                (and more (list "127.0.0.1 - - [T] \"GET /bad HTTP/1.1\" 400 16 \"-\" \"-\"")))
+        #'string<))
+
+(test engine-answer-lines-whose-writer-the-pool-never-ran-are-written-at-the-stop
+  "The housekeeper's six 408s, their writer handed to a pool that never
+runs it (as one that stops first): the lines wait, and the stop writes
+them, none dropped."
+  (let ((submitted (list 0)))
+    (multiple-value-bind (before after dropped bytes)
+        (check-lines-past-the-pool (lambda (function pool thunk)
+                                     (declare (ignore function pool thunk))
+                                     (sb-ext:atomic-incf (car submitted))
+                                     nil)
+                                   nil)
+      (is (plusp (car submitted)))
+      (is (null before) "~S" before)
+      (is (eql 0 dropped))
+      (is (equal (slow-head-lines bytes) after) "~S" after))))
+
+(test engine-answer-lines-the-pool-refused-are-written-by-the-next-writer
+  "The housekeeper's six 408s, the pool refusing their writer (an error):
+the lines wait, and the writer of the next line, a worker's 400, writes
+them with it, none dropped."
+  (multiple-value-bind (before after dropped bytes)
+      (check-lines-past-the-pool (lambda (function pool thunk)
+                                   (declare (ignore function pool thunk))
+                                   (error "The pool refuses."))
+                                 t)
+    (is (eql 0 dropped))
+    (is (equal (slow-head-lines bytes t) (sort (copy-list before) #'string<)) "~S" before)
+    (is (equal (slow-head-lines bytes t) after) "~S" after)))
