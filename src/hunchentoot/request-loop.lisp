@@ -16,7 +16,11 @@
 ;;;;  - the loop notes when it ended because no further request was there
 ;;;;    (*REQUESTS-ENDED*): the connection is then kept;
 ;;;;  - it ends after an answer that said Connection: close, set by a
-;;;;    handler or by Gallop while it stops (Hunchentoot would read on).
+;;;;    handler or by Gallop while it stops (Hunchentoot would read on);
+;;;;  - it ends at once, writing nothing more, after a request whose handler
+;;;;    detached the stream (DETACH-SOCKET, or a 101 it answered): the
+;;;;    stream is its owner's, whose threads may be writing to it
+;;;;    (GALLOP.CORE:CONNECTION-DETACH sent what was written before).
 ;;;; The method is specialised on HUNCHENTOOT:ACCEPTOR, as Hunchentoot's is,
 ;;;; and on Gallop's CONNECTION-USOCKET (socket.lisp), which only Gallop
 ;;;; passes: so it is more specific than Hunchentoot's method and than none
@@ -58,6 +62,11 @@ makes it (an error when ACCEPTOR takes no chunked input)."
             (hunchentoot:hunchentoot-error "Client tried to use chunked encoding, ~
                                             but acceptor is configured to not use it."))
         stream)))
+
+(defun stream-detached-p ()
+  "True once the handler of the request being served detached its stream."
+  (let ((c (request-connection)))
+    (and c (gallop.core:connection-detached-p c))))
 
 (defun serve-requests (acceptor socket)
   "Hunchentoot's request loop on the CONNECTION-USOCKET SOCKET of ACCEPTOR
@@ -102,6 +111,8 @@ makes it (an error when ACCEPTOR takes no chunked input)."
                                                   :server-protocol protocol))))
                                (connection-token-p (hunchentoot:header-out :connection)
                                                    "close"))))
+                       (when (stream-detached-p)
+                         (return))
                        (finish-output %hunchentoot-stream)
                        (setf %hunchentoot-stream
                              (hunchentoot:reset-connection-stream acceptor %hunchentoot-stream))
@@ -116,8 +127,10 @@ makes it (an error when ACCEPTOR takes no chunked input)."
                      ;; At the end of the requests: errors flushing or
                      ;; closing are ignored, as Hunchentoot 1.3.x does
                      ;; (1.2.38 first offers them to the debugger when
-                     ;; HUNCHENTOOT:*CATCH-ERRORS-P* is NIL).
-                     (ignore-errors (finish-output stream))
+                     ;; HUNCHENTOOT:*CATCH-ERRORS-P* is NIL).  Nothing is
+                     ;; flushed on a stream its handler detached.
+                     (unless (stream-detached-p)
+                       (ignore-errors (finish-output stream)))
                      (ignore-errors (close stream :abort t))))
               (unless (or (null %hunchentoot-stream) (eq socket-stream %hunchentoot-stream))
                 (close-stream %hunchentoot-stream))

@@ -132,6 +132,54 @@
         (is (wait-until (lambda () (zerop (stat server :open)))) "a connection left open")
         (hunchentoot:stop server)))))
 
+;;; What a client of /detach-flood must read: the head once, then the thread's
+;;; octets, exactly.
+
+(defun detach-flood-problem (all)
+  "NIL when ALL (the octets read up to the end of file) is one head of
+status 200 followed by exactly *DETACH-FLOOD*; else what is wrong."
+  (let* ((text (map 'string #'code-char all))
+         (end (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed) text))
+         (heads (loop for i = (search "HTTP/1.1 " text) then (search "HTTP/1.1 " text :start2 (1+ i))
+                      while i count t)))
+    (cond ((null end) (format nil "no head in ~D octets: ~S" (length all) (subseq text 0 (min 24 (length text)))))
+          ((not (eql 0 (search (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)))
+           (format nil "the head begins ~S" (subseq text 0 (min 40 (length text)))))
+          ((/= heads 1) (format nil "~D heads in ~D octets" heads (length all)))
+          ((not (equalp (subseq all (+ end 4)) *detach-flood*))
+           (let* ((body (subseq all (+ end 4)))
+                  (at (mismatch body *detach-flood*)))
+             (format nil "~D octets after the head, ~D expected; they differ from octet ~D: ~{~D~^ ~}"
+                     (length body) (length *detach-flood*) at
+                     (coerce (subseq body at (min (length body) (+ at 12))) 'list)))))))
+
+(test a-detached-stream-carries-the-head-once-then-its-owner-s-octets
+  ;; The handler's head is only buffered when it detaches; the thread it
+  ;; gives the stream to writes at once, while the worker finishes the
+  ;; request: the head goes once, first, and nothing the worker does after
+  ;; the handler touches the stream.  20 connections on each acceptor.
+  (dolist (initargs (list '() (list :taskmaster (make-instance 'gallop:taskmaster))))
+    (let ((server (apply #'make-server (if initargs 'hunchentoot:easy-acceptor 'gallop:easy-acceptor)
+                         initargs))
+          (problems '()))
+      (hunchentoot:start server)
+      (unwind-protect
+           (progn
+             (dotimes (i 20)
+               (let ((socket (connect (port-of server) :timeout 5)))
+                 (unwind-protect
+                      (progn
+                        (send socket (crlf "GET /detach-flood HTTP/1.0" "Host: x"))
+                        (let ((problem (handler-case (detach-flood-problem
+                                                      (read-to-eof (usocket:socket-stream socket)))
+                                         (sb-sys:io-timeout () "no end of file"))))
+                          (when problem (push problem problems))))
+                   (usocket:socket-close socket))))
+             (is (null problems) "~:[Gallop's acceptor~;a stock acceptor~]: ~D of 20 connections wrong; ~
+                                  the first: ~A" initargs (length problems) (car (last problems)))
+             (is (wait-until (lambda () (zerop (stat server :open)))) "a connection left open"))
+        (hunchentoot:stop server)))))
+
 (defun echo-through (port request timing)
   "Send REQUEST to PORT, whose handler answers, then echoes a line on the
 same connection (a stream it detached or switched protocols on); the

@@ -141,6 +141,36 @@
     (echo-a-line stream))
   nil)
 
+(defparameter *detach-flood*
+  (let ((octets (make-array (* 64 1024) :element-type '(unsigned-byte 8))))
+    (dotimes (i (length octets) octets)
+      (setf (aref octets i) (mod i 251))))
+  "What the thread of /detach-flood writes: no two octets in a row alike, so
+that a piece repeated, dropped or moved shows.")
+
+(hunchentoot:define-easy-handler (handle-detach-flood :uri "/detach-flood") ()
+  ;; The head SEND-HEADERS writes is only buffered when the handler
+  ;; detaches; the thread it gives the stream to writes *DETACH-FLOOD* in
+  ;; small pieces through the stream's buffer (for a few milliseconds),
+  ;; then closes, while the handler returns (once the thread runs) and its
+  ;; worker ends the request.
+  (setf (hunchentoot:content-type*) "application/octet-stream")
+  (let ((stream (hunchentoot:send-headers))
+        (started (sb-thread:make-semaphore)))
+    (hunchentoot:detach-socket hunchentoot:*acceptor*)
+    (sb-thread:make-thread
+     (lambda ()
+       (sb-thread:signal-semaphore started)
+       (ignore-errors
+        (loop with octets = *detach-flood*
+              for start from 0 below (length octets) by 8
+              do (write-sequence octets stream :start start :end (+ start 8)))
+        (finish-output stream))
+       (ignore-errors (close stream)))
+     :name "detached flood")
+    (sb-thread:wait-on-semaphore started :timeout 10))
+  nil)
+
 (hunchentoot:define-easy-handler (handle-switch-echo :uri "/switch-echo") ()
   ;; As a WebSocket library on Hunchentoot does (hunchensocket): a 101, then
   ;; the new protocol on the same stream, in the handler's thread: a line

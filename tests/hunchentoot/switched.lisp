@@ -28,7 +28,8 @@
    (lock :initform (sb-thread:make-mutex :name "client writes") :reader client-lock)))
 
 (defvar *frame-rooms*
-  (list (make-instance 'frame-room :name "/bongo") (make-instance 'frame-room :name "/fury")))
+  (list (make-instance 'frame-room :name "/bongo") (make-instance 'frame-room :name "/fury")
+        (make-instance 'frame-room :name "/tls")))
 
 (defclass frame-acceptor-mixin () ()
   (:default-initargs :request-class 'frame-request)
@@ -36,6 +37,8 @@
 
 (defclass frame-easy-acceptor (frame-acceptor-mixin gallop:easy-acceptor) ())
 (defclass frame-stock-acceptor (frame-acceptor-mixin hunchentoot:acceptor) ())
+(defclass frame-easy-ssl-acceptor (frame-acceptor-mixin gallop:easy-ssl-acceptor) ())
+(defclass frame-stock-ssl-acceptor (frame-acceptor-mixin hunchentoot:ssl-acceptor) ())
 
 (defmethod hunchentoot:process-connection :around ((acceptor frame-acceptor-mixin) socket)
   (let ((*frame-socket* socket))
@@ -124,3 +127,124 @@ and one is taken again once one closed; no fd left after."
       (unwind-protect (check-switched-cap (port-of capped))
         (hunchentoot:stop capped)))
     (is (wait-until (lambda () (<= (fd-count) fds))) "fds: ~D before, ~D after" fds (fd-count))))
+
+;;; The chat over the engine's own TLS, where the threads of the room write
+;;; to a connection while its handler's thread reads it: every client sends
+;;; its messages back to back, all at once.
+
+(defun open-tls-frames (port path name)
+  "A TLS connection to PORT with the WebSocket handshake for PATH done as
+NAME (its User-Agent): the socket, its TLS stream, and the answer's status
+line."
+  (let* ((socket (connect port :timeout 30))
+         (tls (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket) :verify nil)))
+    (write-sequence (octets (ws-handshake path (format nil "User-Agent: ~A" name))) tls)
+    (force-output tls)
+    (let ((status (read-line-crlf tls)))
+      (loop for line = (read-line-crlf tls) until (or (null line) (zerop (length line))))
+      (values socket tls status))))
+
+(defun read-tls-frame (tls)
+  "The next frame the server sends on TLS, as its first octet and its
+payload (a string); a length of 126 or more (not one the chat sends) is
+read as a one-octet one."
+  (let* ((first (read-byte tls))
+         (payload (make-array (logand (read-byte tls) #x7f) :element-type '(unsigned-byte 8))))
+    (unless (= (read-sequence payload tls) (length payload))
+      (error "end of file in a frame"))
+    (values first (map 'string #'code-char payload))))
+
+(defun tls-chat-client (name tls names count)
+  "What the client NAME reads on TLS while it sends COUNT messages, each
+once the room said its last: the texts of the frames (a frame that is not
+a single text frame as a list of its first octet and its text), up to all
+the messages of NAMES; or (:FAILED message frames-read first-frames)."
+  (let ((got '())
+        (n 0)
+        (total (* count (length names))))
+    (flet ((take ()
+             (multiple-value-bind (first text) (read-tls-frame tls)
+               (incf n)
+               (car (push (if (= first #x81) text (list first text)) got)))))
+      (handler-case
+          (progn
+            (dotimes (i count)
+              (write-sequence (ws-frame 1 (octets (format nil "~A ~D" name i))) tls)
+              (force-output tls)
+              (loop with own = (format nil "~A says ~A ~D" name name i)
+                    until (or (>= n total) (equal own (take)))))
+            (loop while (< n total) do (take))
+            (nreverse got))
+        (error (e)
+          (list* :failed (princ-to-string e) n (reverse (subseq got 0 (min 3 n)))))))))
+
+(defun check-tls-chat-client (name got names count)
+  "Check what the client NAME read (see TLS-CHAT-CLIENT): all the messages
+of NAMES, each sender's in order, and nothing else."
+  (if (member (first got) '(:failed :timeout))
+      (is nil "~A: ~S" name got)
+      (progn
+        (is (= (* count (length names)) (length got))
+            "~A read ~D messages, not ~D" name (length got) (* count (length names)))
+        (dolist (sender names)
+          (let ((expected (loop for i below count collect (format nil "~A says ~A ~D" sender sender i)))
+                (from (remove-if-not (lambda (m)
+                                       (and (stringp m)
+                                            (uiop:string-prefix-p (format nil "~A says " sender) m)))
+                                     got)))
+            (is (equal expected from)
+                "~A, from ~A: ~D messages; the first wrong: ~S" name sender (length from)
+                (let ((at (mismatch expected from :test #'equal)))
+                  (and at (nth at from)))))))))
+
+(defun check-tls-chat (port &key (names '("ann" "bea" "cid")) (count 200))
+  "NAMES join /tls in turn; then, all at once, each sends COUNT messages,
+the next once the room said the last (so each handler's thread waits in
+its read between two while the others write to its connection), and reads
+what the room says."
+  (let ((clients '()))
+    (unwind-protect
+         (progn
+           (dolist (name names)
+             (multiple-value-bind (socket tls status) (open-tls-frames port "/tls" name)
+               (setf clients (append clients (list (list name socket tls))))
+               (is (equal "HTTP/1.1 101 Switching Protocols" status) "~A: ~S" name status)
+               (loop for (nil nil stream) in clients
+                     do (is (equal (format nil "~A has joined /tls" name)
+                                   (nth-value 1 (read-tls-frame stream)))))))
+           (let* ((go (sb-thread:make-semaphore))
+                  (threads (loop for (name nil tls) in clients
+                                 collect (let ((name name) (tls tls))
+                                           (sb-thread:make-thread
+                                            (lambda ()
+                                              (sb-thread:wait-on-semaphore go)
+                                              (tls-chat-client name tls names count))
+                                            :name (format nil "TLS chat client ~A" name))))))
+             (sb-thread:signal-semaphore go (length threads))
+             (loop for thread in threads
+                   for (name socket) in clients
+                   do (let ((got (sb-thread:join-thread thread :default :timeout :timeout 120)))
+                        (when (eq got :timeout)
+                          ;; Wake a client blocked in its read.
+                          (ignore-errors (sb-bsd-sockets:socket-shutdown (usocket:socket socket)
+                                                                         :direction :io))
+                          (setf got (list* :timeout (sb-thread:join-thread thread :default nil))))
+                        (check-tls-chat-client name got names count)))))
+      (loop for (nil socket tls) in clients
+            do (ignore-errors (close tls))
+               (usocket:socket-close socket)))))
+
+(test a-tls-chat-reads-and-writes-a-connection-from-several-threads
+  "The chat on the engine's TLS, GALLOP:EASY-SSL-ACCEPTOR and a stock
+SSL-ACCEPTOR with GALLOP:TASKMASTER: three clients send 200 messages each
+while the others' handler threads read; each reads all 600 byte for byte,
+and no connection is left once they went away."
+  (dolist (server (list (make-ssl-server 'frame-easy-ssl-acceptor)
+                        (make-ssl-server 'frame-stock-ssl-acceptor
+                                         :taskmaster (make-instance 'gallop:taskmaster))))
+    (hunchentoot:start server)
+    (unwind-protect
+         (progn (check-tls-chat (port-of server))
+                (is (wait-until (lambda () (zerop (stat server :open))) :timeout 30)
+                    "connections left open: ~S" (gallop:stats server)))
+      (hunchentoot:stop server))))

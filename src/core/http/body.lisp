@@ -89,11 +89,16 @@ DETACH-SOCKET: a WebSocket, a tunnel): from now on its reads and writes pass
 through as they are, past the end of the request just served (what is left
 of its head is dropped; a body not read yet is read as it is).  C's input
 buffer no longer counts against the head budget.  Called by the handler,
-in its worker, which still owns C until the handler returned; output the
-socket did not take yet goes now, before the handler can give the stream to
-another thread, whose writes are blocking sends from the first.  The
-change of state is whole or not at all: a stop's interrupt (INTERRUPT-
-HANDLER) finds C either served or detached, never between."
+in its worker, which still owns C until the handler returned.  From here on
+the stream is its owner's, who may give it to other threads: so everything
+written before goes now, in this thread (what the socket did not take yet,
+then what the output buffer holds, the answer's head written by Hunchentoot's
+SEND-HEADERS), and the worker writes nothing on C after the handler (the
+layer above must not flush it either: Hunchentoot's request loop).  Later
+writes are blocking sends, from the first; on the engine's TLS, every SSL
+call holds C's SSL-LOCK (WITH-SSL).  The change of state is whole or not at
+all: a stop's interrupt (INTERRUPT-HANDLER) finds C either served or
+detached, never between."
   (with-connection-slots (in-start head-left body-mode boundary raw) c
     (sb-sys:without-interrupts
       (incf in-start head-left)
@@ -103,12 +108,16 @@ HANDLER) finds C either served or detached, never between."
             raw t
             (conn-slot c rate-start) 0
             (conn-slot c detaching) t)
+      (when (and (plusp (the fixnum (conn-slot c tls))) (null (conn-slot c ssl-lock)))
+        (setf (conn-slot c ssl-lock) (sb-thread:make-mutex :name "SSL")))
       (release-request-fields (conn-slot c request))
       (release-spool c)
       (uncharge-head c))
-    (when (conn-slot c unsent)
-      (handler-case (finish-unsent c)
-        (connection-error () (discard-unsent c))))
+    (handler-case (progn (when (conn-slot c unsent) (finish-unsent c))
+                         (flush-output c))
+      (connection-error ()
+        (discard-unsent c)
+        (setf (conn-slot c out-fill) 0)))
     c))
 
 (defun connection-detached-p (c)

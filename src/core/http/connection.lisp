@@ -198,6 +198,11 @@ close_notify was sent or the TLS stream failed (nothing more is sent).")
    (cipher :initform nil
            :documentation "For the plaintext side of a TLS connection: the connection
 carrying the ciphertext.")
+   (ssl-lock :initform nil
+             :documentation "On the engine's TLS once C is detached (CONNECTION-DETACH):
+the mutex every call on C's SSL object holds, since the stream's owner may
+read it while other threads write to it (WITH-SSL).  NIL while one thread
+at a time owns C.")
    (pending :initform nil
             :documentation "On a plaintext connection: a function, true when the TLS
 stream holds decrypted octets not read yet.")
@@ -724,6 +729,48 @@ as it compacts them, which on average would buy it minutes."
     (and (conn-slot c unsent) (plusp (engine-min-rate engine))
          (+ (conn-slot c out-since) (engine-rate-grace-ms engine)))))
 
+;;; OpenSSL forbids two threads to use one SSL object at once, and on TLS 1.3
+;;; SSL_read may write too.  Until it is detached a connection has one owner
+;;; at a time (a worker, or the thread answering a suspended request), which
+;;; makes its SSL calls without a lock.  A detached or switched stream is
+;;; its handler's, and a WebSocket library's threads write frames to it
+;;; while its own thread waits in its read (hunchensocket's broadcast): each
+;;; SSL call then holds the connection's SSL-LOCK.  The calls never wait
+;;; (the socket is non-blocking); the waits for the socket, poll(2), are
+;;; made outside the lock, so a reader waiting for its client holds up no
+;;; writer.  Closing (END-TLS, FREE-TLS) holds it too, and a call under it
+;;; finds no SSL object once freed.  (doc/design.md, "A detached stream's
+;;; SSL calls take turns".)
+
+(defmacro with-ssl ((address c) &body body)
+  "BODY (one SSL call that does not wait) with ADDRESS bound to the SSL
+object of C, whose TLS is open.  With C's SSL-LOCK held if it has one (see
+above): then -1 and ECONNRESET, without BODY, when C's TLS ended meanwhile."
+  (let ((lock (gensym "LOCK")) (connection (gensym "C")))
+    `(let ((,connection ,c))
+       (flet ((ssl-call (,address)
+                (declare (type sb-ext:word ,address))
+                ,@body))
+         (declare (inline ssl-call))
+         (let ((,lock (conn-slot ,connection ssl-lock)))
+           (if ,lock
+               (sb-thread:with-mutex (,lock)
+                 (if (and (eq (conn-slot ,connection tls-phase) :open)
+                          (plusp (the fixnum (conn-slot ,connection tls))))
+                     (ssl-call (conn-slot ,connection tls))
+                     (values -1 +econnreset+)))
+               (ssl-call (connection-ssl ,connection))))))))
+
+(defmacro with-ssl-lock ((c) &body body)
+  "BODY, holding C's SSL-LOCK if it has one (see above)."
+  (let ((lock (gensym "LOCK")))
+    `(flet ((locked () ,@body))
+       (declare (dynamic-extent #'locked))
+       (let ((,lock (conn-slot ,c ssl-lock)))
+         (if ,lock
+             (sb-thread:with-mutex (,lock) (locked))
+             (locked))))))
+
 ;;; Reading and sending on the socket, or through the connection's TLS
 ;;; (openssl.lisp).  Every read and send of a connection goes through these
 ;;; three, which answer as recv(2), send(2) and sendfile(2) do (a count, 0 at
@@ -763,7 +810,8 @@ EAGAIN reads the same octets again the next time."
           ((not (eq (conn-slot c tls-phase) :open)) (values -1 +econnreset+))
           (t (let ((scratch (acquire-buffer)))
                (multiple-value-prog1 (multiple-value-call #'tls-outcome c
-                                       (ssl-send-file (connection-ssl c) file-fd offset count scratch))
+                                       (with-ssl (address c)
+                                         (ssl-send-file address file-fd offset count scratch)))
                  (release-buffer scratch)))))))
 
 (defun connection-ssl (c)
@@ -795,22 +843,25 @@ over (no close_notify can follow it)."
 SSL-RECV.  A step that must write waits for the socket (bounded by the write
 timeout): a handshake message is a few KiB, which a fresh socket takes."
   (loop
-    (let ((address (connection-ssl c)))
-      (when (zerop address)
-        (return (values -1 +econnreset+)))
-      (if (eq (conn-slot c tls-phase) :open)
-          (multiple-value-bind (n errno ended) (ssl-recv address buffer start end)
-            (when ended
-              ;; The stream's end (the client's close_notify, or a failure)
-              ;; came with its last octets, and OpenSSL has read it: the
-              ;; socket may raise no further event (a client that waits for
-              ;; its answer before its FIN), so the short count must not
-              ;; park C as drained.
-              (setf (conn-slot c peer-closed) t))
-            (if (and (minusp n) (= errno +want-write+))
-                (unless (wait-for-socket c +pollout+ "TLS write")
-                  (return (tls-outcome c -1 +econnreset+)))
-                (return (tls-outcome c n errno))))
+    (if (eq (conn-slot c tls-phase) :open)
+        (multiple-value-bind (n errno ended)
+            (with-ssl (address c) (ssl-recv address buffer start end))
+          (declare (type fixnum n errno))
+          (when ended
+            ;; The stream's end (the client's close_notify, or a failure)
+            ;; came with its last octets, and OpenSSL has read it: the
+            ;; socket may raise no further event (a client that waits for
+            ;; its answer before its FIN), so the short count must not
+            ;; park C as drained.
+            (setf (conn-slot c peer-closed) t))
+          ;; The wait, if any, outside WITH-SSL.
+          (if (and (minusp n) (= errno +want-write+))
+              (unless (wait-for-socket c +pollout+ "TLS write")
+                (return (tls-outcome c -1 +econnreset+)))
+              (return (tls-outcome c n errno))))
+        (let ((address (connection-ssl c)))
+          (when (zerop address)
+            (return (values -1 +econnreset+)))
           (ecase (ssl-handshake address)
             (:done (setf (conn-slot c tls-phase) :open)
              (tally-add c +tls-handshakes-cell+ 1))
@@ -836,7 +887,8 @@ NIL when it timed out."
 (defun tls-send (c buffer start end)
   "CONNECTION-SEND on TLS: nothing goes out before the handshake is done."
   (if (eq (conn-slot c tls-phase) :open)
-      (multiple-value-call #'tls-outcome c (ssl-send (connection-ssl c) buffer start end))
+      (multiple-value-call #'tls-outcome c
+        (with-ssl (address c) (ssl-send address buffer start end)))
       (values -1 +econnreset+)))
 
 (defun connection-tls-p (c)
@@ -851,18 +903,20 @@ NIL when it timed out."
   "C's TLS, if any, is over: send close_notify first if it is open (one
 non-blocking send).  The SSL object stays until CLOSE-CONNECTION frees it."
   (unless (zerop (the fixnum (conn-slot c tls)))
-    (when (and (eq (conn-slot c tls-phase) :open) (plusp (conn-slot c tls)))
-      (ssl-close-notify (conn-slot c tls)))
-    (setf (conn-slot c tls-phase) :over)))
+    (with-ssl-lock (c)
+      (when (and (eq (conn-slot c tls-phase) :open) (plusp (conn-slot c tls)))
+        (ssl-close-notify (conn-slot c tls)))
+      (setf (conn-slot c tls-phase) :over))))
 
 (defun free-tls (c)
   "Free C's SSL object (C is closing), after its close_notify when still open."
   (unless (zerop (the fixnum (conn-slot c tls)))
     (end-tls c)
-    (when (plusp (conn-slot c tls))
-      (ssl-free (conn-slot c tls))
-      (sb-ext:atomic-incf (engine-tls-freed (connection-engine c))))
-    (setf (conn-slot c tls) -1)))
+    (with-ssl-lock (c)
+      (when (plusp (conn-slot c tls))
+        (ssl-free (conn-slot c tls))
+        (sb-ext:atomic-incf (engine-tls-freed (connection-engine c))))
+      (setf (conn-slot c tls) -1))))
 
 (defun fill-input (c)
   "Read more input into the empty buffer of C, blocking (bounded by the read
