@@ -473,6 +473,19 @@ request's answer: its method and path, 503 and the octets of its body."
     (stop-block))
   nil)
 
+(defun echo-a-line-as-owner (stream)
+  "As the thread a handler gave its detached STREAM to: read a line, write
+\"echo: \" and the line, close.  :DONE, or the error that stopped it."
+  (handler-case
+      (let ((line (loop for b = (read-byte stream nil nil)
+                        until (or (null b) (= b 10))
+                        collect (code-char b))))
+        (write-sequence (octets (format nil "echo: ~{~C~}" line)) stream)
+        (finish-output stream)
+        (close stream)
+        :done)
+    (error (e) e)))
+
 (test a-stop-leaves-a-detached-stream-to-its-owner
   "A handler that detached its stream (HUNCHENTOOT:DETACH-SOCKET) and gave
 it to another thread still runs when a soft stop gives up waiting: the stop
@@ -485,15 +498,7 @@ no 503 answered."
       (let ((stream *stop-detached*))
         (is (joined-p (soft-stop-in-thread kind server)) "~(~A~): the soft stop ended" kind)
         (send client (format nil "hello~C" #\Linefeed))
-        (let ((owner (handler-case
-                         (let ((line (loop for b = (read-byte stream nil nil)
-                                           until (or (null b) (= b 10))
-                                           collect (code-char b))))
-                           (write-sequence (octets (format nil "echo: ~{~C~}" line)) stream)
-                           (finish-output stream)
-                           (close stream)
-                           :done)
-                       (error (e) e))))
+        (let ((owner (echo-a-line-as-owner stream)))
           (is (eq :done owner) "~(~A~): the owner's reads and writes failed: ~A" kind owner))
         (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
                (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string) text)))
@@ -541,15 +546,7 @@ to cut the handler, it would do so 2 s before the handler returns.)"
                                :timeout 30))
                (send client (format nil "hello~C" #\Linefeed))
                (let* ((stream *stop-detached*)
-                      (owner (handler-case
-                                 (let ((line (loop for b = (read-byte stream nil nil)
-                                                   until (or (null b) (= b 10))
-                                                   collect (code-char b))))
-                                   (write-sequence (octets (format nil "echo: ~{~C~}" line)) stream)
-                                   (finish-output stream)
-                                   (close stream)
-                                   :done)
-                               (error (e) e))))
+                      (owner (echo-a-line-as-owner stream)))
                  (is (eq :done owner) "the owner's reads and writes failed: ~A" owner))
                (let* ((text (map 'string #'code-char (read-to-eof (usocket:socket-stream client))))
                       (end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string)
