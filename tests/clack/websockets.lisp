@@ -107,9 +107,14 @@ value of +RFC-KEY+."
       (values socket fields))))
 
 (defun expect-octets (socket expected what)
-  (let ((got (read-octets socket (length expected))))
-    (is (equalp (coerce expected 'list) (coerce got 'list))
-        "~A: expected ~D octets, got ~D: ~S" what (length expected) (length got)
+  "The next octets from SOCKET are EXPECTED (a sequence of octets), compared
+as vectors: a message of 16 MiB as a list would be 512 MiB of conses, half
+the test image's heap."
+  (let* ((expected (coerce expected '(simple-array (unsigned-byte 8) (*))))
+         (got (read-octets socket (length expected))))
+    (is (equalp expected got)
+        "~A: expected ~D octets, got ~D, the first difference at ~S: ~S" what
+        (length expected) (length got) (mismatch expected got)
         (subseq got 0 (min 40 (length got))))))
 
 (defun ws-send (socket octets &key one-by-one)
