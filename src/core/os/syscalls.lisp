@@ -554,10 +554,70 @@ alone if the mask can't be read."
   "How many CPUs this process may run on (its affinity mask, e.g. under taskset)."
   (logcount (allowed-cpu-mask)))
 
+;;; The process's CPU time, read by the pool's maker every 5 ms while it
+;;; samples.  Linux sums it over every thread of the process at each read
+;;; (getrusage, and CLOCK_PROCESS_CPUTIME_ID), unless a CPU timer of the
+;;; process is armed: then the scheduler keeps a running total, which a read
+;;; of the clock returns as it is.  A process holding thousands of threads
+;;; (switched WebSockets, each reading in its own thread) would otherwise pay
+;;; a walk over all of them at every sample, the idle ones too.  So the first
+;;; read arms a timer on that clock that never comes due (its expiry is the
+;;; clock's largest value, centuries of CPU time), and notifies with a signal
+;;; whose default action is to be ignored: a timer that notifies no one
+;;; (SIGEV_NONE) is not armed by the kernel, and keeps no total.  When the
+;;; timer cannot be made, the clock is still read, with the walk.
+
+(defconstant +clock-process-cputime+ 2)
+(defconstant +sigwinch+ 28)
+
+(defvar *process-cpu-timer-pid* 0
+  "The process id for which the timer that keeps the process's CPU time
+summed up was made (a saved image starts without it), or 0.")
+
+(defvar *process-cpu-timer-lock* (sb-thread:make-mutex :name "gallop process CPU timer"))
+
+(defun arm-process-cpu-timer ()
+  "Arm, once per process, a CPU timer of the process that never comes due
+\(see above).  True when armed."
+  (sb-thread:with-mutex (*process-cpu-timer-lock*)
+    (let ((pid (sb-unix:unix-getpid)))
+      (or (= pid *process-cpu-timer-pid*)
+          (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) 64))
+                                (timer (array (sb-alien:unsigned 64) 1))
+                                (spec (array (sb-alien:signed 64) 4)))
+            (let ((sap (sb-alien:alien-sap event)))
+              (dotimes (i 64) (setf (sb-sys:sap-ref-8 sap i) 0))
+              ;; struct sigevent: sigev_signo at 8, sigev_notify (0:
+              ;; SIGEV_SIGNAL) at 12.
+              (setf (sb-sys:sap-ref-32 sap 8) +sigwinch+))
+            (when (zerop (sb-alien:alien-funcall
+                          (sb-alien:extern-alien "timer_create"
+                                                 (function sb-alien:int sb-alien:int
+                                                           sb-sys:system-area-pointer
+                                                           sb-sys:system-area-pointer))
+                          +clock-process-cputime+ (sb-alien:alien-sap event)
+                          (sb-alien:alien-sap timer)))
+              ;; No interval; due at the clock's largest value (TIMER_ABSTIME,
+              ;; seconds past it read as it).
+              (setf (sb-alien:deref spec 0) 0 (sb-alien:deref spec 1) 0
+                    (sb-alien:deref spec 2) (1- (expt 2 40)) (sb-alien:deref spec 3) 0)
+              (when (zerop (sb-alien:alien-funcall
+                            (sb-alien:extern-alien "timer_settime"
+                                                   (function sb-alien:int sb-alien:unsigned-long
+                                                             sb-alien:int sb-sys:system-area-pointer
+                                                             sb-sys:system-area-pointer))
+                            (sb-alien:deref timer 0) 1 (sb-alien:alien-sap spec)
+                            (sb-sys:int-sap 0)))
+                (setf *process-cpu-timer-pid* pid)
+                t)))))))
+
 (defun process-cpu-us ()
-  "CPU time (user + system) this process has used, in microseconds."
-  (multiple-value-bind (ok user system) (sb-unix:unix-getrusage sb-unix:rusage_self)
-    (if ok (+ user system) 0)))
+  "CPU time (user + system) this process has used, in microseconds; a read
+that costs the same however many threads the process has (see above)."
+  (unless (= (sb-unix:unix-getpid) *process-cpu-timer-pid*)
+    (arm-process-cpu-timer))
+  (multiple-value-bind (seconds nanoseconds) (clock-gettime +clock-process-cputime+)
+    (+ (* seconds 1000000) (floor nanoseconds 1000))))
 
 (defun listen-socket-fd (socket)
   "The fd of an SB-BSD-SOCKETS socket."
