@@ -148,3 +148,47 @@
                                                               (octets "!")))
                            "the small one's echo")
             (is (= (1+ shed) (nth-value 2 (gallop.core::overload-counts))))))))))
+
+(test level-3-resets-an-answer-waiting-for-its-reader-and-serves-small-requests
+  "A client that reads nothing of a 4 MiB answer holds it in the output
+queue: at level 3 it is the largest holder, and its connection is reset,
+while a small request is served."
+  (with-memory-limit ((* 16 1024 1024))
+    (with-app (server #'slow-app)
+      (let ((port (native-port server))
+            (shed (nth-value 2 (gallop.core::overload-counts))))
+        (with-slow-readers (readers)
+          (let ((reader (slow-reader port)))
+            (push reader readers)
+            (slow-reader-send reader (get-line "/big"))
+            (is (wait-until (lambda () (> (gallop.core:account-used :output) (* 3 1024 1024)))))
+            (with-charged (86)
+              (is (wait-until (lambda () (= (1+ shed) (nth-value 2 (gallop.core::overload-counts))))))
+              (is (wait-until (lambda () (zerop (stat server :unsent-bytes)))))
+              ;; The client reads what the kernel had, then the reset.
+              (is (eq :reset
+                      (handler-case (let ((stream (slow-reader-stream reader))
+                                          (buffer (make-array 65536 :element-type '(unsigned-byte 8))))
+                                      (loop while (plusp (read-sequence buffer stream)))
+                                      :eof)
+                        (error () :reset))))
+              (let ((response (request port (crlf "GET /yo HTTP/1.1" "Host: x" "" ""))))
+                (is (and response (equal "Yo!" (body-string response))))))))))))
+
+(test level-3-answers-503-to-a-body-still-arriving
+  "A body arriving at level 0 is held in memory; at level 3 its connection
+holds among the most, and gets the engine's 503, exactly, then the close."
+  (with-memory-limit ((* 8 1024 1024))
+    (with-native-ws (port)
+      (let ((socket (connect port)))
+        (unwind-protect
+             (progn
+               (send socket (format nil "~A~A"
+                                    (crlf "POST /x HTTP/1.1" "Host: x" "Content-Length: 60000")
+                                    (make-string 40000 :initial-element #\a)))
+               (is (wait-until (lambda () (>= (gallop.core:account-used :bodies) 40000))))
+               (with-charged (86)
+                 (expect-octets socket *response-503* "the 503")
+                 (is (closed-by-peer-p socket))))
+          (usocket:socket-close socket))
+        (is (wait-until (lambda () (zerop (gallop.core:account-used :bodies)))))))))
