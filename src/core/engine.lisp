@@ -182,7 +182,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-unsent-bytes 0 :type fixnum)
   (upgraded-idle-ms 0 :type fixnum)  ; 0: an upgraded connection may stay silent
   (upgraded-send-limit 0 :type fixnum)
-  (max-switched 0 :type fixnum)
+  (max-switched 0 :type fixnum)      ; MOST-POSITIVE-FIXNUM: as memory allows
   (methods nil :type list) ; NIL: every method; else those served, the others get 501
   (max-queue 0 :type fixnum)
   (head-budget 0 :type fixnum) ; see connection.lisp (the head budget)

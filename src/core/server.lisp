@@ -64,7 +64,7 @@ when given, for each answer the engine writes itself (400, 408, 413, 414,
                                                       (ms upgraded-idle-timeout)
                                                       0)
                                 :upgraded-send-limit upgraded-send-limit
-                                :max-switched max-switched-threads
+                                :max-switched (or max-switched-threads most-positive-fixnum)
                                 :methods methods
                                 :max-queue max-queue-length :retry-after retry-after
                                 :head-budget (or head-budget

@@ -46,15 +46,26 @@ epoll, not in a worker.")
       (upgraded-idle-timeout nil
        "Seconds a connection that switched protocols (a WebSocket) may receive
 nothing before it is closed; NIL: no limit (its protocol's pings find dead
-peers).  A front end may set its own per connection.")
+peers).  A front end may set its own per connection.  It is also how long
+a read may wait on a connection switched under a handler that keeps its
+thread (hunchensocket) when that handler set no timeout of its own
+\(Hunchentoot's SET-TIMEOUTS); NIL there: READ-TIMEOUT, since such a
+connection holds a thread.")
       (upgraded-send-limit (* 1024 1024)
        "Octets that may wait, sent on a connection that switched protocols, for a
 client that does not read them: a send past it closes the connection.  One
 message alone may be larger.")
-      (max-switched-threads 5000
-       "Connections that may switch protocols under a handler that keeps its
-thread (hunchensocket's WebSockets): each holds a thread outside the pool
-until it ends.  Past it, the 101 is answered 503 instead.")
+      (max-switched-threads nil
+       "The most connections that may switch protocols under a handler that
+keeps its thread (hunchensocket's WebSockets), each holding a thread outside
+the pool until it ends; NIL: as many as memory allows.  Either way each
+charges its thread's stacks to the memory account (kind :STACKS): its
+control stack (SBCL's --control-stack-size, 2 MiB by default) and its
+binding, alien and signal stacks, about 4.5 MiB in all.  A 101 past this
+cap, or that the account cannot take, is answered 503 with Retry-After
+instead, as is every new one from overload level 2 on.  With SBCL's default
+heap of 1 GiB (the account's limit is half of it) and nothing else held,
+that is about 79 at once (level 2: 70% of the limit).")
       (head-budget nil
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")

@@ -151,6 +151,13 @@ unmasked."
                                           :separator " ")))
           (return (+ (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields)))))))))
 
+(defvar *peak* 0 "The most dynamic space in use seen by the sampler below.")
+
+(sb-thread:make-thread (lambda ()
+                         (loop (setf *peak* (max *peak* (sb-kernel:dynamic-usage)))
+                               (sleep 0.002)))
+                       :name "heap sampler")
+
 (gallop.core:raise-fd-limit)
 (reply "READY ~D" (hunchentoot:acceptor-port *acceptor*))
 
@@ -164,6 +171,14 @@ unmasked."
                  ((string= command "heap")
                   (sb-ext:gc :full t)
                   (reply "HEAP ~D" (sb-kernel:dynamic-usage)))
+                 ((string= command "room")
+                  (sb-ext:gc :full t)
+                  (let ((*standard-output* *error-output*))
+                    (sb-vm:instance-usage :dynamic :top-n 12)
+                    (sb-vm:memory-usage :print-spaces t :count-spaces (quote (:dynamic)) :print-summary nil :cutoff 0.01))
+                  (reply "ROOM"))
+                 ((string= command "peak")
+                  (reply "PEAK ~D" (shiftf *peak* 0)))
                  ((string= command "quit") (return)))))
 
 (sb-ext:exit :code 0 :abort t)

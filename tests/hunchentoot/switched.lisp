@@ -31,9 +31,11 @@
   (list (make-instance 'frame-room :name "/bongo") (make-instance 'frame-room :name "/fury")
         (make-instance 'frame-room :name "/tls")))
 
-(defclass frame-acceptor-mixin () ()
+(defclass frame-acceptor-mixin ()
+  ((frame-timeout :initarg :frame-timeout :initform 30 :reader frame-timeout))
   (:default-initargs :request-class 'frame-request)
-  (:documentation "Answers 101 to a WebSocket handshake on a room's path, else 404."))
+  (:documentation "Answers 101 to a WebSocket handshake on a room's path, else 404.
+Its handlers set FRAME-TIMEOUT as their stream's timeouts (NIL: none)."))
 
 (defclass frame-easy-acceptor (frame-acceptor-mixin gallop:easy-acceptor) ())
 (defclass frame-stock-acceptor (frame-acceptor-mixin hunchentoot:acceptor) ())
@@ -92,7 +94,9 @@
            (client (make-instance 'frame-client :stream stream
                                                 :name (hunchentoot:header-in :user-agent request))))
       (force-output stream)
-      (funcall 'hunchentoot::set-timeouts *frame-socket* 30 30)
+      (let ((timeout (frame-timeout hunchentoot:*acceptor*)))
+        (when timeout
+          (funcall 'hunchentoot::set-timeouts *frame-socket* timeout timeout)))
       (sb-thread:with-mutex ((room-lock room)) (push client (room-clients room)))
       (unwind-protect
            (progn
@@ -127,6 +131,86 @@ and one is taken again once one closed; no fd left after."
       (unwind-protect (check-switched-cap (port-of capped))
         (hunchentoot:stop capped)))
     (is (wait-until (lambda () (<= (fd-count) fds))) "fds: ~D before, ~D after" fds (fd-count))))
+
+;;; What a switched connection costs, and how long it may stay silent
+
+(test switched-threads-charge-their-stacks-to-the-memory-account
+  "Each switched connection charges its thread's stacks (THREAD-OCTETS) to
+the memory account as it switches, and gives them back when it ends; a 101
+the account cannot take is answered 503 with Retry-After, and the
+connection's client reads that whole answer."
+  (with-server (server 'frame-easy-acceptor)
+    (let* ((port (port-of server))
+           (cost (gallop.core::thread-octets))
+           (before (gallop.core:account-used :stacks))
+           (one (open-ws port "/fury" "User-Agent: one")))
+      (unwind-protect
+           (progn
+             (expect-octets one (server-frame 1 (octets "one has joined /fury")) "one joins")
+             (is (= (+ before cost) (gallop.core:account-used :stacks))
+                 "charged ~D octets for one switched thread, not ~D"
+                 (- (gallop.core:account-used :stacks) before) cost)
+             ;; Room for this one, not for a second: the limit is under
+             ;; twice what is counted now (and over half of it, so the
+             ;; overload level stays below 2, where every upgrade is refused
+             ;; before the account is asked).
+             (with-memory-limit ((+ (gallop.core:account-used) cost -1))
+               (is (< (gallop.core:overload-level) 2))
+               (let ((two (connect port)))
+                 (unwind-protect
+                      (progn
+                        (send two (ws-handshake "/fury" "User-Agent: two"))
+                        (let ((response (read-response two)))
+                          (is (eql 503 (and response (response-status response))))
+                          (is (equal "1" (and response (header response :retry-after))))
+                          (is (equal (format nil "503 Service Unavailable~%")
+                                     (and response (body-string response))))))
+                   (usocket:socket-close two)))
+               (is (= (+ before cost) (gallop.core:account-used :stacks))
+                   "the refused one left ~D octets charged"
+                   (- (gallop.core:account-used :stacks) before cost)))
+             (ws-send one (ws-frame 8 (ws-close-payload 1000)))
+             (expect-octets one (server-frame 8 (ws-close-payload 1000)) "one's close")
+             (is (closed-by-peer-p one))
+             (is (wait-until (lambda () (= before (gallop.core:account-used :stacks))))
+                 "~D octets still charged once the switched connection ended"
+                 (- (gallop.core:account-used :stacks) before)))
+        (usocket:socket-close one)))))
+
+(defun check-silent-switched-closed (server)
+  "A client of SERVER's /bongo that sends nothing after the room's greeting
+reads the end of the connection (its handler's read timed out), within a
+few seconds, and the server counts a timeout."
+  (hunchentoot:start server)
+  (unwind-protect
+       (let ((socket (open-ws (port-of server) "/bongo" "User-Agent: mute")))
+         (unwind-protect
+              (progn
+                (expect-octets socket (server-frame 1 (octets "mute has joined /bongo"))
+                               "the greeting")
+                (is (closed-by-peer-p socket :timeout 10)
+                    "a silent switched WebSocket was not closed within 10 s")
+                (is (plusp (stat server :timeouts))))
+           (usocket:socket-close socket)))
+    (hunchentoot:stop server)))
+
+(test a-silent-switched-websocket-is-closed
+  "A switched connection's reads wait for the timeout its handler set
+\(Hunchentoot's SET-TIMEOUTS, as hunchensocket does); without one, for
+UPGRADED-IDLE-TIMEOUT, the idle timeout of WebSockets; without that, for
+READ-TIMEOUT.  Each of the three set to 1 s, the others long."
+  (check-silent-switched-closed
+   (make-server 'frame-easy-acceptor :frame-timeout 1
+                :taskmaster (make-instance 'gallop:taskmaster :read-timeout 600
+                                                              :upgraded-idle-timeout 600)))
+  (check-silent-switched-closed
+   (make-server 'frame-easy-acceptor :frame-timeout nil
+                :taskmaster (make-instance 'gallop:taskmaster :read-timeout 600
+                                                              :upgraded-idle-timeout 1)))
+  (check-silent-switched-closed
+   (make-server 'frame-easy-acceptor :frame-timeout nil
+                :taskmaster (make-instance 'gallop:taskmaster :read-timeout 1
+                                                              :upgraded-idle-timeout nil))))
 
 ;;; The chat over the engine's own TLS, where the threads of the room write
 ;;; to a connection while its handler's thread reads it: every client sends

@@ -670,12 +670,17 @@ a 500 after the failure) should not fail and log again."
   (error 'connection-error :stream c :errno errno :operation operation))
 
 (defun read-timeout-ms (c)
-  "The read timeout of C: a switched C's own (see CONNECTION-SWITCH), else
-the engine's."
-  (let ((stream (conn-slot c timeout-stream)))
+  "The read timeout of C: for a switched C (see CONNECTION-SWITCH), the one
+its handler set, else the engine's UPGRADED-IDLE-TIMEOUT when it has one:
+the new protocol's reads wait for the client's next message, not for the
+rest of a request; else the engine's READ-TIMEOUT."
+  (let ((stream (conn-slot c timeout-stream))
+        (engine (connection-engine c)))
     (or (and stream (sb-impl::fd-stream-timeout stream)
              (max 1 (round (* 1000 (sb-impl::fd-stream-timeout stream)))))
-        (engine-read-timeout-ms (connection-engine c)))))
+        (and (eq (conn-slot c switched) t) (plusp (engine-upgraded-idle-ms engine))
+             (engine-upgraded-idle-ms engine))
+        (engine-read-timeout-ms engine))))
 
 (defun rate-ended-wait-p (c began)
   "True when the minimum data rate, not a timeout, ended a read on C that

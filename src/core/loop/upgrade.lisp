@@ -349,6 +349,10 @@ worker (the read callback runs only on workers)."
 
 ;;; Switching under a handler that keeps its thread (hunchensocket): the
 ;;; connection leaves the engine's epoll set and the worker leaves the pool.
+;;; Its thread is charged to the memory account (kind :STACKS) for as long as
+;;; the connection is open: what bounds how many switch is memory, as for
+;;; everything else a client makes the server hold, and a burst of them is
+;;; refused (503) before their stacks would exhaust it.
 
 (defun connection-switch (c &key timeout-stream)
   "C switched protocols under a handler that keeps its thread and reads the
@@ -359,10 +363,13 @@ when the handler is done with it.  The worker steps out of the pool
 none of its workers, as a thread per connection would.  TIMEOUT-STREAM, a
 bufferless SB-SYS:FD-STREAM that the layer above lets the handler set a
 timeout on (Hunchentoot's SET-TIMEOUTS), gives C's reads their timeout
-once set (else the engine's READ-TIMEOUT)."
+once set (else READ-TIMEOUT-MS's).  The thread is charged to the memory
+account until C closes (counted already when CONNECTION-MAY-SWITCH-P
+allowed the switch; else whatever the account holds: the thread exists)."
   (connection-detach c)
   (unless (conn-slot c switched)        ; counted by CONNECTION-MAY-SWITCH-P
-    (sb-ext:atomic-incf (engine-switched (connection-engine c))))
+    (sb-ext:atomic-incf (engine-switched (connection-engine c)))
+    (account-add :stacks (thread-octets)))
   (setf (conn-slot c switched) t
         (conn-slot c timeout-stream) timeout-stream)
   ;; Its handler's reads wait in poll(2): an event would only wake a worker
@@ -384,13 +391,19 @@ once set (else the engine's READ-TIMEOUT)."
 
 (defun connection-may-switch-p (c)
   "True when C may switch protocols under its handler, and then counted among
-the engine's switched connections (each holding a thread) at once, so that
-handshakes at the same moment cannot pass MAX-SWITCHED-THREADS together."
+the engine's switched connections (each holding a thread) and its thread
+charged to the memory account at once, so that handshakes at the same
+moment cannot pass MAX-SWITCHED-THREADS or the account's limit together.
+NIL past either, or from overload level 2 on: the caller answers 503."
   (let ((engine (connection-engine c)))
     (cond ((conn-slot c switched) t)
           ((refuses-upgrades-p) nil)   ; short of memory (overload.lisp, level 2)
-          ((< (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
-           (setf (conn-slot c switched) :counted)
-           t)
-          (t (sb-ext:atomic-decf (engine-switched engine))
-             nil))))
+          ((>= (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
+           (sb-ext:atomic-decf (engine-switched engine))
+           nil)
+          ((not (account-charge :stacks (thread-octets)))
+           (sb-ext:atomic-decf (engine-switched engine))
+           (note-overload-refusal)
+           nil)
+          (t (setf (conn-slot c switched) :counted)
+             t))))
