@@ -8,6 +8,9 @@
 ;;;;
 ;;;;   scripts/lisp.sh --load tests/child/switched-server.lisp --end-toplevel-options [SETTINGS]
 ;;;;
+;;;; (or sbcl itself, with the same options after --dynamic-space-size: the
+;;;; memory account's limit, and so how many may switch, follows the heap).
+;;;;
 ;;;; SETTINGS, when given, is a plist read as GALLOP:TASKMASTER's initargs
 ;;;; (":max-switched-threads 2").  Listens on 127.0.0.1 and a free port; /echo
 ;;;; answers each text frame with the same text; a handshake anywhere else
@@ -16,8 +19,9 @@
 ;;;;   "stats"       -> "STATS <plist>" (GALLOP:STATS);
 ;;;;   "maker"       -> "MAKER <ticks>": the CPU time (user + system, clock
 ;;;;                    ticks) the pool's maker thread has used;
-;;;;   "maker-wakes" -> "WAKES <n>": the maker's wake-ups so far;
 ;;;;   "heap"        -> "HEAP <octets>": dynamic space in use after a full GC;
+;;;;   "peak"        -> "PEAK <octets>": the most dynamic space in use seen
+;;;;                    since the last "peak" (sampled every 2 ms);
 ;;;;   "quit" or end of file -> exits.
 
 (defpackage #:gallop-switched-server (:use #:common-lisp))
@@ -171,12 +175,6 @@ unmasked."
                  ((string= command "heap")
                   (sb-ext:gc :full t)
                   (reply "HEAP ~D" (sb-kernel:dynamic-usage)))
-                 ((string= command "room")
-                  (sb-ext:gc :full t)
-                  (let ((*standard-output* *error-output*))
-                    (sb-vm:instance-usage :dynamic :top-n 12)
-                    (sb-vm:memory-usage :print-spaces t :count-spaces (quote (:dynamic)) :print-summary nil :cutoff 0.01))
-                  (reply "ROOM"))
                  ((string= command "peak")
                   (reply "PEAK ~D" (shiftf *peak* 0)))
                  ((string= command "quit") (return)))))
