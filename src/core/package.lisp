@@ -47,6 +47,10 @@
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
+   #:connection-send-shared #:make-shared-octets #:release-shared-octets
+   #:connection-set-upgraded-on-limit #:connection-cut-upgraded
+   ;; the memory account (account.lisp)
+   #:account-add #:account-used #:account-limit #:account-charge #:overload-level
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p

@@ -84,6 +84,8 @@ is closed after the request."))
   (closing nil :type (member nil :close :abort))
   (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
   (charged 0 :type sb-ext:word)           ; octets counted in the body budget
+  (on-limit nil :type (or null function)) ; (), how the layer above closes a client past its send limit
+  (last-words nil)                        ; octets sent after a cut (CONNECTION-CUT-UPGRADED), then T
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -1034,22 +1036,79 @@ that is what happened under the TLS library."
 ;;; sent to the socket except from its front (order on the wire is the order
 ;;; of the writes).
 
+;;; Shared octets.  One message sent to many connections (a WebSocket
+;;; broadcast) is made once and queued by reference on each: every queue
+;;; holding it has a segment of its own (its own START, advanced as the
+;;; socket takes it), all over the same octets, which nothing writes to once
+;;; shared.  The memory account counts the octets once, as :OUTPUT, from when
+;;; they are made until the last queue lets go of them; each connection's
+;;; own count of what waits for it (UNSENT-BYTES, an upgraded connection's
+;;; MAILBOX-BYTES) still has all of them, since that is what its client has
+;;; not read (its send limit, what a sender sees of backpressure).
+
+(defstruct (shared-octets (:constructor %make-shared-octets (octets))
+                          (:copier nil) (:predicate nil))
+  "OCTETS queued on several connections, counted once in the memory account."
+  (octets nil :type octets :read-only t)
+  ;; The queues holding them, and their maker until it lets go.
+  (holders 1 :type sb-ext:word))
+
+(defmethod print-object ((shared shared-octets) stream)
+  (print-unreadable-object (shared stream :type t :identity t)
+    (format stream "~D octets, ~D holders" (length (shared-octets-octets shared))
+            (shared-octets-holders shared))))
+
+(defun make-shared-octets (octets)
+  "OCTETS, to be queued on many connections (CONNECTION-SEND-SHARED) and
+never written to again: counted in the memory account as :OUTPUT now, and
+given back when the maker (RELEASE-SHARED-OCTETS) and every queue holding
+them let go."
+  (declare (type octets octets))
+  (account-add :output (length octets))
+  (%make-shared-octets octets))
+
+(declaim (inline retain-shared-octets))
+(defun retain-shared-octets (shared)
+  (sb-ext:atomic-incf (shared-octets-holders shared)))
+
+(defun release-shared-octets (shared)
+  "One holder of SHARED lets go of it; the last gives its octets back to the
+memory account."
+  ;; ATOMIC-DECF returns the count before.
+  (when (= 1 (sb-ext:atomic-decf (shared-octets-holders shared)))
+    (account-add :output (- (length (shared-octets-octets shared)))))
+  nil)
+
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
+                    (:constructor make-shared-segment
+                        (shared &aux (octets (shared-octets-octets shared))
+                                  (start 0) (end (length octets))))
                     (:copier nil) (:predicate nil))
   "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
-back once sent), or, when OCTETS is NIL, bytes START to END of the file open
-on FILE-FD, which the segment owns."
+back once sent; SHARED: the SHARED-OCTETS record OCTETS are of, let go of
+once sent), or, when OCTETS is NIL, bytes START to END of the file open on
+FILE-FD, which the segment owns."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
   (end 0 :type fixnum)
   (pooled nil)
-  (file-fd -1 :type fixnum))
+  (file-fd -1 :type fixnum)
+  (shared nil :type (or null shared-octets)))
 
 (defmethod print-object ((segment segment) stream)
   (print-unreadable-object (segment stream :type t :identity t)))
 
+(declaim (inline segment-counted-p))
+(defun segment-counted-p (segment)
+  "True when SEGMENT's octets count in the memory account as it is queued
+and sent: octets in memory of its own (shared ones count once, a file's
+are not in memory)."
+  (and (segment-octets segment) (null (segment-shared segment))))
+
 (defun free-segment (segment)
-  (cond ((segment-octets segment)
+  (cond ((segment-shared segment)
+         (release-shared-octets (shiftf (segment-shared segment) nil)))
+        ((segment-octets segment)
          (when (segment-pooled segment)
            (release-buffer (segment-octets segment))))
         ((>= (segment-file-fd segment) 0)
@@ -1070,15 +1129,54 @@ on FILE-FD, which the segment owns."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
+      (when (segment-counted-p segment)
+        (account-add :output size))
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
 
-(defun discard-unsent (c)
-  "Drop C's unsent output (C is closing)."
-  (loop for segment in (conn-slot c unsent) do (free-segment segment))
-  (setf (conn-slot c unsent) nil
-        (conn-slot c unsent-tail) nil
-        (conn-slot c unsent-bytes) 0))
+(defun drop-segment (segment)
+  "Let go of SEGMENT, not sent (or not all of it): what it counts in the
+memory account is given back."
+  (when (segment-counted-p segment)
+    (account-add :output (- (segment-start segment) (segment-end segment))))
+  (free-segment segment))
+
+(defun queue-copy (c octets start end)
+  "Append a copy of OCTETS[START,END), a few octets, to C's unsent output
+\(not empty): into the pool buffer its last segment is when that has room,
+else into a fresh one.  So a client that does not read costs a buffer per
++BUFFER-SIZE+ of small messages, not one each.  (Never into the segment the
+socket is taking: on TLS it must be offered the same octets again.)"
+  (declare (type octets octets) (type fixnum start end))
+  (let ((n (- end start))
+        (tail (car (conn-slot c unsent-tail))))
+    (if (and (segment-pooled tail)
+             (not (eq tail (car (conn-slot c unsent))))
+             (<= (+ (segment-end tail) n) (length (the octets (segment-octets tail)))))
+        (progn
+          (replace (the octets (segment-octets tail)) octets
+                   :start1 (segment-end tail) :start2 start :end2 end)
+          (incf (segment-end tail) n)
+          (incf (the fixnum (conn-slot c unsent-bytes)) n)
+          (account-add :output n)
+          (incf (the fixnum (conn-slot c sent)) n))
+        (let ((buffer (acquire-buffer)))
+          (replace buffer octets :start2 start :end2 end)
+          (queue-unsent c (make-segment buffer 0 n t))))))
+
+(defun discard-unsent (c &key keep-first)
+  "Drop C's unsent output (C is closing); with KEEP-FIRST, all but its first
+segment, the one the socket is taking."
+  (with-connection-slots (unsent unsent-bytes) c
+    (let ((kept (and keep-first unsent (car unsent))))
+      (loop for segment in (if kept (cdr unsent) unsent) do (drop-segment segment))
+      (if kept
+          (setf unsent (list kept)
+                (conn-slot c unsent-tail) unsent
+                unsent-bytes (- (segment-end kept) (segment-start kept)))
+          (setf unsent nil
+                (conn-slot c unsent-tail) nil
+                unsent-bytes 0)))))
 
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
@@ -1119,6 +1217,8 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
+                   (when (segment-counted-p segment)
+                     (account-add :output (- n)))
                    (when (= (+ start n) end)
                      (pop unsent)
                      (free-segment segment)))
@@ -1348,6 +1448,38 @@ the socket does not take then is queued as KEEP says, see SEND-ALL)."
             (t
              (flush-output c)
              (send-all c octets start end keep)))))
+  nil)
+
+(defun connection-write-segment (c segment)
+  "Send SEGMENT (octets in memory, not empty, given up by the caller) after
+C's output, without waiting: what the socket does not take now is queued as
+SEGMENT itself, its octets neither copied nor written to (shared ones stay
+shared).  An upgraded connection's sends come this way (upgrade.lisp).
+Signals CONNECTION-ERROR when the client went away; SEGMENT is let go of
+whatever happens to C."
+  (declare (type segment segment))
+  (let ((kept nil))
+    (unwind-protect
+         (progn
+           (flush-output c)
+           (when (conn-slot c gone)
+             (return-from connection-write-segment nil))
+           (when (or (null (conn-slot c unsent)) (send-unsent c))
+             ;; Nothing queued: straight to the socket.
+             (loop while (< (segment-start segment) (segment-end segment))
+                   do (multiple-value-bind (n errno)
+                          (connection-send c (segment-octets segment)
+                                           (segment-start segment) (segment-end segment))
+                        (declare (type fixnum n))
+                        (cond ((>= n 0)
+                               (incf (segment-start segment) n)
+                               (incf (the fixnum (conn-slot c sent)) n))
+                              ((= errno +eagain+) (return))
+                              (t (client-went-away c errno "write"))))))
+           (when (< (segment-start segment) (segment-end segment))
+             (queue-unsent c segment)
+             (setf kept t)))
+      (unless kept (free-segment segment))))
   nil)
 
 (defun connection-reserve-output (c n)

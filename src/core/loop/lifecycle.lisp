@@ -105,6 +105,25 @@ connection: never closes it (the app answers when it answers), so rarely.")
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
 
+(defun take-mailbox (u)
+  "What U's mailbox holds, newest first, taken from it at once."
+  (loop for old = (upgrade-mailbox u)
+        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
+          return old))
+
+(defun drop-mailbox-segment (u segment)
+  "Let go of SEGMENT, taken from U's mailbox and not sent, and of its count."
+  (let ((n (- (segment-end segment) (segment-start segment))))
+    (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
+    (when (segment-counted-p segment)
+      (account-add :output (- n)))
+    (free-segment segment)))
+
+(defun discard-mailbox (u)
+  "Drop what U's mailbox holds (its connection ended, or was cut)."
+  (dolist (segment (take-mailbox u))
+    (drop-mailbox-segment u segment)))
+
 (defun note-upgrade-ended (c)
   "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
 worker (a timer due now), or in this thread when the engine is stopping."
@@ -115,6 +134,7 @@ worker (a timer due now), or in this thread when the engine is stopping."
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
         (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
+        (discard-mailbox u)
         (when on-close
           (flet ((call ()
                    (handler-case (funcall on-close)
