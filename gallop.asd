@@ -161,6 +161,7 @@
                (:file "clack/websockets")
                (:file "hunchentoot/switched")
                (:file "native/websocket")
+               (:file "native/broadcast")
                (:file "native/chat")
                ;; the conformance corpus (make conformance also runs it against nginx)
                (:file "conformance/corpus")
