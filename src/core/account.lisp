@@ -1,7 +1,7 @@
 ;;;; account.lisp -- SHIM for branch wt-broadcast, replaced by main's
 ;;;; account.lisp (the memory account of issue 63) when main is merged.
 ;;;; Only what the broadcast work calls: a process-wide count of octets by
-;;;; kind, its limit, and the overload level read from them.
+;;;; kind, its limit, and the overload level read from them and the heap.
 
 (in-package #:gallop.core)
 
@@ -52,7 +52,23 @@ or NIL (nothing counted)."
       (progn (account-add kind (- octets)) nil)
       t))
 
+(declaim (type fixnum *heap-after-gc*))
+(sb-ext:defglobal *heap-after-gc* 0)
+
+(defun level-of (used limit thresholds)
+  (let ((level 0))
+    (loop for percent in thresholds for i from 1
+          when (>= (* 100 used) (* percent limit)) do (setf level i))
+    level))
+
 (defun overload-level ()
-  "0 when memory is plenty; 3 past 85% of the account's limit (the shim
-knows no other level)."
-  (if (>= (* 100 (account-used)) (* 85 *account-limit*)) 3 0))
+  "0 when memory is plenty; 1, 2 or 3 as the account passes 50, 70 and 85%
+of its limit, or the heap in use after the last collection 60, 70 and 80%
+of the heap."
+  (max (level-of (account-used) *account-limit* '(50 70 85))
+       (level-of *heap-after-gc* (sb-ext:dynamic-space-size) '(60 70 80))))
+
+(defun note-heap-after-gc ()
+  (setf *heap-after-gc* (sb-kernel:dynamic-usage)))
+
+(pushnew 'note-heap-after-gc sb-ext:*after-gc-hooks*)

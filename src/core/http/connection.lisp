@@ -1036,15 +1036,33 @@ that is what happened under the TLS library."
 ;;; sent to the socket except from its front (order on the wire is the order
 ;;; of the writes).
 
+;;; What the queues hold is counted in the memory account as :OUTPUT, by
+;;; segment: the heap its octets take (OCTETS-FOOTPRINT) from when the
+;;; segment is made until it is freed, whole, since a vector half sent is
+;;; still all in memory.  A connection's own count of what waits for its
+;;; client (UNSENT-BYTES, an upgraded connection's MAILBOX-BYTES) is the
+;;; octets still to send: its backpressure, and its send limit.
+;;;
 ;;; Shared octets.  One message sent to many connections (a WebSocket
 ;;; broadcast) is made once and queued by reference on each: every queue
 ;;; holding it has a segment of its own (its own START, advanced as the
 ;;; socket takes it), all over the same octets, which nothing writes to once
-;;; shared.  The memory account counts the octets once, as :OUTPUT, from when
-;;; they are made until the last queue lets go of them; each connection's
-;;; own count of what waits for it (UNSENT-BYTES, an upgraded connection's
-;;; MAILBOX-BYTES) still has all of them, since that is what its client has
-;;; not read (its send limit, what a sender sees of backpressure).
+;;; shared.  The account counts them once, from when they are made until the
+;;; last queue lets go of them; each connection's backlog counts them in
+;;; full, since that is what its client has not read.
+
+(defun octets-footprint (n)
+  "Octets of the heap an octet vector of N elements takes: its header and
+data, and its share of the allocator's page (SB-VM:GENCGC-PAGE-BYTES), of
+which it holds a whole number: a vector a little over half a page takes a
+page (a 16 KiB message's frame takes 32 KiB).  Counting what a vector
+takes, not its length, keeps the account's limits true of the heap."
+  (declare (type fixnum n))
+  (let ((size (* 16 (ceiling (+ n (* 2 sb-vm:n-word-bytes)) 16)))
+        (page sb-vm:gencgc-page-bytes))
+    (if (<= size page)
+        (ceiling page (floor page size))
+        (* page (ceiling size page)))))
 
 (defstruct (shared-octets (:constructor %make-shared-octets (octets))
                           (:copier nil) (:predicate nil))
@@ -1064,7 +1082,7 @@ never written to again: counted in the memory account as :OUTPUT now, and
 given back when the maker (RELEASE-SHARED-OCTETS) and every queue holding
 them let go."
   (declare (type octets octets))
-  (account-add :output (length octets))
+  (account-add :output (octets-footprint (length octets)))
   (%make-shared-octets octets))
 
 (declaim (inline retain-shared-octets))
@@ -1076,7 +1094,7 @@ them let go."
 memory account."
   ;; ATOMIC-DECF returns the count before.
   (when (= 1 (sb-ext:atomic-decf (shared-octets-holders shared)))
-    (account-add :output (- (length (shared-octets-octets shared)))))
+    (account-add :output (- (octets-footprint (length (shared-octets-octets shared))))))
   nil)
 
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
@@ -1093,19 +1111,25 @@ FILE-FD, which the segment owns."
   (end 0 :type fixnum)
   (pooled nil)
   (file-fd -1 :type fixnum)
-  (shared nil :type (or null shared-octets)))
+  (shared nil :type (or null shared-octets))
+  (counted 0 :type fixnum))             ; in the memory account, until freed
 
 (defmethod print-object ((segment segment) stream)
   (print-unreadable-object (segment stream :type t :identity t)))
 
-(declaim (inline segment-counted-p))
-(defun segment-counted-p (segment)
-  "True when SEGMENT's octets count in the memory account as it is queued
-and sent: octets in memory of its own (shared ones count once, a file's
-are not in memory)."
-  (and (segment-octets segment) (null (segment-shared segment))))
+(defun count-segment (segment)
+  "Count SEGMENT's octets in the memory account, once, until it is freed:
+octets of its own (shared ones are counted once for all their segments, a
+file's are not in memory)."
+  (when (and (zerop (segment-counted segment)) (segment-octets segment)
+             (null (segment-shared segment)))
+    (let ((n (octets-footprint (length (the octets (segment-octets segment))))))
+      (account-add :output n)
+      (setf (segment-counted segment) n))))
 
 (defun free-segment (segment)
+  (when (plusp (segment-counted segment))
+    (account-add :output (- (shiftf (segment-counted segment) 0))))
   (cond ((segment-shared segment)
          (release-shared-octets (shiftf (segment-shared segment) nil)))
         ((segment-octets segment)
@@ -1129,17 +1153,9 @@ are not in memory)."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
-      (when (segment-counted-p segment)
-        (account-add :output size))
+      (count-segment segment)
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
-
-(defun drop-segment (segment)
-  "Let go of SEGMENT, not sent (or not all of it): what it counts in the
-memory account is given back."
-  (when (segment-counted-p segment)
-    (account-add :output (- (segment-start segment) (segment-end segment))))
-  (free-segment segment))
 
 (defun queue-copy (c octets start end)
   "Append a copy of OCTETS[START,END), a few octets, to C's unsent output
@@ -1158,7 +1174,6 @@ socket is taking: on TLS it must be offered the same octets again.)"
                    :start1 (segment-end tail) :start2 start :end2 end)
           (incf (segment-end tail) n)
           (incf (the fixnum (conn-slot c unsent-bytes)) n)
-          (account-add :output n)
           (incf (the fixnum (conn-slot c sent)) n))
         (let ((buffer (acquire-buffer)))
           (replace buffer octets :start2 start :end2 end)
@@ -1169,7 +1184,7 @@ socket is taking: on TLS it must be offered the same octets again.)"
 segment, the one the socket is taking."
   (with-connection-slots (unsent unsent-bytes) c
     (let ((kept (and keep-first unsent (car unsent))))
-      (loop for segment in (if kept (cdr unsent) unsent) do (drop-segment segment))
+      (loop for segment in (if kept (cdr unsent) unsent) do (free-segment segment))
       (if kept
           (setf unsent (list kept)
                 (conn-slot c unsent-tail) unsent
@@ -1217,8 +1232,6 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
-                   (when (segment-counted-p segment)
-                     (account-add :output (- n)))
                    (when (= (+ start n) end)
                      (pop unsent)
                      (free-segment segment)))

@@ -115,8 +115,6 @@ connection: never closes it (the app answers when it answers), so rarely.")
   "Let go of SEGMENT, taken from U's mailbox and not sent, and of its count."
   (let ((n (- (segment-end segment) (segment-start segment))))
     (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
-    (when (segment-counted-p segment)
-      (account-add :output (- n)))
     (free-segment segment)))
 
 (defun discard-mailbox (u)

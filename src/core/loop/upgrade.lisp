@@ -132,7 +132,7 @@ may: past its send limit, or, short of memory, past
 backlog may not."
   (let ((pending (connection-upgraded-pending c)))
     (or (> pending (upgrade-send-limit u))
-        (and (> pending +short-of-memory-backlog+) (>= (overload-level) 3)))))
+        (and (> pending +short-of-memory-backlog+) (>= (overload-level) 1)))))
 
 (defun fall-behind (c u)
   "C's client fell behind (BEHIND-P): count it among the slow clients and
@@ -151,8 +151,7 @@ close C as its layer says (ON-LIMIT), else at once."
 CONNECTION-SEND-UPGRADED answers."
   (let ((n (- (segment-end segment) (segment-start segment))))
     (sb-ext:atomic-incf (upgrade-mailbox-bytes u) n)
-    (when (segment-counted-p segment)
-      (account-add :output n))
+    (count-segment segment)
     (sb-ext:atomic-push segment (upgrade-mailbox u))
     (when (upgrade-ended u)
       ;; Ended meanwhile: its mailbox may have been dropped already.
@@ -254,8 +253,6 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
                         (start (segment-start segment))
                         (end (segment-end segment)))
                     (sb-ext:atomic-decf (upgrade-mailbox-bytes u) (- end start))
-                    (when (segment-counted-p segment)
-                      (account-add :output (- start end)))
                     (cond ((= start end))
                           ((<= (- end start) +copied-send-octets+)
                            ;; Small: together in the output buffer, so that
