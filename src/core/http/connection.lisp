@@ -1166,7 +1166,7 @@ socket is taking: on TLS it must be offered the same octets again.)"
   (declare (type octets octets) (type fixnum start end))
   (let ((n (- end start))
         (tail (car (conn-slot c unsent-tail))))
-    (if (and (segment-pooled tail)
+    (if (and tail (segment-pooled tail)
              (not (eq tail (car (conn-slot c unsent))))
              (<= (+ (segment-end tail) n) (length (the octets (segment-octets tail)))))
         (progn

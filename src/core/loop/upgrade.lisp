@@ -258,8 +258,11 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
                            ;; Small: together in the output buffer, so that
                            ;; what was written in a row goes out in one send;
                            ;; behind queued output, in its last buffer.
+                           (when (conn-slot c unsent)
+                             (flush-output c))
+                           ;; (The flush may have sent all that was queued.)
                            (if (conn-slot c unsent)
-                               (progn (flush-output c) (queue-copy c octets start end))
+                               (queue-copy c octets start end)
                                (connection-write-octets c octets start end)))
                           ((and (null (segment-shared segment)) (null (conn-slot c unsent))
                                 (<= (- end start) +buffer-size+))
