@@ -47,10 +47,12 @@
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
+   #:connection-set-upgraded-on-shed #:connection-shed-upgraded
    #:connection-send-shared #:make-shared-octets #:release-shared-octets
    #:connection-set-upgraded-on-limit #:connection-cut-upgraded
-   ;; the memory account (account.lisp)
-   #:account-add #:account-used #:account-limit #:account-charge #:overload-level
+   ;; the memory account (account.lisp) and the overload manager (overload.lisp)
+   #:account-charge #:account-add #:account-used #:account-limit #:set-memory-limit
+   #:overload-level #:overloaded
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p

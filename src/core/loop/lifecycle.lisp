@@ -105,6 +105,21 @@ connection: never closes it (the app answers when it answers), so rarely.")
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
 
+(defun give-back-upgraded (engine u kind octets)
+  "Give back at most OCTETS of U's count of KIND (all of it when OCTETS is
+NIL), once: the holder and the end of the connection may both try."
+  (loop
+    (let* ((old (if (eq kind :inflate) (upgrade-inflated u) (upgrade-charged u)))
+           (new (if octets (max 0 (- old octets)) 0)))
+      (when (= old (if (eq kind :inflate)
+                       (sb-ext:compare-and-swap (upgrade-inflated u) old new)
+                       (sb-ext:compare-and-swap (upgrade-charged u) old new)))
+        (let ((back (- old new)))
+          (when (plusp back)
+            (body-bytes-incf engine (- back))
+            (account-add kind (- back))))
+        (return t)))))
+
 (defun take-mailbox (u)
   "What U's mailbox holds, newest first, taken from it at once."
   (loop for old = (upgrade-mailbox u)
@@ -131,7 +146,8 @@ worker (a timer due now), or in this thread when the engine is stopping."
             (on-close (upgrade-on-close u)))
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
-        (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
+        (give-back-upgraded engine u :messages nil)
+        (give-back-upgraded engine u :inflate nil)
         (discard-mailbox u)
         (when on-close
           (flet ((call ()
