@@ -496,15 +496,20 @@ for its message): close WS with CODE, read nothing more."
 
 (defun ws-shed (ws)
   "The server is short of memory and WS holds among the most (the overload
-manager, from its own thread): what WS holds is dropped, a close frame with
-1013 (try again later) is sent if nothing of an earlier frame is half sent,
-and the connection is closed once it went out, or at once.  Never waits."
+manager, from its own thread; never waits): WS is closed with 1013 (try
+again later) as a client that falls behind is with 1008 (WS-FALL-BEHIND):
+nothing more is read, what waits and has not begun to go out is dropped,
+the close frame follows the message the socket is taking, and the
+connection closes once the client has it, or is aborted
++CLOSE-WAIT-SECONDS+ later.  The message WS was assembling goes when it
+ends."
   (setf (ws-failed ws) t)
   (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
-      (progn
-        (setf (ws-close-code ws) 1013 (ws-close-reason ws) "server short of memory")
-        (gallop.core:connection-shed-upgraded (ws-connection ws)
-                                               (frame-octets 8 (close-payload 1013 "server short of memory"))))
+      (let ((reason "server short of memory"))
+        (setf (ws-close-code ws) 1013 (ws-close-reason ws) reason)
+        (gallop.core:connection-cut-upgraded (ws-connection ws)
+                                             (frame-octets 8 (close-payload 1013 reason)))
+        (abort-later ws))
       (socket-close (ws-socket ws) :abort t)))
 
 (defun websocket-ended (ws)

@@ -249,21 +249,6 @@ after a while.  NIL when C was cut already or has ended."
       (kick-upgraded c u)
       t)))
 
-(defun connection-shed-upgraded (c frame)
-  "Close the upgraded connection C for the overload manager, from its
-thread, never waiting: what other threads sent and C has not begun to send
-is dropped; when nothing of C's output waits, FRAME (the protocol's last
-word, a WebSocket close frame; NIL: none) is sent and C closed once the
-client has it, else C is closed at once (a client that has not read what
-waits would not read FRAME either)."
-  (let ((u (conn-slot c upgrade)))
-    (when u
-      (discard-mailbox u)
-      (if (and frame (zerop (conn-slot c unsent-bytes)))
-          (progn (connection-send-upgraded c frame :copy nil)
-                 (connection-close-upgraded c))
-          (connection-close-upgraded c :abort t)))))
-
 ;;; The owner's side
 
 (defconstant +copied-send-octets+ 512
