@@ -415,10 +415,21 @@ CODE and REASON (cut to fit); the connection closes once the client answers
                                     (lambda () (socket-close (ws-socket ws) :abort t))))))
   nil)
 
+(defun drop-message (ws)
+  "WS reads no more messages: let go of the one it was assembling, and of
+its count in the body budget."
+  (let ((held (length (ws-message ws))))
+    (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))
+          (ws-message-fill ws) 0
+          (ws-message-opcode ws) nil)
+    (unless (zerop held)
+      (charge ws (- held)))))
+
 (defun ws-fail (ws code reason)
   "The client broke the protocol (or a callback failed, or no memory is left
 for its message): close WS with CODE, read nothing more."
   (setf (ws-failed ws) t)
+  (drop-message ws)
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason)))
@@ -427,6 +438,8 @@ for its message): close WS with CODE, read nothing more."
 (defun websocket-ended (ws)
   "The connection of WS ended (the socket's close callback): ON-CLOSE, once."
   (unless (shiftf (ws-closed ws) t)
+    ;; The app may keep WS: it keeps no message.
+    (drop-message ws)
     (when (ws-on-close ws)
       (ws-call ws (ws-on-close ws) ws (ws-close-code ws) (ws-close-reason ws)))))
 

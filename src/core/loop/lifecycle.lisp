@@ -110,8 +110,13 @@ connection: never closes it (the app answers when it answers), so rarely.")
 worker (a timer due now), or in this thread when the engine is stopping."
   (let ((u (conn-slot c upgrade)))
     (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
+      ;; The closed connection lets go of the layer above, and so of what
+      ;; that holds for it (a WebSocket's message half read): others may
+      ;; still hold the connection a while (a stale entry of the timing
+      ;; wheel, up to the wheel's span), while its budget is given back now.
       (let ((engine (connection-engine c))
-            (on-close (upgrade-on-close u)))
+            (on-close (shiftf (upgrade-on-close u) nil)))
+        (setf (upgrade-on-read u) nil)
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
         (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
