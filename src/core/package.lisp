@@ -47,6 +47,7 @@
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
+   #:connection-upgraded-idle-timeout #:connection-upgraded-silence
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p

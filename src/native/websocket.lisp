@@ -156,6 +156,8 @@ a surrogate, past U+10FFFF)."
   (max-message 0 :type fixnum)
   (deflate nil)                         ; the window bits to compress with, when agreed
   (deflate-min 0 :type fixnum)          ; shorter messages are sent as they are
+  (ping-interval nil)                   ; seconds of the client's silence before a ping
+  (pinged nil)                          ; the client's silence the last ping was sent in
   ;; the reader (READ-FRAMES), touched by one worker at a time
   (head (make-array 14 :element-type '(unsigned-byte 8)) :type octets)
   (head-fill 0 :type fixnum)
@@ -271,7 +273,7 @@ either way, so each message is compressed on its own."
 
 (defun accept-websocket (env &key on-open on-message on-close on-pong protocols
                                   (max-message-bytes (* 16 1024 1024)) idle-timeout
-                                  deflate (deflate-min-bytes 256))
+                                  ping-interval deflate (deflate-min-bytes 256))
   "Answer the WebSocket handshake of ENV: what the app returns.  A handshake
 this server refuses gets 400 (426 for another version than 13); else 101,
 and from then on ON-OPEN (WS) once, ON-MESSAGE (WS MESSAGE) for each
@@ -279,9 +281,12 @@ message (a string for text, octets for binary), ON-PONG (WS OCTETS), and
 ON-CLOSE (WS CODE REASON) once when it ends (CODE 1006 when no close frame
 came), each on a pool worker.  PROTOCOLS: the subprotocols served, the
 first the client lists among them is chosen (WS-PROTOCOL).  A message over
-MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed when the
-client sends nothing for that long (default: the server's
-UPGRADED-IDLE-TIMEOUT; send pings to keep it).  DEFLATE: agree to
+MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed, with
+no close frame, when the client sends nothing for that long (default: the
+server's UPGRADED-IDLE-TIMEOUT, 60 s).  PING-INTERVAL (seconds, or NIL for
+none): a ping once the client was silent for that long, one per silence;
+the client then has IDLE-TIMEOUT to answer (a pong, or anything), so that
+a live client that has nothing to say stays open.  DEFLATE: agree to
 permessage-deflate when the client offers it, each message compressed on
 its own; messages sent shorter than DEFLATE-MIN-BYTES, or that would not
 shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
@@ -300,14 +305,21 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
                                         :on-open on-open :on-message on-message
                                         :on-close on-close :on-pong on-pong
                                         :max-message max-message-bytes
+                                        :ping-interval ping-interval
                                         :deflate window :deflate-min deflate-min-bytes)
                        idle-timeout))))
 
 (defun accept-switched (env socket protocol extension ws idle-timeout)
   "Take SOCKET for WS and answer 101 with PROTOCOL and EXTENSION."
-  (let ((c (take-socket socket)))
-    (when idle-timeout
-      (gallop.core:connection-set-upgraded-idle-timeout c idle-timeout))
+  (let* ((c (take-socket socket))
+         (timeout (or idle-timeout (gallop.core:connection-upgraded-idle-timeout c)))
+         (interval (ws-ping-interval ws)))
+    (when (or idle-timeout (and interval timeout))
+      ;; With pings, the client's silence may last the interval, then the
+      ;; timeout for its answer.
+      (gallop.core:connection-set-upgraded-idle-timeout c (and timeout (+ timeout (or interval 0)))))
+    (when interval
+      (ping-later ws interval))
     (setf (exchange-read-callback socket)
           (lambda (octets &key start end) (read-frames ws octets start end))
           (exchange-close-callback socket)
@@ -387,6 +399,32 @@ when WS is closing or closed."
     (assert (<= (length octets) 125) () "A ping carries at most 125 octets.")
     (unless (ws-close-sent ws)
       (send-frame ws 9 octets))))
+
+(defun ping-later (ws seconds)
+  "Look at WS's client's silence again in SECONDS (PING-WHEN-SILENT), unless
+its server stopped."
+  (let ((engine (gallop.core:connection-engine (ws-connection ws))))
+    (when (gallop.core:engine-running-p engine)
+      (handler-case (gallop.core:schedule-timer (gallop.core:engine-pool engine) seconds
+                                                (lambda () (ping-when-silent ws)))
+        ;; Stopped meanwhile: its timers are dropped.
+        (error () nil)))))
+
+(defun ping-when-silent (ws)
+  "WS's ping timer: once its client was silent for the ping interval, a
+ping, unless one was sent in this silence already; then the next look."
+  (unless (or (ws-closed ws) (ws-close-sent ws))
+    (let ((interval (ws-ping-interval ws)))
+      (multiple-value-bind (silent silence) (gallop.core:connection-upgraded-silence
+                                             (ws-connection ws))
+        (cond ((< silent interval)
+               (ping-later ws (- interval silent)))
+              ((eql silence (ws-pinged ws))
+               ;; No answer yet: the idle timeout closes it.
+               (ping-later ws interval))
+              ((ws-ping ws)
+               (setf (ws-pinged ws) silence)
+               (ping-later ws interval)))))))
 
 (defun ws-pending (ws)
   "Octets sent on WS that the client has not taken yet."
