@@ -143,7 +143,9 @@ exactly what the server sends."
                (gallop:stop server)
                (dolist (s sockets)
                  (is (closed-by-peer-p s) "the stop: no end of file, or octets before it"))))))
-      (dolist (s sockets) (usocket:socket-close s)))))
+      (dolist (s sockets) (usocket:socket-close s))
+      ;; Each refers to its server, and so to all it still holds.
+      (sb-thread:with-mutex (*ends-lock*) (setf *ends-open* '())))))
 
 (defmacro with-ends-server ((server app options) &body body)
   "Serve APP with GALLOP:START and OPTIONS (a plist, evaluated) on 127.0.0.1
@@ -160,7 +162,7 @@ WebSockets accepted with APP-OPTIONS: ON-CLOSE sees CODE for each, nothing
 is left counted after each round, the heap after a full collection ends
 within *ENDS-HEAP-SLACK* of where it began, and a fresh WebSocket is served
 exactly afterwards."
-  (setf *ends-closes* '())
+  (setf *ends-closes* '() *ends-open* '())
   (let ((app (apply #'ends-app app-options))
         (start (heap-octets)))
     (flet ((settled (engine)
