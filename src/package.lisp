@@ -13,7 +13,7 @@
                 #:connection-user-data #:connection-remote-address
                 #:connection-remote-port #:connection-local-address
                 #:connection-local-port)
-  (:import-from #:gallop.core #:handler-timeout)
+  (:import-from #:gallop.core #:handler-timeout #:set-memory-limit)
   (:export
    ;; signalled in a handler that ran past its deadline (:HANDLER-TIMEOUT)
    #:handler-timeout
@@ -25,6 +25,8 @@
    #:server-address
    ;; both front ends: a server's or a taskmaster's statistics
    #:stats
+   ;; both front ends: the limit of the process's memory account (account.lisp)
+   #:set-memory-limit
    ;; both front ends: readiness, draining, a graceful stop on SIGTERM
    #:ready-p #:drain #:readiness-response #:running-servers #:stop-all-softly
    #:stop-on-sigterm

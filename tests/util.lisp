@@ -168,6 +168,24 @@ no further bytes."
 
 ;;; Native servers (GALLOP:START)
 
+(defmacro with-memory-limit ((octets) &body body)
+  "Run BODY with the account's limit OCTETS; the limit as it was after."
+  (let ((old (gensym "OLD")))
+    `(let ((,old (gallop.core:account-limit)))
+       (unwind-protect (progn (gallop.core:set-memory-limit ,octets) ,@body)
+         (gallop.core:set-memory-limit ,old)))))
+
+(defmacro with-charged ((percent) &body body)
+  "Run BODY with the account filled to PERCENT of its limit by a charge of
+the test's own (as :STACKS), given back after.  The charge is what is
+missing when BODY begins: clients' octets counted then stay theirs."
+  (let ((charged (gensym "CHARGED")))
+    `(let ((,charged (max 0 (- (floor (* ,percent (gallop.core:account-limit)) 100)
+                               (gallop.core:account-used)))))
+       (gallop.core:account-add :stacks ,charged)
+       (unwind-protect (progn ,@body)
+         (gallop.core:account-add :stacks (- ,charged))))))
+
 (defmacro with-app ((server app &rest options) &body body)
   "Serve APP with GALLOP:START on 127.0.0.1 and a free port, run BODY, and
 always stop it."

@@ -127,7 +127,24 @@ ENGINE-COUNTS returns it) and the budgets' limits in octets.  Pure."
            (or body-budget 0))
       (one "gallop_body_disk_budget_bytes" "gauge"
            "The disk budget: octets of request bodies in temporary files, at most."
-           (or disk-budget 0))))
+           (or disk-budget 0))
+      ;; The memory account (account.lisp), process-wide.
+      (write-metric-head stream "gallop_memory_bytes" "gauge"
+                         "Octets held on behalf of clients by the servers of this process, by kind (the memory account).")
+      (loop for (kind value) on (getf stats :memory) by #'cddr
+            do (format stream "gallop_memory_bytes{kind=\"~(~A~)\"} ~D~%" kind value))
+      (one "gallop_memory_limit_bytes" "gauge"
+           "The memory account's limit: octets all kinds together may hold."
+           (or (getf stats :memory-limit) 0))
+      (one "gallop_overload_level" "gauge"
+           "The overload manager's level: 0 normal, 1 largest holders not read, 2 new upgrades and large bodies refused, 3 largest holders closed."
+           (or (getf stats :overload-level) 0))
+      (write-metric-head stream "gallop_overload_actions_total" "counter"
+                         "The overload manager's actions: connections left unread (paused), requests answered 503 (refused), connections closed (shed).")
+      (loop for (action key) in '(("paused" :overload-paused) ("refused" :overload-refused)
+                                  ("shed" :overload-shed))
+            do (format stream "gallop_overload_actions_total{action=\"~A\"} ~D~%"
+                       action (or (getf stats key) 0)))))
   nil)
 
 (defun engine-metrics (engine)

@@ -48,6 +48,10 @@
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
    #:connection-upgraded-idle-timeout #:connection-upgraded-silence
+   #:connection-set-upgraded-on-shed #:connection-shed-upgraded
+   ;; the memory account (account.lisp) and the overload manager (overload.lisp)
+   #:account-charge #:account-add #:account-used #:account-limit #:set-memory-limit
+   #:overload-level #:overloaded
    #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
    ;; engine
    #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p

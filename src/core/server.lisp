@@ -135,6 +135,7 @@ empties its queue and shuts it (FINAL-ACCEPT)."
                +epollin+ +timer-data+))
   (pool-start (engine-pool engine))
   (setf (engine-state engine) :running)
+  (register-engine engine)
   (setf (engine-housekeeper engine)
         (start-pool-thread (engine-pool engine) (lambda () (housekeeper-loop engine))
                            (format nil "~A-housekeeper" (engine-name engine)) "keeper"))
@@ -314,6 +315,7 @@ belongs to the caller, who closes it afterwards."
         (engine-stop-fd engine) -1
         (engine-listen-fd engine) -1
         (engine-state engine) :stopped)
+  (unregister-engine engine)
   engine)
 
 ;;; Stats
@@ -343,7 +345,12 @@ reading or holds for their handlers, in memory and in temporary files, see
 spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
 :SLOW-CLIENTS (connections ended for sending or reading under the minimum
 data rate; counted in :TIMEOUTS too), :TIMERS (application timers pending,
-see timers.lisp), and
+see timers.lisp); the process-wide memory account (account.lisp):
+:MEMORY-BYTES (octets held for clients, by all the servers of the process),
+:MEMORY-LIMIT, :MEMORY (a property list of them by kind: :HEADS, :BODIES,
+:MESSAGES, :INFLATE, :OUTPUT, :STACKS), :OVERLOAD-LEVEL (0 to 3, see
+overload.lisp), :OVERLOAD-PAUSED, :OVERLOAD-REFUSED and :OVERLOAD-SHED (the
+overload manager's actions, in all); and
 the pool's :THREADS,
 :IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
 \(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
@@ -359,35 +366,44 @@ served for another group whose workers were all busy), see pool.lisp."
                   (let ((n (connection-unsent-bytes c)))
                     (when (plusp n) (incf writing) (incf unsent n))))
                  ((:active :dirty :detached) (incf active))))
-    (let ((pool (engine-pool engine)))
-      (list :open open :idle idle :active active
-            :in-flight (engine-in-flight engine)
-            :pending (engine-pending engine)
-            :head-bytes (engine-head-bytes engine)
-            :body-bytes (engine-body-bytes engine)
-            :disk-bytes (engine-disk-bytes engine)
-            :body-files (engine-body-files engine)
-            :slow-clients (engine-slow-clients engine)
-            :accepted (engine-accepted engine)
-            :closed (engine-closed engine)
-            :requests (engine-requests engine)
-            :shed (engine-shed engine)
-            :rejected (engine-rejected engine)
-            :writing writing
-            :unsent-bytes unsent
-            :timeouts (engine-timeouts engine)
-            :write-timeouts (engine-write-timeouts engine)
-            :aborted (engine-aborted engine)
-            :suspended (engine-suspended engine)
-            :abandoned (engine-abandoned engine)
-            :upgraded (engine-upgraded engine)
-            :upgrades (engine-upgrades engine)
-            :switched (engine-switched engine)
-            :stop-cut (engine-stop-cut engine)
-            :timers (timers-pending-count (and pool (pool-timers pool)))
-            :threads (if pool (pool-thread-count pool) 0)
-            :idle-threads (if pool (pool-idle-count pool) 0)
-            :run-permits (if pool (pool-run-permits pool) 0)
-            :epoll-sets (if pool (length (pool-groups pool)) 0)
-            :moved (if pool (pool-moved pool) 0)
-            :stolen (if pool (pool-stolen pool) 0)))))
+    (multiple-value-bind (paused refused shed) (overload-counts)
+      (let ((pool (engine-pool engine)))
+        (list :open open :idle idle :active active
+              :in-flight (engine-in-flight engine)
+              :pending (engine-pending engine)
+              :head-bytes (engine-head-bytes engine)
+              :body-bytes (engine-body-bytes engine)
+              :disk-bytes (engine-disk-bytes engine)
+              :body-files (engine-body-files engine)
+              :slow-clients (engine-slow-clients engine)
+              :accepted (engine-accepted engine)
+              :closed (engine-closed engine)
+              :requests (engine-requests engine)
+              :shed (engine-shed engine)
+              :rejected (engine-rejected engine)
+              :writing writing
+              :unsent-bytes unsent
+              :timeouts (engine-timeouts engine)
+              :write-timeouts (engine-write-timeouts engine)
+              :aborted (engine-aborted engine)
+              :suspended (engine-suspended engine)
+              :abandoned (engine-abandoned engine)
+              :upgraded (engine-upgraded engine)
+              :upgrades (engine-upgrades engine)
+              :switched (engine-switched engine)
+              :stop-cut (engine-stop-cut engine)
+              :timers (timers-pending-count (and pool (pool-timers pool)))
+              :threads (if pool (pool-thread-count pool) 0)
+              :idle-threads (if pool (pool-idle-count pool) 0)
+              :run-permits (if pool (pool-run-permits pool) 0)
+              :epoll-sets (if pool (length (pool-groups pool)) 0)
+              :moved (if pool (pool-moved pool) 0)
+              :stolen (if pool (pool-stolen pool) 0)
+              :memory-bytes (account-used)
+              :memory-limit (account-limit)
+              :memory (loop for kind across +account-kinds+
+                            collect kind collect (account-used kind))
+              :overload-level (overload-level)
+              :overload-paused paused
+              :overload-refused refused
+              :overload-shed shed)))))

@@ -274,6 +274,19 @@ octets on both front ends."
       (setf (exchange-keep-alive ex) nil)
       (note-exchange-cut server ex env)
       (return-from internal-error))
+    (when (typep condition 'gallop.core:overloaded)
+      ;; Short of memory, the server takes no new upgrade (overload.lisp):
+      ;; not the app's error, and not logged as one.
+      (setf (exchange-keep-alive ex) nil)
+      (unless (exchange-responded ex)
+        (ignore-errors
+         (respond ex 503 (list :content-type "text/plain; charset=utf-8"
+                               :retry-after (princ-to-string
+                                             (gallop.core::engine-retry-after
+                                              (gallop.core:connection-engine
+                                               (exchange-connection ex)))))
+                  (list (format nil "503 Service Unavailable~%")))))
+      (return-from internal-error))
     (when (or timeout body-status (exchange-responded ex))
       (setf (exchange-keep-alive ex) nil))
     (when (client-gone-p server condition)

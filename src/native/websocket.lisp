@@ -320,6 +320,8 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
       (gallop.core:connection-set-upgraded-idle-timeout c (and timeout (+ timeout (or interval 0)))))
     (when interval
       (ping-later ws interval))
+    ;; Shed by the overload manager: 1013, try again later (RFC 6455, 7.4.1).
+    (gallop.core:connection-set-upgraded-on-shed c (lambda () (ws-shed ws)))
     (setf (exchange-read-callback socket)
           (lambda (octets &key start end) (read-frames ws octets start end))
           (exchange-close-callback socket)
@@ -472,6 +474,19 @@ for its message): close WS with CODE, read nothing more."
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason)))
   (socket-close (ws-socket ws)))
+
+(defun ws-shed (ws)
+  "The server is short of memory and WS holds among the most (the overload
+manager, from its own thread): what WS holds is dropped, a close frame with
+1013 (try again later) is sent if nothing of an earlier frame is half sent,
+and the connection is closed once it went out, or at once.  Never waits."
+  (setf (ws-failed ws) t)
+  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+      (progn
+        (setf (ws-close-code ws) 1013 (ws-close-reason ws) "server short of memory")
+        (gallop.core:connection-shed-upgraded (ws-connection ws)
+                                               (frame-octets 8 (close-payload 1013 "server short of memory"))))
+      (socket-close (ws-socket ws) :abort t)))
 
 (defun websocket-ended (ws)
   "The connection of WS ended (the socket's close callback): ON-CLOSE, once."

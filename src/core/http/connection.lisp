@@ -83,7 +83,9 @@ is closed after the request."))
   (reader nil)                            ; the thread running ON-READ
   (closing nil :type (member nil :close :abort))
   (last-input 0 :type fixnum)             ; NOW-MS when the client last sent
-  (charged 0 :type sb-ext:word)           ; octets counted in the body budget
+  (charged 0 :type sb-ext:word)           ; octets counted in the body budget, as :MESSAGES
+  (inflated 0 :type sb-ext:word)          ; and as :INFLATE (account.lisp)
+  (on-shed nil :type (or null function))  ; (), how the layer above closes it when shed
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -252,6 +254,12 @@ what C does with what it receives, and what other threads send on it.")
                :documentation "While SUSPENDED: true while the engine, not the answering
 thread, owns C (its worker has not let go yet, or C waits in epoll for its
 unsent output to drain); see CONNECTION-ACQUIRE.")
+   (paused :initform nil
+           :documentation "True while C, upgraded, is left unread by the overload
+manager's first action (PAUSE-UPGRADED-P), until the level is back to 0.")
+   (shed :initform nil
+         :documentation "True once the overload manager chose to close C while a
+worker owned it (SHED-CONNECTION): its next queued write fails.")
    (stop-cut :initform nil
              :documentation "NIL until a stop cuts the handler running on C (INTERRUPT-HANDLER
 with no deadline: the stop's timeout ran out, or a hard stop): then :CUT,
@@ -493,6 +501,7 @@ buffer held, see CHARGE-HEAD)."
       (setf inbuf nil in-start 0 in-end 0 scan 0)
       (when (plusp budgeted)
         (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+        (account-add :heads (- budgeted))
         (setf budgeted 0)))
     (when (and outbuf (zerop out-fill))
       (release-buffer outbuf)
@@ -517,10 +526,14 @@ a partial request in it.  NIL when that would exceed the budget."
   (with-connection-slots (inbuf in-start in-end budgeted engine) c
     (or (null inbuf) (= in-start in-end) (plusp budgeted)
         (let ((n (length (the octets inbuf))))
-          (if (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
-                 (engine-head-budget engine))
-              (progn (sb-ext:atomic-decf (engine-head-bytes engine) n) nil)
-              (progn (setf budgeted n) t))))))
+          (cond ((> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
+                    (engine-head-budget engine))
+                 (sb-ext:atomic-decf (engine-head-bytes engine) n)
+                 nil)
+                ((not (account-charge :heads n))
+                 (sb-ext:atomic-decf (engine-head-bytes engine) n)
+                 nil)
+                (t (setf budgeted n) t))))))
 
 (defun uncharge-head (c)
   "C gives its input buffer up (rejected or closed): give its share of the
@@ -528,6 +541,7 @@ budget back."
   (with-connection-slots (budgeted engine) c
     (when (plusp budgeted)
       (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
+      (account-add :heads (- budgeted))
       (setf budgeted 0))))
 
 (defun charge-growth (c size)
@@ -542,10 +556,14 @@ the same way; it gives its share back between requests and when it closes.)"
   (with-connection-slots (engine budgeted) c
     (let ((delta (- size budgeted)))
       ;; ATOMIC-INCF returns the old value.
-      (if (> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
-             (engine-head-budget engine))
-          (progn (sb-ext:atomic-decf (engine-head-bytes engine) delta) nil)
-          (progn (setf budgeted size) t)))))
+      (cond ((> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
+                (engine-head-budget engine))
+             (sb-ext:atomic-decf (engine-head-bytes engine) delta)
+             nil)
+            ((not (account-charge :heads delta))
+             (sb-ext:atomic-decf (engine-head-bytes engine) delta)
+             nil)
+            (t (setf budgeted size) t)))))
 
 (defun make-room (c max)
   "Make space after IN-END in the input buffer: move unread bytes to the
@@ -1070,12 +1088,17 @@ on FILE-FD, which the segment owns."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
+      (when (segment-octets segment)    ; a file's octets are not in memory
+        (account-add :output size))
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
 
 (defun discard-unsent (c)
   "Drop C's unsent output (C is closing)."
-  (loop for segment in (conn-slot c unsent) do (free-segment segment))
+  (loop for segment in (conn-slot c unsent)
+        do (when (segment-octets segment)
+             (account-add :output (- (segment-start segment) (segment-end segment))))
+           (free-segment segment))
   (setf (conn-slot c unsent) nil
         (conn-slot c unsent-tail) nil
         (conn-slot c unsent-bytes) 0))
@@ -1119,6 +1142,8 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
+                   (when (segment-octets segment)
+                     (account-add :output (- n)))
                    (when (= (+ start n) end)
                      (pop unsent)
                      (free-segment segment)))
@@ -1247,6 +1272,10 @@ was queued.  On a RAW connection, blocks until all is sent."
                        (return)
                        (wait-for-reader c))))
       (when (< start end)
+        (when (conn-slot c shed)
+          ;; The overload manager closes C: nothing more is queued for it.
+          (set-reset-on-close (connection-fd c))
+          (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
         (ecase keep
           (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
           (:reference (queue-unsent c (make-segment buffer start end)) :kept)

@@ -114,6 +114,7 @@ could be made or written."
     (loop for buffer across memory
           when buffer do (release-buffer buffer))
     (body-bytes-incf engine (- (spool-charged spool)))
+    (account-add :bodies (- (spool-charged spool)))
     (setf (spool-charged spool) 0)))
 
 (defun spool-write (engine spool buffer start end)
@@ -158,6 +159,11 @@ NIL (nothing appended) when they would exceed the body budget."
     (declare (type fixnum fill want have more))
     (when (plusp more)
       (unless (charge-budget engine #'body-bytes-incf (engine-body-budget engine) more)
+        (return-from spool-to-memory nil))
+      ;; Under pressure (the overload level, account.lisp) or past the
+      ;; account's limit, a body goes to disk instead.
+      (unless (and (zerop (overload-level)) (account-charge :bodies more))
+        (body-bytes-incf engine (- more))
         (return-from spool-to-memory nil))
       (incf (spool-charged spool) more)
       (let* ((count (ceiling want +buffer-size+))

@@ -105,6 +105,32 @@ connection: never closes it (the app answers when it answers), so rarely.")
       (sb-ext:atomic-incf (engine-closed engine))))
   nil)
 
+(defun give-back-upgraded (engine u kind octets)
+  "Give back at most OCTETS of U's count of KIND (all of it when OCTETS is
+NIL), once: the holder and the end of the connection may both try."
+  (loop
+    (let* ((old (if (eq kind :inflate) (upgrade-inflated u) (upgrade-charged u)))
+           (new (if octets (max 0 (- old octets)) 0)))
+      (when (= old (if (eq kind :inflate)
+                       (sb-ext:compare-and-swap (upgrade-inflated u) old new)
+                       (sb-ext:compare-and-swap (upgrade-charged u) old new)))
+        (let ((back (- old new)))
+          (when (plusp back)
+            (body-bytes-incf engine (- back))
+            (account-add kind (- back))))
+        (return t)))))
+
+(defun discard-mailbox (u)
+  "Drop what U's mailbox holds (its connection ended), and its count."
+  (let ((segments (loop for old = (upgrade-mailbox u)
+                        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
+                          return old)))
+    (dolist (segment segments)
+      (let ((n (- (segment-end segment) (segment-start segment))))
+        (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
+        (account-add :output (- n))
+        (free-segment segment)))))
+
 (defun note-upgrade-ended (c)
   "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
 worker (a timer due now), or in this thread when the engine is stopping."
@@ -116,10 +142,13 @@ worker (a timer due now), or in this thread when the engine is stopping."
       ;; wheel, up to the wheel's span), while its budget is given back now.
       (let ((engine (connection-engine c))
             (on-close (shiftf (upgrade-on-close u) nil)))
-        (setf (upgrade-on-read u) nil)
+        (setf (upgrade-on-read u) nil
+              (upgrade-on-shed u) nil)
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
-        (body-bytes-incf engine (- (shiftf (upgrade-charged u) 0)))
+        (give-back-upgraded engine u :messages nil)
+        (give-back-upgraded engine u :inflate nil)
+        (discard-mailbox u)
         (when on-close
           (flet ((call ()
                    (handler-case (funcall on-close)

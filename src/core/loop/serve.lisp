@@ -115,6 +115,10 @@ buffered (pipelining) waits its turn behind other ready connections
                   (return (reject c (error-response refusal)))))
               (begin-message c)
               (when (gather-body-p c)
+                (when (refuses-body-p c)
+                  ;; Short of memory (overload.lisp, level 2).
+                  (sb-ext:atomic-incf (engine-shed engine))
+                  (return (reject-connection c (response-503 engine))))
                 (begin-gathering c)))
             (when (and (conn-slot c gathering) (not (gather-body c)))
               (return))

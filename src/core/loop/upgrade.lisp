@@ -46,6 +46,9 @@ thread; both work already while the handler runs."
     (when (or (conn-slot c chunked) (plusp (conn-slot c body-length)))
       ;; Its octets after the head would be read as the new protocol's.
       (error "~A cannot switch protocols after a request with a body." c))
+    (when (refuses-upgrades-p)
+      ;; Short of memory (overload.lisp, level 2): the layer above answers 503.
+      (error 'overloaded))
     (let ((u (make-upgrade on-read on-close
                            (if idle-p
                                (if idle-timeout (max 1 (round (* 1000 idle-timeout))) 0)
@@ -57,27 +60,45 @@ thread; both work already while the handler runs."
       (connection-count-answer c 101)
       u)))
 
+(defun connection-set-upgraded-on-shed (c function)
+  "How the upgraded connection C is closed when the overload manager sheds
+it (shed.lisp): FUNCTION, called with no argument from the manager's
+thread, must not wait (a WebSocket sends its close frame and aborts).
+Without one, C is closed at once."
+  (setf (upgrade-on-shed (conn-slot c upgrade)) function))
+
 (defun connection-set-upgraded-idle-timeout (c seconds)
   "Close the upgraded connection C when its client sends nothing for SECONDS
 \(NIL: never)."
   (setf (upgrade-idle-ms (conn-slot c upgrade))
         (if seconds (max 1 (round (* 1000 seconds))) 0)))
 
-(defun connection-charge-upgraded (c delta)
+(defun connection-charge-upgraded (c delta &optional (kind :messages))
   "Count DELTA octets (negative: fewer) that the layer above holds for the
-upgraded connection C, a message it assembles, against the engine's body
-budget, the one request bodies share: all the clients together can hold
-no more than it, whatever they send.  NIL when that would exceed the
-budget (nothing is counted).  What is counted when C ends is given back."
+upgraded connection C, a message it assembles (KIND :MESSAGES) or what
+inflating one made (:INFLATE), against the engine's body budget, the one
+request bodies share, and in the memory account (account.lisp): all the
+clients together can hold no more than they allow, whatever they send.
+NIL when that would exceed either (nothing is counted).  What is counted
+when C ends is given back (NOTE-UPGRADE-ENDED)."
+  (declare (type fixnum delta))
   (let ((u (conn-slot c upgrade))
         (engine (connection-engine c)))
-    (cond ((upgrade-ended u) (minusp delta)) ; given back already
-          ((minusp delta)
-           (body-bytes-incf engine delta)
-           (sb-ext:atomic-decf (upgrade-charged u) (- delta))
-           t)
-          ((charge-budget engine #'body-bytes-incf (engine-body-budget engine) delta)
-           (sb-ext:atomic-incf (upgrade-charged u) delta)
+    (cond ((minusp delta) (give-back-upgraded engine u kind (- delta)))
+          ((upgrade-ended u) nil)
+          ((not (charge-budget engine #'body-bytes-incf (engine-body-budget engine) delta))
+           nil)
+          ((not (account-charge kind delta))
+           (body-bytes-incf engine (- delta))
+           nil)
+          (t
+           (if (eq kind :inflate)
+               (sb-ext:atomic-incf (upgrade-inflated u) delta)
+               (sb-ext:atomic-incf (upgrade-charged u) delta))
+           (when (upgrade-ended u)
+             ;; Ended meanwhile: NOTE-UPGRADE-ENDED may have given back
+             ;; before this was counted.
+             (give-back-upgraded engine u kind delta))
            t))))
 
 (declaim (inline connection-upgraded-p))
@@ -152,7 +173,11 @@ does not read) and answers NIL."
                          (make-segment (subseq octets start end) 0 (- end start))
                          (make-segment octets start end))))
         (sb-ext:atomic-incf (upgrade-mailbox-bytes u) (- end start))
-        (sb-ext:atomic-push segment (upgrade-mailbox u))))
+        (account-add :output (- end start))
+        (sb-ext:atomic-push segment (upgrade-mailbox u))
+        (when (upgrade-ended u)
+          ;; Ended meanwhile: its mailbox may have been dropped already.
+          (discard-mailbox u))))
     (and (kick-upgraded c u) (connection-upgraded-pending c))))
 
 (defun connection-close-upgraded (c &key abort)
@@ -169,6 +194,21 @@ ABORT, at once, dropping what waits.  ON-CLOSE is called."
       (kick-upgraded c u)))
   nil)
 
+(defun connection-shed-upgraded (c frame)
+  "Close the upgraded connection C for the overload manager, from its
+thread, never waiting: what other threads sent and C has not begun to send
+is dropped; when nothing of C's output waits, FRAME (the protocol's last
+word, a WebSocket close frame; NIL: none) is sent and C closed once the
+client has it, else C is closed at once (a client that has not read what
+waits would not read FRAME either)."
+  (let ((u (conn-slot c upgrade)))
+    (when u
+      (discard-mailbox u)
+      (if (and frame (zerop (conn-slot c unsent-bytes)))
+          (progn (connection-send-upgraded c frame :copy nil)
+                 (connection-close-upgraded c))
+          (connection-close-upgraded c :abort t)))))
+
 ;;; The owner's side
 
 (defun drain-mailbox (c u)
@@ -180,6 +220,7 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
     (dolist (segment (nreverse segments))
       (let ((n (- (segment-end segment) (segment-start segment))))
         (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
+        (account-add :output (- n))
         ;; Small ones together in the output buffer, so that what was
         ;; written in a row goes out in one send; large ones by reference:
         ;; the segment's octets are a copy nobody else holds.
@@ -279,7 +320,11 @@ waits, and park C again, or close it."
             (deliver-upgraded c u inbuf start end)))))
     (handler-case
         (loop
-          (let ((input (unless (upgrade-closing u) (read-upgraded c u))))
+          (let ((input (unless (or (upgrade-closing u)
+                                   ;; Short of memory, and C holds much:
+                                   ;; not read for now (overload.lisp).
+                                   (pause-upgraded-p c))
+                         (read-upgraded c u))))
             (when (eq input :error)
               (return (close-connection c)))
             (let ((sent (drain-mailbox c u)))
@@ -358,6 +403,7 @@ the engine's switched connections (each holding a thread) at once, so that
 handshakes at the same moment cannot pass MAX-SWITCHED-THREADS together."
   (let ((engine (connection-engine c)))
     (cond ((conn-slot c switched) t)
+          ((refuses-upgrades-p) nil)   ; short of memory (overload.lisp, level 2)
           ((< (sb-ext:atomic-incf (engine-switched engine)) (engine-max-switched engine))
            (setf (conn-slot c switched) :counted)
            t)
