@@ -55,10 +55,8 @@ PING-INTERVAL; each one opened and each close noted."
   (sb-kernel:dynamic-usage))
 
 (defun account-messages ()
-  "The memory account's WebSocket messages (src/core/account.lisp), or 0
-where there is no account yet."
-  (let ((used (find-symbol "ACCOUNT-USED" '#:gallop.core)))
-    (if (and used (fboundp used)) (funcall used :messages) 0)))
+  "The WebSocket messages in the memory account (src/core/account.lisp)."
+  (gallop.core:account-used :messages))
 
 (defun engine-settled-p (engine)
   "True when ENGINE holds no WebSocket and no octet of a message."
