@@ -48,9 +48,10 @@ epoll, not in a worker.")
 nothing before it is closed, with no close frame; NIL: no limit.  A front
 end may set its own per connection.  Without a limit, clients that connect
 and stay silent hold their fds for good, and keep every new client out
-once the fds are spent.  60 s is nginx's proxy_read_timeout, which a
-WebSocket behind nginx meets anyway: clients that stay silent longer
-already ping (or the server does: GALLOP:ACCEPT-WEBSOCKET's :PING-INTERVAL).")
+once the fds are spent.  60 s is nginx's proxy_read_timeout for the
+WebSockets it proxies; a client that may stay silent longer is kept open by
+the server's pings, whose pongs count (GALLOP:ACCEPT-WEBSOCKET's
+:PING-INTERVAL).")
       (upgraded-send-limit (* 1024 1024)
        "Octets that may wait, sent on a connection that switched protocols, for a
 client that does not read them: a send past it closes the connection.  One
