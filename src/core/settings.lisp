@@ -54,8 +54,9 @@ the server's pings, whose pongs count (GALLOP:ACCEPT-WEBSOCKET's
 :PING-INTERVAL).")
       (upgraded-send-limit (* 1024 1024)
        "Octets that may wait, sent on a connection that switched protocols, for a
-client that does not read them: a send past it closes the connection.  One
-message alone may be larger.")
+client that does not read them: a send past it closes the connection (a
+native WebSocket with 1008, doc/websockets.md).  One message alone may be
+larger.  While memory is short (overload level 1 or more), 64 KiB.")
       (max-switched-threads 5000
        "Connections that may switch protocols under a handler that keeps its
 thread (hunchensocket's WebSockets): each holds a thread outside the pool

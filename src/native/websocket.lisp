@@ -320,7 +320,9 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
       (gallop.core:connection-set-upgraded-idle-timeout c (and timeout (+ timeout (or interval 0)))))
     (when interval
       (ping-later ws interval))
-    ;; Shed by the overload manager: 1013, try again later (RFC 6455, 7.4.1).
+    ;; Too far behind: 1008 (WS-FALL-BEHIND).  Shed by the overload
+    ;; manager: 1013, try again later (RFC 6455, 7.4.1).
+    (gallop.core:connection-set-upgraded-on-limit c (lambda () (ws-fall-behind ws)))
     (gallop.core:connection-set-upgraded-on-shed c (lambda () (ws-shed ws)))
     (setf (exchange-read-callback socket)
           (lambda (octets &key start end) (read-frames ws octets start end))
@@ -384,7 +386,8 @@ PAYLOAD[START,END); with RSV1 set when COMPRESSED."
   "Send DATA on WS, from any thread, without waiting for the client: a string
 as a text message (UTF-8; with BINARY, as a binary one), octets as a binary
 message.  Returns the octets waiting for the client to take them, or NIL
-when WS is closing or closed."
+when WS is closing or closed.  A send that finds more waiting than the
+server's UPGRADED-SEND-LIMIT closes WS with 1008 instead (WS-FALL-BEHIND)."
   (unless (ws-close-sent ws)
     (let ((opcode (if (and (stringp data) (not binary)) 1 2))
           (octets (body-octets data)))
@@ -394,6 +397,49 @@ when WS is closing or closed."
         (if deflated
             (send-frame ws opcode deflated 0 length t)
             (send-frame ws opcode octets))))))
+
+(defun ws-broadcast (websockets data &key binary)
+  "Send DATA to each WebSocket of the sequence WEBSOCKETS as WS-SEND would,
+from any thread, without waiting for any client, with its frame made once:
+every recipient's queue holds a reference to the same octets, which are in
+memory, and counted in the memory account, once.  With permessage-deflate,
+DATA is compressed once for each window size the recipients agreed to (it
+goes uncompressed to those it is too short for, as with WS-SEND).  Each
+recipient's backlog (WS-PENDING) counts the frame in full, and one whose
+backlog is past the send limit is closed with 1008 as with WS-SEND.
+Returns how many WebSockets it was queued for: closing ones, and those
+closed for lagging, are not counted."
+  (let* ((opcode (if (and (stringp data) (not binary)) 1 2))
+         (octets (body-octets data))
+         (frames '()))                  ; (window . shared-octets), window NIL: plain
+    (labels ((make (window)
+               (multiple-value-bind (deflated length)
+                   (and window (deflate-message octets window))
+                 (if deflated
+                     (gallop.core:make-shared-octets (frame-octets opcode deflated 0 length t))
+                     (or (cdr (assoc nil frames))
+                         (let ((plain (gallop.core:make-shared-octets (frame-octets opcode octets))))
+                           (push (cons nil plain) frames)
+                           plain)))))
+             (frame (window)
+               (or (cdr (assoc window frames))
+                   (let ((shared (make window)))
+                     (pushnew (cons window shared) frames :key #'car)
+                     shared))))
+      (let ((count 0))
+        (unwind-protect
+             (map nil (lambda (ws)
+                        (unless (ws-close-sent ws)
+                          (let ((window (and (ws-deflate ws) (>= (length octets) (ws-deflate-min ws))
+                                             (ws-deflate ws))))
+                            (when (gallop.core:connection-send-shared (ws-connection ws)
+                                                                      (frame window))
+                              (incf count)))))
+                  websockets)
+          ;; The queues hold the frames now; the maker lets go.
+          (loop for shared in (remove-duplicates (mapcar #'cdr frames))
+                do (gallop.core:release-shared-octets shared)))
+        count))))
 
 (defun ws-ping (ws &optional (data #.(make-array 0 :element-type '(unsigned-byte 8))))
   "Send a ping (at most 125 octets of DATA) on WS; the pong comes to ON-PONG."
@@ -448,12 +494,34 @@ CODE and REASON (cut to fit); the connection closes once the client answers
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason))
-    (let* ((c (exchange-connection (ws-socket ws)))
-           (pool (gallop.core:engine-pool (gallop.core:connection-engine c))))
-      (when pool
-        (gallop.core:schedule-timer pool +close-wait-seconds+
-                                    (lambda () (socket-close (ws-socket ws) :abort t))))))
+    (abort-later ws))
   nil)
+
+(defun abort-later (ws)
+  "Abort WS's connection +CLOSE-WAIT-SECONDS+ from now, unless it ended."
+  (let* ((c (exchange-connection (ws-socket ws)))
+         (pool (gallop.core:engine-pool (gallop.core:connection-engine c))))
+    (when pool
+      (gallop.core:schedule-timer pool +close-wait-seconds+
+                                  (lambda () (socket-close (ws-socket ws) :abort t))))))
+
+(defun ws-fall-behind (ws)
+  "A send found more waiting for WS's client than the server's
+UPGRADED-SEND-LIMIT (or, short of memory, more than a little): the client
+does not keep up.  WS is closed with 1008 (policy violation; as a server
+short of memory closes with 1013, try again later): what waits for the
+client and has not begun to go out is dropped, the close frame follows the
+message the socket is taking, and the connection closes once the client has
+it, or is aborted +CLOSE-WAIT-SECONDS+ later (a client that reads nothing
+would never get it).  ON-CLOSE gets 1008.  When WS was closing already, it is
+aborted at once."
+  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+      (let ((reason "too far behind"))
+        (setf (ws-close-code ws) 1008 (ws-close-reason ws) reason)
+        (gallop.core:connection-cut-upgraded (ws-connection ws)
+                                             (frame-octets 8 (close-payload 1008 reason)))
+        (abort-later ws))
+      (socket-close (ws-socket ws) :abort t)))
 
 (defun drop-message (ws)
   "WS reads no more messages: let go of the one it was assembling, and of
