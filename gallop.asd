@@ -163,6 +163,7 @@
                (:file "clack/websockets")
                (:file "hunchentoot/switched")
                (:file "native/websocket")
+               (:file "native/ws-ends")
                (:file "native/broadcast")
                (:file "native/overload")
                (:file "native/chat")
@@ -171,11 +172,12 @@
                (:file "conformance/runner")
                (:file "conformance/websocket-corpus")
                (:file "conformance/websocket-runner")
-               ;; run in child processes by stress/shutdown and core/uploads
+               ;; run in child processes by stress/shutdown, stress/websockets and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")
                (:static-file "child/ws-server.lisp")
                (:static-file "child/broadcast-server.lisp")
+               (:static-file "child/ws-echo-server.lisp")
                (:static-file "clients/ws-client.py")
                (:static-file "clients/chromium-chat.py"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
@@ -191,5 +193,6 @@ connections, the pool's ceilings.  Not deterministic enough for CI."
                (:file "connections")
                (:file "shutdown")
                (:file "restart")
+               (:file "websockets")
                (:file "broadcast"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests :stress)))

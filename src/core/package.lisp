@@ -47,6 +47,7 @@
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
+   #:connection-upgraded-idle-timeout #:connection-upgraded-silence
    #:connection-set-upgraded-on-shed
    #:connection-send-shared #:make-shared-octets #:release-shared-octets
    #:connection-set-upgraded-on-limit #:connection-cut-upgraded

@@ -156,6 +156,8 @@ a surrogate, past U+10FFFF)."
   (max-message 0 :type fixnum)
   (deflate nil)                         ; the window bits to compress with, when agreed
   (deflate-min 0 :type fixnum)          ; shorter messages are sent as they are
+  (ping-interval nil)                   ; seconds of the client's silence before a ping
+  (pinged nil)                          ; the client's silence the last ping was sent in
   ;; the reader (READ-FRAMES), touched by one worker at a time
   (head (make-array 14 :element-type '(unsigned-byte 8)) :type octets)
   (head-fill 0 :type fixnum)
@@ -271,7 +273,7 @@ either way, so each message is compressed on its own."
 
 (defun accept-websocket (env &key on-open on-message on-close on-pong protocols
                                   (max-message-bytes (* 16 1024 1024)) idle-timeout
-                                  deflate (deflate-min-bytes 256))
+                                  ping-interval deflate (deflate-min-bytes 256))
   "Answer the WebSocket handshake of ENV: what the app returns.  A handshake
 this server refuses gets 400 (426 for another version than 13); else 101,
 and from then on ON-OPEN (WS) once, ON-MESSAGE (WS MESSAGE) for each
@@ -279,9 +281,12 @@ message (a string for text, octets for binary), ON-PONG (WS OCTETS), and
 ON-CLOSE (WS CODE REASON) once when it ends (CODE 1006 when no close frame
 came), each on a pool worker.  PROTOCOLS: the subprotocols served, the
 first the client lists among them is chosen (WS-PROTOCOL).  A message over
-MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed when the
-client sends nothing for that long (default: the server's
-UPGRADED-IDLE-TIMEOUT; send pings to keep it).  DEFLATE: agree to
+MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed, with
+no close frame, when the client sends nothing for that long (default: the
+server's UPGRADED-IDLE-TIMEOUT, 60 s).  PING-INTERVAL (seconds, or NIL for
+none): a ping once the client was silent for that long, one per silence;
+the client then has IDLE-TIMEOUT to answer (a pong, or anything), so that
+a live client that has nothing to say stays open.  DEFLATE: agree to
 permessage-deflate when the client offers it, each message compressed on
 its own; messages sent shorter than DEFLATE-MIN-BYTES, or that would not
 shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
@@ -300,14 +305,21 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
                                         :on-open on-open :on-message on-message
                                         :on-close on-close :on-pong on-pong
                                         :max-message max-message-bytes
+                                        :ping-interval ping-interval
                                         :deflate window :deflate-min deflate-min-bytes)
                        idle-timeout))))
 
 (defun accept-switched (env socket protocol extension ws idle-timeout)
   "Take SOCKET for WS and answer 101 with PROTOCOL and EXTENSION."
-  (let ((c (take-socket socket)))
-    (when idle-timeout
-      (gallop.core:connection-set-upgraded-idle-timeout c idle-timeout))
+  (let* ((c (take-socket socket))
+         (timeout (or idle-timeout (gallop.core:connection-upgraded-idle-timeout c)))
+         (interval (ws-ping-interval ws)))
+    (when (or idle-timeout (and interval timeout))
+      ;; With pings, the client's silence may last the interval, then the
+      ;; timeout for its answer.
+      (gallop.core:connection-set-upgraded-idle-timeout c (and timeout (+ timeout (or interval 0)))))
+    (when interval
+      (ping-later ws interval))
     ;; Too far behind: 1008 (WS-FALL-BEHIND).  Shed by the overload
     ;; manager: 1013, try again later (RFC 6455, 7.4.1).
     (gallop.core:connection-set-upgraded-on-limit c (lambda () (ws-fall-behind ws)))
@@ -436,6 +448,32 @@ closed for lagging, are not counted."
     (unless (ws-close-sent ws)
       (send-frame ws 9 octets))))
 
+(defun ping-later (ws seconds)
+  "Look at WS's client's silence again in SECONDS (PING-WHEN-SILENT), unless
+its server stopped."
+  (let ((engine (gallop.core:connection-engine (ws-connection ws))))
+    (when (gallop.core:engine-running-p engine)
+      (handler-case (gallop.core:schedule-timer (gallop.core:engine-pool engine) seconds
+                                                (lambda () (ping-when-silent ws)))
+        ;; Stopped meanwhile: its timers are dropped.
+        (error () nil)))))
+
+(defun ping-when-silent (ws)
+  "WS's ping timer: once its client was silent for the ping interval, a
+ping, unless one was sent in this silence already; then the next look."
+  (unless (or (ws-closed ws) (ws-close-sent ws))
+    (let ((interval (ws-ping-interval ws)))
+      (multiple-value-bind (silent silence) (gallop.core:connection-upgraded-silence
+                                             (ws-connection ws))
+        (cond ((< silent interval)
+               (ping-later ws (- interval silent)))
+              ((eql silence (ws-pinged ws))
+               ;; No answer yet: the idle timeout closes it.
+               (ping-later ws interval))
+              ((ws-ping ws)
+               (setf (ws-pinged ws) silence)
+               (ping-later ws interval)))))))
+
 (defun ws-pending (ws)
   "Octets sent on WS that the client has not taken yet."
   (socket-pending (ws-socket ws)))
@@ -485,10 +523,21 @@ aborted at once."
         (abort-later ws))
       (socket-close (ws-socket ws) :abort t)))
 
+(defun drop-message (ws)
+  "WS reads no more messages: let go of the one it was assembling, and of
+its count in the body budget."
+  (let ((held (length (ws-message ws))))
+    (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))
+          (ws-message-fill ws) 0
+          (ws-message-opcode ws) nil)
+    (unless (zerop held)
+      (charge ws (- held)))))
+
 (defun ws-fail (ws code reason)
   "The client broke the protocol (or a callback failed, or no memory is left
 for its message): close WS with CODE, read nothing more."
   (setf (ws-failed ws) t)
+  (drop-message ws)
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason)))
@@ -515,6 +564,8 @@ ends."
 (defun websocket-ended (ws)
   "The connection of WS ended (the socket's close callback): ON-CLOSE, once."
   (unless (shiftf (ws-closed ws) t)
+    ;; The app may keep WS: it keeps no message.
+    (drop-message ws)
     (when (ws-on-close ws)
       (ws-call ws (ws-on-close ws) ws (ws-close-code ws) (ws-close-reason ws)))))
 

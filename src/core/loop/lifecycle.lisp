@@ -142,8 +142,15 @@ NIL), once: the holder and the end of the connection may both try."
 worker (a timer due now), or in this thread when the engine is stopping."
   (let ((u (conn-slot c upgrade)))
     (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
+      ;; The closed connection lets go of the layer above, and so of what
+      ;; that holds for it (a WebSocket's message half read): others may
+      ;; still hold the connection a while (a stale entry of the timing
+      ;; wheel, up to the wheel's span), while its budget is given back now.
       (let ((engine (connection-engine c))
-            (on-close (upgrade-on-close u)))
+            (on-close (shiftf (upgrade-on-close u) nil)))
+        (setf (upgrade-on-read u) nil
+              (upgrade-on-shed u) nil
+              (upgrade-on-limit u) nil)
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
         (give-back-upgraded engine u :messages nil)

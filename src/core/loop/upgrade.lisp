@@ -121,6 +121,21 @@ another thread sends)."
         (+ (upgrade-mailbox-bytes u) (max 0 (conn-slot c unsent-bytes)))
         0)))
 
+(defun connection-upgraded-idle-timeout (c)
+  "Seconds the upgraded connection C may receive nothing before it is
+closed, or NIL: no limit."
+  (let ((ms (upgrade-idle-ms (conn-slot c upgrade))))
+    (and (plusp ms) (/ ms 1000.0))))
+
+(defun connection-upgraded-silence (c)
+  "Seconds since the client of the upgraded connection C last sent
+anything (0 until its handler returned), and a mark of that moment, the
+same until the client sends again."
+  (let* ((u (conn-slot c upgrade))
+         (last (upgrade-last-input u)))
+    (values (if (upgrade-entered u) (/ (max 0 (- (now-ms) last)) 1000.0) 0.0)
+            last)))
+
 ;;; Sending and closing, from any thread
 
 (defun kick-upgraded (c u)
