@@ -720,11 +720,13 @@ its message (or control) buffer.  The index after it."
           (ws-call ws (ws-on-pong ws) ws (subseq (ws-control ws) 0 (ws-control-fill ws)))))
     (8 (read-close ws (subseq (ws-control ws) 0 (ws-control-fill ws))))))
 
-(defun charge (ws delta)
-  "Count DELTA more octets of WS's messages in the server's body budget:
-true when they fit (always, for a WebSocket with no socket: a test's)."
+(defun charge (ws delta &optional (kind :messages))
+  "Count DELTA more octets of WS's messages in the server's body budget and
+the memory account (KIND :MESSAGES, or :INFLATE for what inflating one
+made): true when they fit (always, for a WebSocket with no socket: a
+test's)."
   (or (null (ws-socket ws))
-      (gallop.core:connection-charge-upgraded (ws-connection ws) delta)))
+      (gallop.core:connection-charge-upgraded (ws-connection ws) delta kind)))
 
 (defconstant +small-message-octets+ 65536
   "A message buffer this large or smaller is kept between messages, and a
@@ -767,7 +769,8 @@ inflated octets count in the body budget while they are held (1013)."
       (unwind-protect
            (multiple-value-bind (out length)
                (inflate-message buffer (+ fill 4) (ws-max-message ws)
-                                (lambda (delta) (and (charge ws delta) (incf charged delta))))
+                                (lambda (delta)
+                                  (and (charge ws delta :inflate) (incf charged delta))))
              (case out
                (:invalid (ws-fail ws 1007 "invalid compressed data"))
                (:too-big (ws-fail ws 1009 "message too big"))
@@ -775,7 +778,7 @@ inflated octets count in the body budget while they are held (1013)."
                (t (if (and (= opcode 1) (not (utf8-valid-p out 0 length)))
                       (ws-fail ws 1007 "invalid UTF-8 in a text message")
                       (deliver ws opcode out length)))))
-        (charge ws (- charged))))))
+        (charge ws (- charged) :inflate)))))
 
 (defun read-close (ws payload)
   "The client's close frame: check it, answer it (unless the server began
