@@ -707,18 +707,19 @@ or still :CONNECTING or :HANDSHAKING (no answer)."
                               (decf (wsc-fill c) (+ at 4))))))))))))
 
 (defun ws-open (port path count &key (batch 250) (timeout 15) stop-at-refusal keep-unanswered)
-  "Open COUNT WebSockets on PATH, BATCH at a time, each batch's handshakes
+  "Try COUNT WebSockets on PATH, BATCH at a time, each batch's handshakes
 answered within TIMEOUT seconds.  Returns those open (after their 101), and
 how many were refused (another status), failed (closed, reset) or not
 answered; STOP-AT-REFUSAL: no batch after one with a WebSocket not opened;
 KEEP-UNANSWERED: those not answered are returned too, still connected."
   (let ((address (loopback-address port)) (request (ws-handshake path))
-        (open '()) (refused 0) (failed 0) (unanswered 0))
-    (loop while (< (length open) count)
-          do (let* ((want (min batch (- count (length open))))
+        (open '()) (refused 0) (failed 0) (unanswered 0) (tried 0))
+    (loop while (< tried count)
+          do (let* ((want (min batch (- count tried)))
                     (conns (loop repeat want
                                  for fd = (open-socket address)
                                  while fd collect (make-wsc :fd fd))))
+               (incf tried want)
                (handshake-batch conns request timeout)
                (dolist (c conns)
                  (case (wsc-state c)
@@ -903,14 +904,18 @@ a close frame or were still open, MiB sent."
                                       *ws-broadcast-clients* *ws-broadcast-seconds*)
                         :heap-start-mb heap-start :heap-end-mb heap-end
                         :notes (format nil "~D opened~@[, ~D refused~]~@[, ~D failed~]~@[, ~D not answered~]; ~
-                                            ~D ended by the server; feed (~(~A~)): ~:D messages of ~
-                                            ~D in ~D s, ~:D sends~@[, ~D failed~]; heap after GC ~A → ~A MiB"
+                                            ~D ended by the server; ~A; heap after GC ~A → ~A MiB"
                                        (length conns) (and (plusp refused) refused)
                                        (and (plusp failed) failed) (and (plusp unanswered) unanswered)
-                                       ended (getf feed :mode) (getf feed :ticks)
-                                       (* 50 *ws-broadcast-seconds*) *ws-broadcast-seconds*
-                                       (getf feed :sends)
-                                       (let ((e (getf feed :errors))) (and e (plusp e) e))
+                                       ended
+                                       (if feed
+                                           (format nil "feed (~(~A~)): ~:D messages of ~D in ~D s, ~
+                                                        ~:D sends~@[, ~D failed~]"
+                                                   (getf feed :mode) (getf feed :ticks)
+                                                   (* 50 *ws-broadcast-seconds*) *ws-broadcast-seconds*
+                                                   (getf feed :sends)
+                                                   (let ((e (getf feed :errors))) (and e (plusp e) e)))
+                                           "the feed's counts not read (the server did not answer)")
                                        (mib-or-dash heap-start) (mib-or-dash heap-end))))))
           (close-all conns))))))
 
