@@ -423,8 +423,20 @@ handshake (PROCESS-REQUEST :AFTER then takes the stream), else 400."
 (hunchentoot:define-easy-handler (ws :uri "/ws") () (switch-or-refuse))
 (hunchentoot:define-easy-handler (feed :uri "/feed") () (switch-or-refuse))
 
-(defstruct (switched-client (:constructor make-switched-client (stream path)))
-  stream path (lock (sb-thread:make-mutex :name "client writes")))
+(defclass switched-client ()
+  ((stream :initarg :stream :reader switched-client-stream)
+   (path :initarg :path :reader switched-client-path)
+   (lock :initform (sb-thread:make-mutex :name "client writes") :reader switched-client-lock))
+  (:documentation "A WebSocket's client, a CLOS instance as hunchensocket's are."))
+
+(defclass switched-frame ()
+  ((opcode :initarg :opcode :reader frame-opcode)
+   (fin :initarg :fin :reader frame-fin)
+   (length :initarg :length :reader frame-length)
+   (mask :initarg :mask :reader frame-mask))
+  (:documentation "A frame's head, a CLOS instance made for each frame read,
+as hunchensocket's READ-FRAME makes one: so the first frames of many
+WebSockets at once meet MAKE-INSTANCE's first call, as theirs do."))
 
 (defun write-switched-frame (client opcode payload)
   "One final, unmasked frame of OPCODE to CLIENT, from any thread."
@@ -473,10 +485,17 @@ as hunchensocket's TEXT-MESSAGE-RECEIVED is.")
       (loop
         (let* ((b0 (read-byte stream))
                (b1 (read-byte stream))
-               (op (ldb (byte 4 0) b0))
-               (n (let ((n (ldb (byte 7 0) b1)))
-                    (case n (126 (read-big-endian stream 2)) (127 (read-big-endian stream 8)) (t n))))
-               (mask (and (logbitp 7 b1) (read-octets stream 4))))
+               (frame (make-instance 'switched-frame
+                                     :opcode (ldb (byte 4 0) b0) :fin (logbitp 7 b0)
+                                     :length (let ((n (ldb (byte 7 0) b1)))
+                                               (case n
+                                                 (126 (read-big-endian stream 2))
+                                                 (127 (read-big-endian stream 8))
+                                                 (t n)))
+                                     :mask (and (logbitp 7 b1) (read-octets stream 4))))
+               (op (frame-opcode frame))
+               (n (frame-length frame))
+               (mask (frame-mask frame)))
           (cond ((>= op 8)
                  (when (> n 125) (refuse 1002 "Control frame is too large")))
                 ;; A data frame's limits, before its payload is read.
@@ -492,7 +511,7 @@ as hunchensocket's TEXT-MESSAGE-RECEIVED is.")
               (t (when (/= op 0) (setf opcode op))
                (push payload fragments)
                (incf total n)
-               (when (logbitp 7 b0)
+               (when (frame-fin frame)
                  (let ((message (apply #'concatenate '(vector (unsigned-byte 8))
                                        (reverse fragments))))
                    (setf fragments '() total 0)
@@ -503,7 +522,7 @@ as hunchensocket's TEXT-MESSAGE-RECEIVED is.")
   (when (eql 101 (hunchentoot:return-code*))
     (let* ((stream (hunchentoot::content-stream request))
            (path (hunchentoot:script-name request))
-           (client (make-switched-client stream path)))
+           (client (make-instance 'switched-client :stream stream :path path)))
       (force-output stream)
       (when *switched-timeout*
         (hunchentoot::set-timeouts *switched-socket* *switched-timeout* *switched-timeout*))
