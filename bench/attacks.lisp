@@ -997,7 +997,15 @@ a close frame or were still open, MiB sent."
   (let* ((port (target-port target))
          (pid (target-pid target))
          (settings (server-plist target "settings" "SETTINGS "))
-         (idle (getf settings :upgraded-idle-timeout))
+         ;; The timeout that ends a silent WebSocket on each server: Gallop's
+         ;; for connections that switched protocols (native), falling back
+         ;; to its read timeout under a handler that keeps its thread and
+         ;; sets none (gallop); Hunchentoot's read timeout (stock).
+         (idle (cond ((string= (target-kind target) "native")
+                      (getf settings :upgraded-idle-timeout))
+                     ((string= (target-kind target) "gallop")
+                      (or (getf settings :upgraded-idle-timeout) (getf settings :read-timeout)))
+                     (t (getf settings :read-timeout))))
          (heap-start (server-gc-heap target)))
     (multiple-value-bind (w finish) (start-watch target)
       (multiple-value-bind (conns refused failed unanswered)
@@ -1032,7 +1040,7 @@ a close frame or were still open, MiB sent."
                         :idle-timeout idle
                         :kept-out-ms (and back-at (>= streak 5) back-at)
                         :notes (format nil "fresh clients kept out ~:[past the run's ~D s~;~:*for ~,1F s~*~] ~
-                                            (default WebSocket idle timeout: ~:[none~;~:*~D s~]); ~
+                                            (the server's idle timeout for them: ~:[none~;~:*~D s~]); ~
                                             ~D opened~@[, ~D refused~]~@[, ~D failed~]~@[, ~D not answered~], ~
                                             ~D ended by the server; server fds at most ~D; heap after GC ~A → ~A MiB"
                                        (and back-at (>= streak 5) (/ back-at 1000.0)) *ws-silent-seconds*

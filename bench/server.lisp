@@ -84,7 +84,7 @@
 ;;;;              everyone (:TICKS) and to one WebSocket (:SENDS, :ERRORS),
 ;;;;              and the WebSockets on it now (:CLIENTS);
 ;;;;   "settings" -> "SETTINGS <plist>": every Gallop setting of this server
-;;;;              (stock: its thread limit);
+;;;;              (stock: its thread limit and read timeout);
 ;;;;   "heap"  -> "HEAP <dynamic usage> <dynamic space size>" in bytes, without
 ;;;;              collecting (garbage included: what the heap holds now);
 ;;;;   "gc-stats" -> "GC-STATS <ms spent in GC> <bytes allocated>", both since
@@ -728,10 +728,11 @@ alike, then BENCH_GALLOP_OPTIONS."
 (defun server-settings ()
   "Every Gallop setting of this server, as a property list: its default
 \(GALLOP.CORE::+SETTINGS+) unless BENCH_GALLOP_OPTIONS gives it; stock
-Hunchentoot's thread limit for stock."
+Hunchentoot's thread limit and read timeout for stock."
   (if (eq *kind* :stock)
       (list :max-thread-count (hunchentoot:taskmaster-max-thread-count
-                               (hunchentoot::acceptor-taskmaster *acceptor*)))
+                               (hunchentoot::acceptor-taskmaster *acceptor*))
+            :read-timeout (hunchentoot:acceptor-read-timeout *acceptor*))
       (let ((table (find-symbol "+SETTINGS+" "GALLOP.CORE")))
         (loop for (name default) in (and table (boundp table) (symbol-value table))
               for key = (intern (symbol-name name) :keyword)
