@@ -58,6 +58,47 @@
 ;;;;            minute.  (Past 100 such clients every worker waits for one,
 ;;;;            and a probe queued behind their requests waits too: the
 ;;;;            probes are shown, not part of the bar.)  (nginx: no handler.)
+;;;; The WebSocket and streamed-answer attacks, against native, gallop and
+;;;; stock (bench/server.lisp's /ws, /feed and /stream; on Hunchentoot's
+;;;; kinds hunchensocket's shape, BENCH_SWITCHED=1: a handler that answers
+;;;; 101 and keeps its thread, reading frames from the stream, with
+;;;; hunchensocket's limits and 300 s timeout), each beside a fresh GET /yo
+;;;; once a second for as long as it lasts, with the heap after a full GC
+;;;; (the server's "gc") before and after:
+;;;;   ws-fragments  ATTACK_WS_ROUNDS (10) rounds: ATTACK_WS_FRAGMENT_CLIENTS
+;;;;            (50) WebSockets each send a text frame without FIN, then
+;;;;            continuation frames without FIN, each ATTACK_WS_FRAME_BYTES
+;;;;            (65,536), until the server closes (at most
+;;;;            ATTACK_WS_ROUND_SECONDS, 30); the close codes; the heap after
+;;;;            each round; then a fresh WebSocket must echo a message.
+;;;;            (hunchensocket's shape closes at the first frame: 65,535
+;;;;            octets is its largest.)
+;;;;   ws-broadcast  ATTACK_WS_BROADCAST_CLIENTS (900) WebSockets join /feed
+;;;;            (16 KiB to each every 20 ms from one thread) and never read,
+;;;;            for ATTACK_WS_BROADCAST_SECONDS (30); the feed's counts.
+;;;;   ws-burst  WebSockets opened 250 at a time until one is refused (the
+;;;;            server's cap: gallop's :max-switched-threads, stock's thread
+;;;;            limit), at most ATTACK_WS_BURST_MAX (6,000), then a first
+;;;;            message sent on each at once; every one must be echoed within
+;;;;            ATTACK_WS_BURST_WAIT (60) s.
+;;;;   ws-silent  the server limited to ATTACK_WS_SILENT_FDS (256) fds
+;;;;            (prlimit), ATTACK_WS_SILENT (300) WebSockets that send
+;;;;            nothing (the switched shape without a timeout of its own);
+;;;;            fresh GET /yo once a second (each waiting up to 10 s) until
+;;;;            five in a row are answered, at most ATTACK_WS_SILENT_SECONDS
+;;;;            (120): how long fresh clients were kept out.
+;;;;   slow-read-stream  slowhttptest -X (ATTACK_SLOW_READ_CONNECTIONS, 500,
+;;;;            connections at 200 a second, each reading 512 B a second
+;;;;            through a 512-1,024-octet window) against /stream (1 MiB
+;;;;            streamed in 16 KiB writes), started again as it ends, for
+;;;;            ATTACK_SLOW_READ_SECONDS (30); the probes start after 2 s.
+;;;;   Bar of each Gallop row: the server alive and answering, every probe
+;;;;   answered (ws-silent: answered again before the run ends, and within
+;;;;   15 s of the server's idle timeout for them), the probes' median at
+;;;;   most 50 ms, the heap after a full GC back within 32 MiB of its start;
+;;;;   ws-fragments: the fresh WebSocket echoed; ws-burst: every first
+;;;;   message answered; slow-read-stream: workers at most the CPUs plus 2.
+;;;;   (nginx: not run.)
 ;;;; A monitor samples the server's RSS and threads (nginx: master and
 ;;;; workers summed) every 250 ms, and Gallop's pool (GALLOP:STATS :THREADS,
 ;;;; the workers) every second.  Prints one Markdown table; exits 1 when a
@@ -65,7 +106,8 @@
 ;;;; 127.0.0.1 only; each attack is bounded in time.
 ;;;;
 ;;;; Environment: ATTACK_KINDS ("native,gallop,stock,nginx"), ATTACK_CASES
-;;;; ("silent,errors,hangups,slowbody,uploads,tls-idle,readers"), the counts above,
+;;;; ("silent,errors,hangups,slowbody,uploads,tls-idle,readers,ws-fragments,
+;;;; ws-broadcast,ws-burst,ws-silent,slow-read-stream"), the counts above,
 ;;;; ATTACK_PORT (18520).
 
 (load (merge-pathnames "process.lisp" (or *load-truename* *default-pathname-defaults*)))
@@ -1122,6 +1164,8 @@ WebSockets where it reports one); the heap after a full GC back within
 ;;; The table
 
 (defun run-case (kind case port &optional count)
+  (when (and (string= kind "nginx") (member case *ws-attacks* :test #'string=))
+    (return-from run-case nil))         ; no WebSockets, no streamed answer
   (let ((environment (append (list "BENCH_MESSAGE_LOG=1")
                              (when (string= case "silent") (list "BENCH_TIMEOUT=120"))
                              (when (uiop:string-prefix-p "ws-" case) (list "BENCH_SWITCHED=1"))
