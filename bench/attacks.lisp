@@ -1061,7 +1061,8 @@ a close frame or were still open, MiB sent."
                           (setf peak-fds (max peak-fds (fd-count pid)))
                           (if ms
                               (progn (push ms (watch-latencies w))
-                                     (unless back-at (setf back-at (- asked start)))
+                                     ;; Kept out until this answer came.
+                                     (unless back-at (setf back-at (- (+ asked ms) start)))
                                      (incf streak))
                               (progn (incf (watch-failures w))
                                      (setf streak 0 back-at nil)))
