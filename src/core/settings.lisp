@@ -43,18 +43,23 @@ Content-Length before the body is read; a chunked body when it grows past it).")
 client does not read yet, before its write waits for the client.  What the
 client has not read when the handler returns waits with the connection in
 epoll, not in a worker.")
-      (upgraded-idle-timeout nil
+      (upgraded-idle-timeout 60
        "Seconds a connection that switched protocols (a WebSocket) may receive
-nothing before it is closed; NIL: no limit (its protocol's pings find dead
-peers).  A front end may set its own per connection.  It is also how long
-a read may wait on a connection switched under a handler that keeps its
-thread (hunchensocket) when that handler set no timeout of its own
-\(Hunchentoot's SET-TIMEOUTS); NIL there: READ-TIMEOUT, since such a
-connection holds a thread.")
+nothing before it is closed, with no close frame; NIL: no limit.  A front
+end may set its own per connection.  Without a limit, clients that connect
+and stay silent hold their fds for good, and keep every new client out
+once the fds are spent.  60 s is nginx's proxy_read_timeout for the
+WebSockets it proxies; a client that may stay silent longer is kept open by
+the server's pings, whose pongs count (GALLOP:ACCEPT-WEBSOCKET's
+:PING-INTERVAL).  It is also how long a read may wait on a connection
+switched under a handler that keeps its thread (hunchensocket) when that
+handler set no timeout of its own (Hunchentoot's SET-TIMEOUTS); NIL there:
+READ-TIMEOUT, since such a connection holds a thread.")
       (upgraded-send-limit (* 1024 1024)
        "Octets that may wait, sent on a connection that switched protocols, for a
-client that does not read them: a send past it closes the connection.  One
-message alone may be larger.")
+client that does not read them: a send past it closes the connection (a
+native WebSocket with 1008, doc/websockets.md).  One message alone may be
+larger.  While memory is short (overload level 1 or more), 64 KiB.")
       (max-switched-threads nil
        "The most connections that may switch protocols under a handler that
 keeps its thread (hunchensocket's WebSockets), each holding a thread outside

@@ -86,6 +86,8 @@ is closed after the request."))
   (charged 0 :type sb-ext:word)           ; octets counted in the body budget, as :MESSAGES
   (inflated 0 :type sb-ext:word)          ; and as :INFLATE (account.lisp)
   (on-shed nil :type (or null function))  ; (), how the layer above closes it when shed
+  (on-limit nil :type (or null function)) ; (), how the layer above closes a client past its send limit
+  (last-words nil)                        ; octets sent after a cut (CONNECTION-CUT-UPGRADED), then T
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -1057,22 +1059,103 @@ that is what happened under the TLS library."
 ;;; sent to the socket except from its front (order on the wire is the order
 ;;; of the writes).
 
+;;; What the queues hold is counted in the memory account as :OUTPUT, by
+;;; segment: the heap its octets take (OCTETS-FOOTPRINT) from when the
+;;; segment is made until it is freed, whole, since a vector half sent is
+;;; still all in memory.  A connection's own count of what waits for its
+;;; client (UNSENT-BYTES, an upgraded connection's MAILBOX-BYTES) is the
+;;; octets still to send: its backpressure, and its send limit.
+;;;
+;;; Shared octets.  One message sent to many connections (a WebSocket
+;;; broadcast) is made once and queued by reference on each: every queue
+;;; holding it has a segment of its own (its own START, advanced as the
+;;; socket takes it), all over the same octets, which nothing writes to once
+;;; shared.  The account counts them once, from when they are made until the
+;;; last queue lets go of them; each connection's backlog counts them in
+;;; full, since that is what its client has not read.
+
+(defun octets-footprint (n)
+  "Octets of the heap an octet vector of N elements takes: its header and
+data, and its share of the allocator's page (SB-VM:GENCGC-PAGE-BYTES), of
+which it holds a whole number: a vector a little over half a page takes a
+page (a 16 KiB message's frame takes 32 KiB).  Counting what a vector
+takes, not its length, keeps the account's limits true of the heap."
+  (declare (type fixnum n))
+  (let ((size (* 16 (ceiling (+ n (* 2 sb-vm:n-word-bytes)) 16)))
+        (page sb-vm:gencgc-page-bytes))
+    (if (<= size page)
+        (ceiling page (floor page size))
+        (* page (ceiling size page)))))
+
+(defstruct (shared-octets (:constructor %make-shared-octets (octets))
+                          (:copier nil) (:predicate nil))
+  "OCTETS queued on several connections, counted once in the memory account."
+  (octets nil :type octets :read-only t)
+  ;; The queues holding them, and their maker until it lets go.
+  (holders 1 :type sb-ext:word))
+
+(defmethod print-object ((shared shared-octets) stream)
+  (print-unreadable-object (shared stream :type t :identity t)
+    (format stream "~D octets, ~D holders" (length (shared-octets-octets shared))
+            (shared-octets-holders shared))))
+
+(defun make-shared-octets (octets)
+  "OCTETS, to be queued on many connections (CONNECTION-SEND-SHARED) and
+never written to again: counted in the memory account as :OUTPUT now, and
+given back when the maker (RELEASE-SHARED-OCTETS) and every queue holding
+them let go."
+  (declare (type octets octets))
+  (account-add :output (octets-footprint (length octets)))
+  (%make-shared-octets octets))
+
+(declaim (inline retain-shared-octets))
+(defun retain-shared-octets (shared)
+  (sb-ext:atomic-incf (shared-octets-holders shared)))
+
+(defun release-shared-octets (shared)
+  "One holder of SHARED lets go of it; the last gives its octets back to the
+memory account."
+  ;; ATOMIC-DECF returns the count before.
+  (when (= 1 (sb-ext:atomic-decf (shared-octets-holders shared)))
+    (account-add :output (- (octets-footprint (length (shared-octets-octets shared))))))
+  nil)
+
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
+                    (:constructor make-shared-segment
+                        (shared &aux (octets (shared-octets-octets shared))
+                                  (start 0) (end (length octets))))
                     (:copier nil) (:predicate nil))
   "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
-back once sent), or, when OCTETS is NIL, bytes START to END of the file open
-on FILE-FD, which the segment owns."
+back once sent; SHARED: the SHARED-OCTETS record OCTETS are of, let go of
+once sent), or, when OCTETS is NIL, bytes START to END of the file open on
+FILE-FD, which the segment owns."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
   (end 0 :type fixnum)
   (pooled nil)
-  (file-fd -1 :type fixnum))
+  (file-fd -1 :type fixnum)
+  (shared nil :type (or null shared-octets))
+  (counted 0 :type fixnum))             ; in the memory account, until freed
 
 (defmethod print-object ((segment segment) stream)
   (print-unreadable-object (segment stream :type t :identity t)))
 
+(defun count-segment (segment)
+  "Count SEGMENT's octets in the memory account, once, until it is freed:
+octets of its own (shared ones are counted once for all their segments, a
+file's are not in memory)."
+  (when (and (zerop (segment-counted segment)) (segment-octets segment)
+             (null (segment-shared segment)))
+    (let ((n (octets-footprint (length (the octets (segment-octets segment))))))
+      (account-add :output n)
+      (setf (segment-counted segment) n))))
+
 (defun free-segment (segment)
-  (cond ((segment-octets segment)
+  (when (plusp (segment-counted segment))
+    (account-add :output (- (shiftf (segment-counted segment) 0))))
+  (cond ((segment-shared segment)
+         (release-shared-octets (shiftf (segment-shared segment) nil)))
+        ((segment-octets segment)
          (when (segment-pooled segment)
            (release-buffer (segment-octets segment))))
         ((>= (segment-file-fd segment) 0)
@@ -1093,20 +1176,45 @@ on FILE-FD, which the segment owns."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
-      (when (segment-octets segment)    ; a file's octets are not in memory
-        (account-add :output size))
+      (count-segment segment)
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
 
-(defun discard-unsent (c)
-  "Drop C's unsent output (C is closing)."
-  (loop for segment in (conn-slot c unsent)
-        do (when (segment-octets segment)
-             (account-add :output (- (segment-start segment) (segment-end segment))))
-           (free-segment segment))
-  (setf (conn-slot c unsent) nil
-        (conn-slot c unsent-tail) nil
-        (conn-slot c unsent-bytes) 0))
+(defun queue-copy (c octets start end)
+  "Append a copy of OCTETS[START,END), a few octets, to C's unsent output
+\(not empty): into the pool buffer its last segment is when that has room,
+else into a fresh one.  So a client that does not read costs a buffer per
++BUFFER-SIZE+ of small messages, not one each.  (Never into the segment the
+socket is taking: on TLS it must be offered the same octets again.)"
+  (declare (type octets octets) (type fixnum start end))
+  (let ((n (- end start))
+        (tail (car (conn-slot c unsent-tail))))
+    (if (and tail (segment-pooled tail)
+             (not (eq tail (car (conn-slot c unsent))))
+             (<= (+ (segment-end tail) n) (length (the octets (segment-octets tail)))))
+        (progn
+          (replace (the octets (segment-octets tail)) octets
+                   :start1 (segment-end tail) :start2 start :end2 end)
+          (incf (segment-end tail) n)
+          (incf (the fixnum (conn-slot c unsent-bytes)) n)
+          (incf (the fixnum (conn-slot c sent)) n))
+        (let ((buffer (acquire-buffer)))
+          (replace buffer octets :start2 start :end2 end)
+          (queue-unsent c (make-segment buffer 0 n t))))))
+
+(defun discard-unsent (c &key keep-first)
+  "Drop C's unsent output (C is closing); with KEEP-FIRST, all but its first
+segment, the one the socket is taking."
+  (with-connection-slots (unsent unsent-bytes) c
+    (let ((kept (and keep-first unsent (car unsent))))
+      (loop for segment in (if kept (cdr unsent) unsent) do (free-segment segment))
+      (if kept
+          (setf unsent (list kept)
+                (conn-slot c unsent-tail) unsent
+                unsent-bytes (- (segment-end kept) (segment-start kept)))
+          (setf unsent nil
+                (conn-slot c unsent-tail) nil
+                unsent-bytes 0)))))
 
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
@@ -1147,8 +1255,6 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
-                   (when (segment-octets segment)
-                     (account-add :output (- n)))
                    (when (= (+ start n) end)
                      (pop unsent)
                      (free-segment segment)))
@@ -1382,6 +1488,38 @@ the socket does not take then is queued as KEEP says, see SEND-ALL)."
             (t
              (flush-output c)
              (send-all c octets start end keep)))))
+  nil)
+
+(defun connection-write-segment (c segment)
+  "Send SEGMENT (octets in memory, not empty, given up by the caller) after
+C's output, without waiting: what the socket does not take now is queued as
+SEGMENT itself, its octets neither copied nor written to (shared ones stay
+shared).  An upgraded connection's sends come this way (upgrade.lisp).
+Signals CONNECTION-ERROR when the client went away; SEGMENT is let go of
+whatever happens to C."
+  (declare (type segment segment))
+  (let ((kept nil))
+    (unwind-protect
+         (progn
+           (flush-output c)
+           (when (conn-slot c gone)
+             (return-from connection-write-segment nil))
+           (when (or (null (conn-slot c unsent)) (send-unsent c))
+             ;; Nothing queued: straight to the socket.
+             (loop while (< (segment-start segment) (segment-end segment))
+                   do (multiple-value-bind (n errno)
+                          (connection-send c (segment-octets segment)
+                                           (segment-start segment) (segment-end segment))
+                        (declare (type fixnum n))
+                        (cond ((>= n 0)
+                               (incf (segment-start segment) n)
+                               (incf (the fixnum (conn-slot c sent)) n))
+                              ((= errno +eagain+) (return))
+                              (t (client-went-away c errno "write"))))))
+           (when (< (segment-start segment) (segment-end segment))
+             (queue-unsent c segment)
+             (setf kept t)))
+      (unless kept (free-segment segment))))
   nil)
 
 (defun connection-reserve-output (c n)
