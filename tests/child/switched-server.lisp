@@ -20,8 +20,6 @@
 ;;;;   "maker"       -> "MAKER <ticks>": the CPU time (user + system, clock
 ;;;;                    ticks) the pool's maker thread has used;
 ;;;;   "heap"        -> "HEAP <octets>": dynamic space in use after a full GC;
-;;;;   "peak"        -> "PEAK <octets>": the most dynamic space in use seen
-;;;;                    since the last "peak" (sampled every 2 ms);
 ;;;;   "quit" or end of file -> exits.
 
 (defpackage #:gallop-switched-server (:use #:common-lisp))
@@ -155,13 +153,6 @@ unmasked."
                                           :separator " ")))
           (return (+ (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields)))))))))
 
-(defvar *peak* 0 "The most dynamic space in use seen by the sampler below.")
-
-(sb-thread:make-thread (lambda ()
-                         (loop (setf *peak* (max *peak* (sb-kernel:dynamic-usage)))
-                               (sleep 0.002)))
-                       :name "heap sampler")
-
 (gallop.core:raise-fd-limit)
 (reply "READY ~D" (hunchentoot:acceptor-port *acceptor*))
 
@@ -175,8 +166,6 @@ unmasked."
                  ((string= command "heap")
                   (sb-ext:gc :full t)
                   (reply "HEAP ~D" (sb-kernel:dynamic-usage)))
-                 ((string= command "peak")
-                  (reply "PEAK ~D" (shiftf *peak* 0)))
                  ((string= command "quit") (return)))))
 
 (sb-ext:exit :code 0 :abort t)
