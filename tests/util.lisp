@@ -168,23 +168,28 @@ no further bytes."
 
 ;;; Native servers (GALLOP:START)
 
-(defmacro with-memory-limit ((octets) &body body)
-  "Run BODY with the account's limit OCTETS; the limit as it was after."
-  (let ((old (gensym "OLD")))
-    `(let ((,old (gallop.core:account-limit)))
-       (unwind-protect (progn (gallop.core:set-memory-limit ,octets) ,@body)
-         (gallop.core:set-memory-limit ,old)))))
+(defmacro with-memory-limit ((octets &key (stacks nil stacks-p)) &body body)
+  "Run BODY with the account's limit OCTETS (NIL: the default), and with
+STACKS the stacks' own; the limits as they were after."
+  (let ((old (gensym "OLD")) (old-stacks (gensym "OLD-STACKS")))
+    `(let ((,old (gallop.core:account-limit))
+           (,old-stacks (gallop.core:account-limit :stacks)))
+       (unwind-protect (progn (gallop.core:set-memory-limit ,octets
+                                                            ,@(and stacks-p `(:stacks ,stacks)))
+                              ,@body)
+         (gallop.core:set-memory-limit ,old :stacks ,old-stacks)))))
 
 (defmacro with-charged ((percent) &body body)
-  "Run BODY with the account filled to PERCENT of its limit by a charge of
-the test's own (as :STACKS), given back after.  The charge is what is
-missing when BODY begins: clients' octets counted then stay theirs."
+  "Run BODY with the heap's kinds of the account filled to PERCENT of their
+limit by a charge of the test's own (as :INFLATE, which these tests' clients
+do not use), given back after.  The charge is what is missing when BODY
+begins: clients' octets counted then stay theirs."
   (let ((charged (gensym "CHARGED")))
     `(let ((,charged (max 0 (- (floor (* ,percent (gallop.core:account-limit)) 100)
-                               (gallop.core:account-used)))))
-       (gallop.core:account-add :stacks ,charged)
+                               (gallop.core::heap-used)))))
+       (gallop.core:account-add :inflate ,charged)
        (unwind-protect (progn ,@body)
-         (gallop.core:account-add :stacks (- ,charged))))))
+         (gallop.core:account-add :inflate (- ,charged))))))
 
 (defmacro with-app ((server app &rest options) &body body)
   "Serve APP with GALLOP:START on 127.0.0.1 and a free port, run BODY, and

@@ -11,7 +11,10 @@
 ;;;; client has not taken (connection.lisp, Output; upgrade.lisp's mailbox),
 ;;;; and the stacks of threads that switched protocols under their handler.
 ;;;; The engines' own budgets (HEAD-BUDGET, BODY-BUDGET) stay limits of their
-;;;; kinds inside it.
+;;;; kinds inside it.  Threads' stacks are mapped outside the heap, whole
+;;;; however little of them is touched: they count beside the heap's kinds,
+;;;; under a limit of their own (the heap's size unless set), and set no
+;;;; overload level, which is about the heap.
 ;;;;
 ;;;; The overload level (0 to 3) is what the overload manager
 ;;;; (loop/overload.lisp) acts on, in a fixed order as it rises: 1, stop
@@ -42,10 +45,13 @@
                 :element-type 'sb-ext:word :initial-element 0)
   "The octets counted, of each kind, at (* +ACCOUNT-STRIDE+ (1+ INDEX)).")
 
-(declaim (type fixnum *account-limit*))
+(declaim (type fixnum *account-limit* *stacks-limit*))
 (sb-ext:defglobal *account-limit* (floor (sb-ext:dynamic-space-size) 2)
-  "The octets all kinds together may count: half the heap unless set
-\(SET-MEMORY-LIMIT).")
+  "The octets the heap's kinds (all but :STACKS) together may count: half
+the heap unless set (SET-MEMORY-LIMIT).")
+
+(sb-ext:defglobal *stacks-limit* (sb-ext:dynamic-space-size)
+  "The octets :STACKS may count: the heap's size unless set.")
 
 (declaim (type fixnum *heap-after-gc*))
 (sb-ext:defglobal *heap-after-gc* 0
@@ -67,29 +73,41 @@ for octets already held.  The count of KIND before."
         (sb-ext:atomic-decf (aref *account* i) (- octets))
         (sb-ext:atomic-incf (aref *account* i) octets))))
 
+(defun heap-used ()
+  "Octets counted of the heap's kinds (all but :STACKS), together."
+  (loop for k across +account-kinds+
+        unless (eq k :stacks) sum (aref *account* (account-index k))))
+
 (defun account-used (&optional kind)
   "Octets counted of KIND, or of all kinds."
   (if kind
       (aref *account* (account-index kind))
       (loop for k across +account-kinds+ sum (aref *account* (account-index k)))))
 
-(defun account-limit ()
-  "Octets all kinds together may count."
-  *account-limit*)
+(defun account-limit (&optional kind)
+  "Octets the heap's kinds together may count; with KIND :STACKS, the
+stacks' own limit."
+  (if (eq kind :stacks) *stacks-limit* *account-limit*))
 
-(defun set-memory-limit (octets)
-  "Set the account's limit to OCTETS (NIL: half the heap).  Process-wide:
-every server of the process shares the account."
+(defun set-memory-limit (octets &key (stacks nil stacks-p))
+  "Set the limit of what the heap's kinds may count to OCTETS (NIL: half
+the heap), and with STACKS that of the switched threads' stacks (NIL: the
+heap's size).  Process-wide: every server of the process shares the account."
+  (when stacks-p
+    (setf *stacks-limit* (if stacks (max 1 stacks) (sb-ext:dynamic-space-size))))
   (setf *account-limit* (if octets
                             (max 1 (min octets (sb-ext:dynamic-space-size)))
                             (floor (sb-ext:dynamic-space-size) 2))))
 
 (defun account-charge (kind octets)
-  "Count OCTETS more of KIND when the account stays under its limit: true,
-or NIL (nothing counted)."
+  "Count OCTETS more of KIND when its limit allows (the heap's kinds
+together under theirs, :STACKS under its own): true, or NIL (nothing
+counted)."
   (declare (type fixnum octets))
   (account-add kind octets)
-  (if (> (account-used) *account-limit*)
+  (if (if (eq kind :stacks)
+          (> (account-used :stacks) *stacks-limit*)
+          (> (heap-used) *account-limit*))
       (progn (account-add kind (- octets)) nil)
       t))
 
@@ -119,7 +137,7 @@ clients', and shedding them would not help.")
 (defun overload-level ()
   "0 when memory is plenty; 1, 2 or 3 as the account or the heap after the
 last collection passes its thresholds (see above)."
-  (let ((used (account-used)))
+  (let ((used (heap-used)))
     (max (level-of used *account-limit* +account-thresholds+)
          (if (>= (* +heap-reading-share+ used) *account-limit*)
              (level-of *heap-after-gc* (sb-ext:dynamic-space-size) +heap-thresholds+)

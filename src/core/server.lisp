@@ -401,6 +401,7 @@ served for another group whose workers were all busy), see pool.lisp."
               :stolen (if pool (pool-stolen pool) 0)
               :memory-bytes (account-used)
               :memory-limit (account-limit)
+              :stacks-limit (account-limit :stacks)
               :memory (loop for kind across +account-kinds+
                             collect kind collect (account-used kind))
               :overload-level (overload-level)

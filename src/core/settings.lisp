@@ -68,9 +68,10 @@ charges its thread's stacks to the memory account (kind :STACKS): its
 control stack (SBCL's --control-stack-size, 2 MiB by default) and its
 binding, alien and signal stacks, about 4.5 MiB in all.  A 101 past this
 cap, or that the account cannot take, is answered 503 with Retry-After
-instead, as is every new one from overload level 2 on.  With SBCL's default
-heap of 1 GiB (the account's limit is half of it) and nothing else held,
-that is about 80 at once (level 2: 70% of the limit).")
+instead, as is every new one from overload level 2 on.  Stacks are mapped
+outside the heap and have a limit of their own in the account, the heap's
+size unless set (GALLOP:SET-MEMORY-LIMIT's :STACKS): with SBCL's default
+heap of 1 GiB, about 226 at once.")
       (head-budget nil
        "Octets of input buffers that connections with a partial request head may
 hold in all (NIL: a quarter of the heap); past it a new one gets 503.")

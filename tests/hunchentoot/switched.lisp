@@ -150,11 +150,9 @@ connection's client reads that whole answer."
              (is (= (+ before cost) (gallop.core:account-used :stacks))
                  "charged ~D octets for one switched thread, not ~D"
                  (- (gallop.core:account-used :stacks) before) cost)
-             ;; Room for this one, not for a second: the limit is under
-             ;; twice what is counted now (and over half of it, so the
-             ;; overload level stays below 2, where every upgrade is refused
-             ;; before the account is asked).
-             (with-memory-limit ((+ (gallop.core:account-used) cost -1))
+             ;; Room for this one, not for a second: the stacks' limit is
+             ;; under twice what they count now.
+             (with-memory-limit (nil :stacks (+ (gallop.core:account-used :stacks) cost -1))
                (is (< (gallop.core:overload-level) 2))
                (let ((two (connect port)))
                  (unwind-protect

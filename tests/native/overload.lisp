@@ -10,23 +10,36 @@
 
 (test the-account-counts-kinds-and-refuses-past-its-limit
   (with-memory-limit ((* 1024 1024))
-    (let ((before (gallop.core:account-used))
+    (let ((before (gallop.core::heap-used))
           (messages (gallop.core:account-used :messages)))
       (is (gallop.core:account-charge :output 1000))
       (is (gallop.core:account-charge :messages 2000))
-      (is (= (+ before 3000) (gallop.core:account-used)))
+      (is (= (+ before 3000) (gallop.core::heap-used)))
       (is (= (+ messages 2000) (gallop.core:account-used :messages)))
-      ;; Past the limit nothing is counted.
-      (let ((used (gallop.core:account-used)))
+      ;; Past the limit nothing is counted.  (Stacks have a limit of their own.)
+      (let ((used (gallop.core::heap-used)))
         (is (not (gallop.core:account-charge :bodies (- (* 1024 1024) used -1))))
-        (is (= used (gallop.core:account-used))))
+        (is (= used (gallop.core::heap-used))))
       ;; Up to it, it is.
-      (let ((room (- (* 1024 1024) (gallop.core:account-used))))
+      (let ((room (- (* 1024 1024) (gallop.core::heap-used))))
         (is (gallop.core:account-charge :bodies room))
         (gallop.core:account-add :bodies (- room)))
       (gallop.core:account-add :output -1000)
       (gallop.core:account-add :messages -2000)
-      (is (= before (gallop.core:account-used))))))
+      (is (= before (gallop.core::heap-used))))))
+
+(test stacks-count-under-their-own-limit-and-set-no-level
+  (with-memory-limit ((* 1024 1024) :stacks (* 10 1024 1024))
+    (let ((stacks (gallop.core:account-used :stacks))
+          (room (- (* 10 1024 1024) (gallop.core:account-used :stacks))))
+      (is (gallop.core:account-charge :stacks (- room 100)))
+      (is (not (gallop.core:account-charge :stacks 200)))
+      ;; The heap's kinds are not crowded out, and the level is the heap's.
+      (is (gallop.core:account-charge :output 1000))
+      (is (= 0 (gallop.core:overload-level)))
+      (gallop.core:account-add :output -1000)
+      (gallop.core:account-add :stacks (- 100 room))
+      (is (= stacks (gallop.core:account-used :stacks))))))
 
 (test the-overload-level-follows-the-account-s-thresholds
   (is (equalp #(0 0 1 1 2 2 3 3)

@@ -49,7 +49,7 @@ as given back.  Returns how many were closed or marked."
                 do (let ((held (connection-held-octets c)))
                      (cond ((conn-slot c shed) (incf going held))
                            ((>= held +shed-floor-octets+) (push (cons held c) holders)))))))
-    (let ((over (- (account-used) going bound))
+    (let ((over (- (heap-used) going bound))
           (count 0))
       (dolist (entry (sort holders #'> :key #'car) count)
         (when (<= over 0) (return count))
@@ -77,7 +77,7 @@ holders.  At most one pass every +OVERLOAD-PASS-MS+, in one thread at a time."
              (cond ((zerop level)
                     (when *paused* (resume-paused)))
                    ((= level 3)
-                    (if (>= (account-used) (account-level-bound 3))
+                    (if (>= (heap-used) (account-level-bound 3))
                         (shed-largest (account-level-bound 2))
                         ;; The heap is full, not the account: shed what the
                         ;; largest hold once per collection, since the heap's
@@ -85,7 +85,7 @@ holders.  At most one pass every +OVERLOAD-PASS-MS+, in one thread at a time."
                         (let ((epoch sb-kernel::*gc-epoch*))
                           (unless (eq epoch *shed-heap-epoch*)
                             (setf *shed-heap-epoch* epoch)
-                            (shed-largest (- (account-used)
+                            (shed-largest (- (heap-used)
                                              (max (* 4 (large-holder-octets))
-                                                  (floor (account-used) 4)))))))))))
+                                                  (floor (heap-used) 4)))))))))))
       (sb-thread:release-mutex *pass-lock*))))
