@@ -1037,20 +1037,46 @@ that is what happened under the TLS library."
 ;;; The queue keeps the octets it holds in one of three ways: the output
 ;;; buffer itself, handed over (a fresh one is taken for the next write);
 ;;; a reference to octets the caller gives up (a native app's response body);
-;;; or a copy.  Copies are what a streaming writer adds without bound, so they
-;;; are bounded: a write that would copy past the engine's MAX-UNSENT-BYTES
-;;; waits (bounded by the write timeout) until the client has read enough.
-;;; That is the one case where a writer waits for its client.  A file is
-;;; queued as a duplicate of its fd and sent with sendfile(2).
+;;; or a copy.  A file is queued as a duplicate of its fd and sent with
+;;; sendfile(2).  The octets queued are counted in the memory account (kind
+;;; :OUTPUT, account.lisp) until they are sent or dropped (SEND-UNSENT,
+;;; DISCARD-UNSENT).
 ;;;
-;;; TLS and detached connections (RAW) keep blocking sends: a TLS library
-;;; writing through the stream, or a handler that kept it, expects every
-;;; octet gone when the write returns.
+;;; What a streaming writer queues, copies and handed-over buffers, grows
+;;; with what it writes, not with what its client reads; so the account, not
+;;; the client, bounds it.  Up to the engine's MAX-UNSENT-BYTES a connection
+;;; queues it as any other output.  Past that, each further piece is charged
+;;; to the account first (ACCOUNT-CHARGE): while the account takes it, it is
+;;; queued and the writer goes on, so that a handler streaming to a slow
+;;; reader finishes and lets go of its worker, and the rest waits in epoll
+;;; as a buffered answer does.  Only a piece the account refuses makes the
+;;; writer wait for its client (WAIT-FOR-ROOM), and at most
+;;; MAX-WAITING-WRITERS writers of an engine wait at once: past them, the
+;;; connection is closed instead (reset, counted in :WRITERS-SHED), so that
+;;; however many slow readers there are, they hold no more workers than
+;;; that.  A writer queuing past MAX-UNSENT-BYTES holds its client to the
+;;; terms a parked connection's client has, the write timeout and the
+;;; minimum data rate (READER-STALLED-P): a handler that streams on to a
+;;; client reading nothing is stopped, instead of filling the account for
+;;; everyone.  Octets given up by reference and files are never refused (the
+;;; first are held by their owner whether queued or not; the second are not
+;;; memory), nor is an upgraded connection's output, which its sends bound
+;;; before it comes here (upgrade.lisp).
+;;;
+;;; TLS through a library above the engine (SOURCE) and detached connections
+;;; (RAW) keep blocking sends: a TLS library writing through the stream, or a
+;;; handler that kept it, expects every octet gone when the write returns.
+;;; Neither takes a pool worker that is not taken already: a TLS library's
+;;; connection holds its worker for as long as it is open (tls.lisp), and a
+;;; detached or switched stream's writer is its owner's thread (outside the
+;;; pool, for a switched one), which a slow reader holds for at most the
+;;; write timeout without progress.
 ;;;
 ;;; Invariants: UNSENT holds no empty segment; UNSENT-BYTES is the sum of
-;;; its segments' remaining octets; while UNSENT is not empty, nothing is
-;;; sent to the socket except from its front (order on the wire is the order
-;;; of the writes).
+;;; its segments' remaining octets; the account's :OUTPUT holds, for each
+;;; connection, the octets of its segments that are in memory; while UNSENT
+;;; is not empty, nothing is sent to the socket except from its front (order
+;;; on the wire is the order of the writes).
 
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
                     (:copier nil) (:predicate nil))
@@ -1074,8 +1100,9 @@ on FILE-FD, which the segment owns."
          (close-fd (segment-file-fd segment))))
   (setf (segment-octets segment) nil (segment-file-fd segment) -1))
 
-(defun queue-unsent (c segment)
-  "Append SEGMENT (not empty) to C's unsent output."
+(defun queue-unsent (c segment &optional charged)
+  "Append SEGMENT (not empty) to C's unsent output; its octets are counted in
+the account unless CHARGED says they were already (ACCOUNT-CHARGE)."
   (with-connection-slots (unsent-bytes sent) c
     (let ((cell (list segment))
           (size (- (segment-end segment) (segment-start segment))))
@@ -1088,7 +1115,7 @@ on FILE-FD, which the segment owns."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
-      (when (segment-octets segment)    ; a file's octets are not in memory
+      (when (and (segment-octets segment) (not charged)) ; a file's octets are not in memory
         (account-add :output size))
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
@@ -1106,8 +1133,8 @@ on FILE-FD, which the segment owns."
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
 this answer's body, given up by its owner: queued, if the client does not
-read it at once, by reference instead of copied (and so with no
-MAX-UNSENT-BYTES to wait for).  Hunchentoot's layer says so for a body a
+read it at once, by reference instead of copied (and so never refused by
+the memory account, see Output above).  Hunchentoot's layer says so for a body a
 handler returned.  Holds until the next request."
   (setf (conn-slot c body-given) t))
 
@@ -1208,33 +1235,88 @@ or during a TLS handshake, whose octets are not counted here)."
 OUTPUT-DEADLINES."
   (multiple-value-call #'earliest (output-deadlines c)))
 
+(defun reader-timed-out (c)
+  "C's client read too little of its waiting output in time: count it as a
+write timeout (and a slow client when the minimum rate's deadline came
+first), and signal CONNECTION-TIMEOUT-ERROR; the connection is reset when
+it closes."
+  (let ((engine (connection-engine c))
+        (rate (output-rate-deadline c)))
+    (sb-ext:atomic-incf (engine-timeouts engine))
+    (sb-ext:atomic-incf (engine-write-timeouts engine))
+    (when (and rate (< rate (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+      (sb-ext:atomic-incf (engine-slow-clients engine)))
+    (setf (conn-slot c timed-out) t)
+    ;; At once (see SET-RESET-ON-CLOSE), not once the client read.
+    (set-reset-on-close (connection-fd c))
+    (error 'connection-timeout-error :stream c :operation "write")))
+
 (defun wait-for-reader (c)
   "Wait until C's socket takes more output, bounded by the write timeout or,
 sooner, the minimum data rate of the client's reading (WRITE-WAIT-MS; a
 period in which the client's TCP acknowledged its quota begins another,
-CLIENT-READ-A-PERIOD-P).  Past it, CONNECTION-TIMEOUT-ERROR, counted as a
-write timeout, and the connection is reset when it closes."
+CLIENT-READ-A-PERIOD-P).  Past it, READER-TIMED-OUT."
+  (loop
+    (unless (eq :timeout (poll-fds (connection-fd c) +pollout+ -1 (write-wait-ms c)))
+      (return :ready))
+    (unless (client-read-a-period-p c)
+      (reader-timed-out c))))
+
+(defun reader-stalled-p (c)
+  "True when C's waiting output is past the deadline a parked connection's
+would be closed at (OUTPUT-DEADLINE): its client read nothing for the write
+timeout, or less than the minimum rate's quota in the period, and its TCP
+acknowledged no more since (CLIENT-READ-A-PERIOD-P)."
+  (and (conn-slot c unsent)
+       (>= (now-ms) (output-deadline c))
+       (not (client-read-a-period-p c))))
+
+(define-condition connection-shed-error (connection-timeout-error)
+  ()
+  (:report (lambda (c s)
+             (format s "~A on ~A: its client reads too slowly for the server, short of ~
+                        memory, to keep what it writes; closed"
+                     (connection-error-operation c) (stream-error-stream c))))
+  (:documentation "A write past MAX-UNSENT-BYTES that the memory account refused,
+when the engine's MAX-WAITING-WRITERS writers waited for their clients
+already (WAIT-FOR-ROOM).  A timeout of the client's to the layers above: logged
+at most once a minute."))
+
+(defun wait-for-room (c)
+  "The memory account refused output C's writer would queue: wait for the
+client to read some (WAIT-FOR-READER) while fewer than the engine's
+MAX-WAITING-WRITERS writers wait; past them, close C instead: it is counted
+in :WRITERS-SHED, its unsent output dropped, and CONNECTION-SHED-ERROR is
+signalled; C closes, reset, once its handler returns."
   (let ((engine (connection-engine c)))
-    (loop
-      (unless (eq :timeout (poll-fds (connection-fd c) +pollout+ -1 (write-wait-ms c)))
-        (return :ready))
-      (unless (client-read-a-period-p c)
-        (let ((rate (output-rate-deadline c)))
-          (sb-ext:atomic-incf (engine-timeouts engine))
-          (sb-ext:atomic-incf (engine-write-timeouts engine))
-          (when (and rate (< rate (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
-            (sb-ext:atomic-incf (engine-slow-clients engine))))
-        (setf (conn-slot c timed-out) t)
-        ;; At once (see SET-RESET-ON-CLOSE), not once the client read.
-        (set-reset-on-close (connection-fd c))
-        (error 'connection-timeout-error :stream c :operation "write")))))
+    ;; The count is taken and given back with interrupts off, so that a
+    ;; handler deadline's interrupt cannot leave it counted.
+    (when (sb-sys:without-interrupts
+            (if (< (sb-ext:atomic-incf (engine-waiting-writers engine))
+                   (engine-max-waiting-writers engine))
+                (unwind-protect (sb-sys:with-local-interrupts (wait-for-reader c) nil)
+                  (sb-ext:atomic-decf (engine-waiting-writers engine)))
+                (progn (sb-ext:atomic-decf (engine-waiting-writers engine))
+                       t)))
+      (sb-ext:atomic-incf (engine-writers-shed engine))
+      ;; C closes as soon as its handler is done, whether or not the handler
+      ;; heeds the error: what waits is dropped, later writes too, and the
+      ;; close resets it.
+      (discard-unsent c)
+      (setf (conn-slot c timed-out) t
+            (conn-slot c framing-broken) t
+            (conn-slot c gone) t)
+      (set-reset-on-close (connection-fd c))
+      (error 'connection-shed-error :stream c :operation "write"))))
 
 (defun send-all (c buffer start end &optional (keep :copy))
   "Send BUFFER[START,END) after C's unsent output.  What the socket does not
-take now is queued (see above): KEEP :COPY copies it (waiting past
-MAX-UNSENT-BYTES), :REFERENCE keeps BUFFER itself, :HAND-OVER keeps BUFFER, a
-pooled buffer, and gives it back once sent.  Returns :KEPT when BUFFER itself
-was queued.  On a RAW connection, blocks until all is sent."
+take now is queued (see above): KEEP :COPY copies it, :REFERENCE keeps BUFFER
+itself, :HAND-OVER keeps BUFFER, a pooled buffer, and gives it back once
+sent.  A copy or a hand-over past MAX-UNSENT-BYTES is charged to the memory
+account first, and waits for the client when refused (WAIT-FOR-ROOM).
+Returns :KEPT when BUFFER itself was queued.  On a RAW connection, blocks
+until all is sent."
   (declare (type octets buffer) (type fixnum start end))
   (when (conn-slot c source)
     (return-from send-all (send-to-source c buffer start end)))
@@ -1253,33 +1335,40 @@ was queued.  On a RAW connection, blocks until all is sent."
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))
-    (flet ((may-queue-p ()
-             ;; What is left may join the queue now; else (a copy past
-             ;; MAX-UNSENT-BYTES) the client must read some first.
-             (or (not (eq keep :copy))
-                 (<= (+ (conn-slot c unsent-bytes) (- end start))
-                     (engine-max-unsent-bytes engine)))))
-      (loop while (< start end)
-            do (if (or (null (conn-slot c unsent)) (send-unsent c))
-                   ;; Nothing queued: straight to the socket.
-                   (multiple-value-bind (n errno) (connection-send c buffer start end)
-                     (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
-                           ((/= errno +eagain+) (client-went-away c errno "write"))
-                           ((may-queue-p) (return))
-                           (t (wait-for-reader c))))
-                   ;; Queued output waits: queue behind it, or wait for room.
-                   (if (may-queue-p)
-                       (return)
-                       (wait-for-reader c))))
-      (when (< start end)
-        (when (conn-slot c shed)
-          ;; The overload manager closes C: nothing more is queued for it.
-          (set-reset-on-close (connection-fd c))
-          (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
-        (ecase keep
-          (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
-          (:reference (queue-unsent c (make-segment buffer start end)) :kept)
-          (:hand-over (queue-unsent c (make-segment buffer start end t)) :kept))))))
+    (let ((charged nil))
+      (flet ((may-queue-p ()
+               ;; What is left may join the queue now (see Output above);
+               ;; NIL when the account refused it.
+               (or (eq keep :reference)
+                   (conn-slot c upgrade)
+                   (<= (+ (conn-slot c unsent-bytes) (- end start))
+                       (engine-max-unsent-bytes engine))
+                   (progn (when (reader-stalled-p c)
+                            (reader-timed-out c))
+                          (setf charged (account-charge :output (- end start)))))))
+        (loop while (< start end)
+              do (if (or (null (conn-slot c unsent)) (send-unsent c))
+                     ;; Nothing queued: straight to the socket.
+                     (multiple-value-bind (n errno) (connection-send c buffer start end)
+                       (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                             ((/= errno +eagain+) (client-went-away c errno "write"))
+                             ((may-queue-p) (return))
+                             (t (wait-for-room c))))
+                     ;; Queued output waits: queue behind it, or wait for room.
+                     (if (may-queue-p)
+                         (return)
+                         (wait-for-room c))))
+        (when (< start end)
+          (when (conn-slot c shed)
+            ;; The overload manager closes C: nothing more is queued for it.
+            (when charged
+              (account-add :output (- start end)))
+            (set-reset-on-close (connection-fd c))
+            (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
+          (ecase keep
+            (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)) charged))
+            (:reference (queue-unsent c (make-segment buffer start end) charged) :kept)
+            (:hand-over (queue-unsent c (make-segment buffer start end t) charged) :kept)))))))
 
 (declaim (inline output-buffer))
 (defun output-buffer (c)
