@@ -170,10 +170,11 @@
                (:file "conformance/runner")
                (:file "conformance/websocket-corpus")
                (:file "conformance/websocket-runner")
-               ;; run in child processes by stress/shutdown and core/uploads
+               ;; run in child processes by stress/shutdown, stress/slow-read and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")
                (:static-file "child/ws-server.lisp")
+               (:static-file "child/stream-server.lisp")
                (:static-file "clients/ws-client.py")
                (:static-file "clients/chromium-chat.py"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
@@ -188,5 +189,6 @@ connections, the pool's ceilings.  Not deterministic enough for CI."
                (:file "pool")
                (:file "connections")
                (:file "shutdown")
+               (:file "slow-read")
                (:file "restart"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests :stress)))

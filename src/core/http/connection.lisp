@@ -1035,7 +1035,8 @@ that is what happened under the TLS library."
 ;;; it in :WRITE-TIMEOUTS).
 ;;;
 ;;; The queue keeps the octets it holds in one of three ways: the output
-;;; buffer itself, handed over (a fresh one is taken for the next write);
+;;; buffer itself, handed over (a fresh one is taken for the next write),
+;;; unless less than half of it is left to send, which is copied instead;
 ;;; a reference to octets the caller gives up (a native app's response body);
 ;;; or a copy.  A file is queued as a duplicate of its fd and sent with
 ;;; sendfile(2).  The octets queued are counted in the memory account (kind
@@ -1045,23 +1046,28 @@ that is what happened under the TLS library."
 ;;; What a streaming writer queues, copies and handed-over buffers, grows
 ;;; with what it writes, not with what its client reads; so the account, not
 ;;; the client, bounds it.  Up to the engine's MAX-UNSENT-BYTES a connection
-;;; queues it as any other output.  Past that, each further piece is charged
-;;; to the account first (ACCOUNT-CHARGE): while the account takes it, it is
-;;; queued and the writer goes on, so that a handler streaming to a slow
-;;; reader finishes and lets go of its worker, and the rest waits in epoll
-;;; as a buffered answer does.  Only a piece the account refuses makes the
-;;; writer wait for its client (WAIT-FOR-ROOM), and at most
-;;; MAX-WAITING-WRITERS writers of an engine wait at once: past them, the
-;;; connection is closed instead (reset, counted in :WRITERS-SHED), so that
-;;; however many slow readers there are, they hold no more workers than
-;;; that.  A writer queuing past MAX-UNSENT-BYTES holds its client to the
-;;; terms a parked connection's client has, the write timeout and the
-;;; minimum data rate (READER-STALLED-P): a handler that streams on to a
-;;; client reading nothing is stopped, instead of filling the account for
-;;; everyone.  Octets given up by reference and files are never refused (the
-;;; first are held by their owner whether queued or not; the second are not
-;;; memory), nor is an upgraded connection's output, which its sends bound
-;;; before it comes here (upgrade.lisp).
+;;; queues it as any other output.  Past that, each further piece is copied
+;;; into spill buffers (SPILL-UNSENT): a new one, of +SPILL-OCTETS+ at least,
+;;; is charged whole to the account first (ACCOUNT-CHARGE), and given back
+;;; whole once sent or dropped.  While the account takes them the writer goes
+;;; on, so that a handler streaming to a slow reader finishes and lets go of
+;;; its worker, and the rest waits in epoll as a buffered answer does.  (Large
+;;; buffers, not a copy per write nor a handed-over 8 KiB buffer holding a
+;;; chunk's size line: what the collector copies, and what a buffer holds
+;;; but the account would not see, would otherwise grow with the output.)
+;;; Only a piece the account refuses makes the writer wait for its client
+;;; (WAIT-FOR-ROOM), and at most MAX-WAITING-WRITERS writers of an engine
+;;; wait at once: past them, the connection is closed instead (reset,
+;;; counted in :WRITERS-SHED), so that however many slow readers there are,
+;;; they hold no more workers than that.  A writer queuing past
+;;; MAX-UNSENT-BYTES holds its client to the terms a parked connection's
+;;; client has, the write timeout and the minimum data rate
+;;; (READER-STALLED-P): a handler that streams on to a client reading
+;;; nothing is stopped, instead of filling the account for everyone.
+;;; Octets given up by reference and files are never refused (the first are
+;;; held by their owner whether queued or not; the second are not memory),
+;;; nor is an upgraded connection's output, which its sends bound before it
+;;; comes here (upgrade.lisp).
 ;;;
 ;;; TLS through a library above the engine (SOURCE) and detached connections
 ;;; (RAW) keep blocking sends: a TLS library writing through the stream, or a
@@ -1074,20 +1080,38 @@ that is what happened under the TLS library."
 ;;;
 ;;; Invariants: UNSENT holds no empty segment; UNSENT-BYTES is the sum of
 ;;; its segments' remaining octets; the account's :OUTPUT holds, for each
-;;; connection, the octets of its segments that are in memory; while UNSENT
-;;; is not empty, nothing is sent to the socket except from its front (order
-;;; on the wire is the order of the writes).
+;;; connection, the SEGMENT-CHARGE of its segments; only the last segment
+;;; takes more octets (a spill buffer's room); while UNSENT is not empty,
+;;; nothing is sent to the socket except from its front (order on the wire
+;;; is the order of the writes).
+
+(defconstant +spill-octets+ (* 256 1024)
+  "The least size of a spill buffer (see SPILL-UNSENT).  Past 128 KiB an
+octet vector is one of SBCL's large objects, which its collector never
+copies: a writer's queued output then costs the collections nothing,
+however much of the heap it takes.")
 
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
+                    (:constructor make-spill-segment (octets end &aux (start 0) (spill t)))
                     (:copier nil) (:predicate nil))
   "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
-back once sent), or, when OCTETS is NIL, bytes START to END of the file open
-on FILE-FD, which the segment owns."
+back once sent; SPILL: a spill buffer, whose octets past END are room for
+more, see SPILL-UNSENT), or, when OCTETS is NIL, bytes START to END of the
+file open on FILE-FD, which the segment owns."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
   (end 0 :type fixnum)
   (pooled nil)
+  (spill nil)
   (file-fd -1 :type fixnum))
+
+(declaim (inline segment-charge))
+(defun segment-charge (segment)
+  "The octets the account counts for SEGMENT now: a spill buffer's whole
+length, else what is left of its octets in memory (a file's are not)."
+  (cond ((null (segment-octets segment)) 0)
+        ((segment-spill segment) (length (the octets (segment-octets segment))))
+        (t (- (segment-end segment) (segment-start segment)))))
 
 (defmethod print-object ((segment segment) stream)
   (print-unreadable-object (segment stream :type t :identity t)))
@@ -1123,12 +1147,38 @@ the account unless CHARGED says they were already (ACCOUNT-CHARGE)."
 (defun discard-unsent (c)
   "Drop C's unsent output (C is closing)."
   (loop for segment in (conn-slot c unsent)
-        do (when (segment-octets segment)
-             (account-add :output (- (segment-start segment) (segment-end segment))))
+        do (account-add :output (- (segment-charge segment)))
            (free-segment segment))
   (setf (conn-slot c unsent) nil
         (conn-slot c unsent-tail) nil
         (conn-slot c unsent-bytes) 0))
+
+(defun spill-room (c)
+  "Octets C's last spill buffer can still take (0: none, or its unsent
+output does not end in one)."
+  (let ((tail (and (conn-slot c unsent) (car (conn-slot c unsent-tail)))))
+    (if (and tail (segment-spill tail))
+        (- (length (the octets (segment-octets tail))) (segment-end tail))
+        0)))
+
+(defun spill-unsent (c buffer start end size)
+  "Copy BUFFER[START,END) to the end of C's unsent output: as much as fits
+into the room of its last spill buffer, the rest into a new spill buffer
+of SIZE octets (0: none needed), charged to the account already."
+  (declare (type octets buffer) (type fixnum start end size))
+  (let ((tail (and (conn-slot c unsent) (car (conn-slot c unsent-tail)))))
+    (when (and tail (segment-spill tail))
+      (let* ((fill (segment-end tail))
+             (n (min (- end start) (- (length (the octets (segment-octets tail))) fill))))
+        (replace (the octets (segment-octets tail)) buffer :start1 fill :start2 start :end2 (+ start n))
+        (setf (segment-end tail) (+ fill n))
+        (incf (the fixnum (conn-slot c unsent-bytes)) n)
+        (incf (the fixnum (conn-slot c sent)) n)
+        (incf start n))))
+  (when (< start end)
+    (let ((octets (make-array size :element-type '(unsigned-byte 8))))
+      (replace octets buffer :start2 start :end2 end)
+      (queue-unsent c (make-spill-segment octets (- end start)) t))))
 
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
@@ -1169,9 +1219,11 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
-                   (when (segment-octets segment)
+                   (when (and (segment-octets segment) (not (segment-spill segment)))
                      (account-add :output (- n)))
                    (when (= (+ start n) end)
+                     (when (segment-spill segment)
+                       (account-add :output (- (segment-charge segment))))
                      (pop unsent)
                      (free-segment segment)))
                   ((and (minusp n) (= errno +eagain+)) (return nil))
@@ -1313,10 +1365,10 @@ signalled; C closes, reset, once its handler returns."
   "Send BUFFER[START,END) after C's unsent output.  What the socket does not
 take now is queued (see above): KEEP :COPY copies it, :REFERENCE keeps BUFFER
 itself, :HAND-OVER keeps BUFFER, a pooled buffer, and gives it back once
-sent.  A copy or a hand-over past MAX-UNSENT-BYTES is charged to the memory
-account first, and waits for the client when refused (WAIT-FOR-ROOM).
-Returns :KEPT when BUFFER itself was queued.  On a RAW connection, blocks
-until all is sent."
+sent.  Past MAX-UNSENT-BYTES a copy or a hand-over is copied into a spill
+buffer instead (SPILL-UNSENT), charged to the memory account, and waits for
+the client when the account refuses (WAIT-FOR-ROOM).  Returns :KEPT when
+BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
   (declare (type octets buffer) (type fixnum start end))
   (when (conn-slot c source)
     (return-from send-all (send-to-source c buffer start end)))
@@ -1335,7 +1387,7 @@ until all is sent."
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))
-    (let ((charged nil))
+    (let ((spill nil))               ; past MAX-UNSENT-BYTES: a new spill buffer's size, or 0
       (flet ((may-queue-p ()
                ;; What is left may join the queue now (see Output above);
                ;; NIL when the account refused it.
@@ -1343,9 +1395,15 @@ until all is sent."
                    (conn-slot c upgrade)
                    (<= (+ (conn-slot c unsent-bytes) (- end start))
                        (engine-max-unsent-bytes engine))
-                   (progn (when (reader-stalled-p c)
-                            (reader-timed-out c))
-                          (setf charged (account-charge :output (- end start)))))))
+                   (progn
+                     (when (reader-stalled-p c)
+                       (reader-timed-out c))
+                     (let ((short (- end start (spill-room c))))
+                       (if (<= short 0)
+                           (setf spill 0)
+                           (let ((size (max short +spill-octets+)))
+                             (and (account-charge :output size)
+                                  (setf spill size)))))))))
         (loop while (< start end)
               do (if (or (null (conn-slot c unsent)) (send-unsent c))
                      ;; Nothing queued: straight to the socket.
@@ -1361,14 +1419,21 @@ until all is sent."
         (when (< start end)
           (when (conn-slot c shed)
             ;; The overload manager closes C: nothing more is queued for it.
-            (when charged
-              (account-add :output (- start end)))
+            (when spill
+              (account-add :output (- spill)))
             (set-reset-on-close (connection-fd c))
             (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
-          (ecase keep
-            (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)) charged))
-            (:reference (queue-unsent c (make-segment buffer start end) charged) :kept)
-            (:hand-over (queue-unsent c (make-segment buffer start end t) charged) :kept)))))))
+          (if spill
+              (progn (spill-unsent c buffer start end spill) nil)
+              (ecase keep
+                (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
+                (:reference (queue-unsent c (make-segment buffer start end)) :kept)
+                (:hand-over
+                 (if (< (* 2 (- end start)) (length buffer))
+                     ;; Mostly empty (a writer's flush after a short
+                     ;; write): a copy costs what it holds, the buffer more.
+                     (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)))
+                     (progn (queue-unsent c (make-segment buffer start end t)) :kept))))))))))
 
 (declaim (inline output-buffer))
 (defun output-buffer (c)
