@@ -607,6 +607,30 @@ back where it was."
     (is-true (wait-until (lambda () (= before (gallop.core:account-used :output))))
              ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
 
+(test native-writer-past-its-spill-limit-waits-for-its-reader
+  "One connection holds at most a 64th of the account's limit of its
+writer's output: past it the writer waits for its client, though the
+account has room, and once the client reads it gets its whole answer,
+exactly."
+  (let* ((pieces (streamed-pieces 40))
+         (finished (list '())))
+    ;; A limit of 64 MiB: 1 MiB a connection, a quarter of the answer.
+    (with-memory-limit ((* 64 1024 1024))
+      (with-app (server (piece-streaming-app pieces finished) :min-data-rate nil)
+        (with-slow-readers (readers)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (get-line "/pieces"))
+            (is-true (wait-until (lambda () (= 1 (stat server :waiting-writers))))
+                     "the writer does not wait: ~S" (gallop:stats server))
+            (is (<= (gallop.core:account-used :output) (* 1024 1024)))
+            (is (null (car finished)))
+            (expect-answer (stream-source (slow-reader-stream socket)) (joined-octets pieces)
+                           :framing :chunked)
+            (is-true (wait-until (lambda () (car finished))))
+            (is (equal '(t) (car finished)))
+            (is (zerop (stat server :writers-shed)))))))))
+
 (defun read-until-closed (socket)
   "Read SOCKET until its end or a reset: the octets read."
   (let ((stream (slow-reader-stream socket))

@@ -1049,25 +1049,28 @@ that is what happened under the TLS library."
 ;;; queues it as any other output.  Past that, each further piece is copied
 ;;; into spill buffers (SPILL-UNSENT): a new one, of +SPILL-OCTETS+ at least,
 ;;; is charged whole to the account first (ACCOUNT-CHARGE), and given back
-;;; whole once sent or dropped.  While the account takes them the writer goes
-;;; on, so that a handler streaming to a slow reader finishes and lets go of
-;;; its worker, and the rest waits in epoll as a buffered answer does.  (Large
-;;; buffers, not a copy per write nor a handed-over 8 KiB buffer holding a
-;;; chunk's size line: what the collector copies, and what a buffer holds
-;;; but the account would not see, would otherwise grow with the output.)
-;;; Only a piece the account refuses makes the writer wait for its client
-;;; (WAIT-FOR-ROOM), and at most MAX-WAITING-WRITERS writers of an engine
-;;; wait at once: past them, the connection is closed instead (reset,
-;;; counted in :WRITERS-SHED), so that however many slow readers there are,
-;;; they hold no more workers than that.  A writer queuing past
-;;; MAX-UNSENT-BYTES holds its client to the terms a parked connection's
-;;; client has, the write timeout and the minimum data rate
-;;; (READER-STALLED-P): a handler that streams on to a client reading
-;;; nothing is stopped, instead of filling the account for everyone.
-;;; Octets given up by reference and files are never refused (the first are
-;;; held by their owner whether queued or not; the second are not memory),
-;;; nor is an upgraded connection's output, which its sends bound before it
-;;; comes here (upgrade.lisp).
+;;; whole once sent or dropped.  While the account takes them the writer
+;;; goes on, so that a handler streaming to a slow reader finishes and lets
+;;; go of its worker, and the rest waits in epoll as a buffered answer does.
+;;; (Large buffers, not a copy per write nor a handed-over 8 KiB buffer
+;;; holding a chunk's size line: what the collector copies, and what a
+;;; buffer holds but the account does not see, would grow with the output.)
+;;; One connection holds at most SPILL-LIMIT so, a 64th of the account's
+;;; limit: a large download to a slow client then waits for its client, as
+;;; it always did, instead of filling the account alone and being closed as
+;;; the largest holder.  Only a piece refused by that limit or by the account
+;;; makes the writer wait for its client (WAIT-FOR-ROOM), and at most
+;;; MAX-WAITING-WRITERS writers of an engine wait at once: past them, the
+;;; connection is closed instead (reset, counted in :WRITERS-SHED), so that
+;;; however many slow readers there are, they hold no more workers than
+;;; that.  A writer queuing past MAX-UNSENT-BYTES holds its client to the
+;;; terms a parked connection's client has, the write timeout and the
+;;; minimum data rate (READER-STALLED-P): a handler that streams on to a
+;;; client reading nothing is stopped, instead of filling the account for
+;;; everyone.  Octets given up by reference and files are never refused (the
+;;; first are held by their owner whether queued or not; the second are not
+;;; memory), nor is an upgraded connection's output, which its sends bound
+;;; before it comes here (upgrade.lisp).
 ;;;
 ;;; TLS through a library above the engine (SOURCE) and detached connections
 ;;; (RAW) keep blocking sends: a TLS library writing through the stream, or a
@@ -1152,6 +1155,11 @@ the account unless CHARGED says they were already (ACCOUNT-CHARGE)."
   (setf (conn-slot c unsent) nil
         (conn-slot c unsent-tail) nil
         (conn-slot c unsent-bytes) 0))
+
+(defun spill-limit ()
+  "The most octets one connection may hold unsent in spill buffers and
+before them: a 64th of the account's limit (8 MiB of half a 1 GiB heap)."
+  (floor (account-limit) 64))
 
 (defun spill-room (c)
   "Octets C's last spill buffer can still take (0: none, or its unsent
@@ -1402,7 +1410,8 @@ BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
                        (if (<= short 0)
                            (setf spill 0)
                            (let ((size (max short +spill-octets+)))
-                             (and (account-charge :output size)
+                             (and (<= (+ (conn-slot c unsent-bytes) size) (spill-limit))
+                                  (account-charge :output size)
                                   (setf spill size)))))))))
         (loop while (< start end)
               do (if (or (null (conn-slot c unsent)) (send-unsent c))
