@@ -163,6 +163,8 @@
                (:file "clack/websockets")
                (:file "hunchentoot/switched")
                (:file "native/websocket")
+               (:file "native/ws-ends")
+               (:file "native/broadcast")
                (:file "native/overload")
                (:file "native/chat")
                ;; the conformance corpus (make conformance also runs it against nginx)
@@ -170,10 +172,13 @@
                (:file "conformance/runner")
                (:file "conformance/websocket-corpus")
                (:file "conformance/websocket-runner")
-               ;; run in child processes by stress/shutdown, stress/slow-read and core/uploads
+               ;; run in child processes by stress/shutdown, stress/websockets,
+               ;; stress/slow-read and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")
                (:static-file "child/ws-server.lisp")
+               (:static-file "child/broadcast-server.lisp")
+               (:static-file "child/ws-echo-server.lisp")
                (:static-file "child/stream-server.lisp")
                (:static-file "clients/ws-client.py")
                (:static-file "clients/chromium-chat.py"))
@@ -190,5 +195,7 @@ connections, the pool's ceilings.  Not deterministic enough for CI."
                (:file "connections")
                (:file "shutdown")
                (:file "slow-read")
-               (:file "restart"))
+               (:file "restart")
+               (:file "websockets")
+               (:file "broadcast"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests :stress)))

@@ -41,7 +41,7 @@
    #:env-socket #:socket-read-callback #:socket-close-callback #:socket-write
    #:socket-pending #:socket-close
    ;; native app API: WebSockets (RFC 6455)
-   #:websocket-request-p #:accept-websocket #:websocket #:ws-send #:ws-ping #:ws-close
+   #:websocket-request-p #:accept-websocket #:websocket #:ws-send #:ws-broadcast #:ws-ping #:ws-close
    #:ws-pending #:ws-protocol #:ws-env #:ws-user-data
    ;; both front ends: metrics in Prometheus' text format (the native app here)
    #:metrics-text #:metrics-app))

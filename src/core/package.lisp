@@ -47,7 +47,10 @@
    #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
    #:connection-close-upgraded #:connection-upgraded-pending
    #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
-   #:connection-set-upgraded-on-shed #:connection-shed-upgraded
+   #:connection-upgraded-idle-timeout #:connection-upgraded-silence
+   #:connection-set-upgraded-on-shed
+   #:connection-send-shared #:make-shared-octets #:release-shared-octets
+   #:connection-set-upgraded-on-limit #:connection-cut-upgraded
    ;; the memory account (account.lisp) and the overload manager (overload.lisp)
    #:account-charge #:account-add #:account-used #:account-limit #:set-memory-limit
    #:overload-level #:overloaded

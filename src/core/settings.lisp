@@ -49,14 +49,20 @@ when the handler returns waits with the connection in epoll, not in a worker.")
 the memory account refused what they write (NIL: the number of CPUs the
 process may use).  Past it, such a writer's connection is closed instead
 \(:WRITERS-SHED), so that slow readers never hold more workers than this.")
-      (upgraded-idle-timeout nil
+      (upgraded-idle-timeout 60
        "Seconds a connection that switched protocols (a WebSocket) may receive
-nothing before it is closed; NIL: no limit (its protocol's pings find dead
-peers).  A front end may set its own per connection.")
+nothing before it is closed, with no close frame; NIL: no limit.  A front
+end may set its own per connection.  Without a limit, clients that connect
+and stay silent hold their fds for good, and keep every new client out
+once the fds are spent.  60 s is nginx's proxy_read_timeout for the
+WebSockets it proxies; a client that may stay silent longer is kept open by
+the server's pings, whose pongs count (GALLOP:ACCEPT-WEBSOCKET's
+:PING-INTERVAL).")
       (upgraded-send-limit (* 1024 1024)
        "Octets that may wait, sent on a connection that switched protocols, for a
-client that does not read them: a send past it closes the connection.  One
-message alone may be larger.")
+client that does not read them: a send past it closes the connection (a
+native WebSocket with 1008, doc/websockets.md).  One message alone may be
+larger.  While memory is short (overload level 1 or more), 64 KiB.")
       (max-switched-threads 5000
        "Connections that may switch protocols under a handler that keeps its
 thread (hunchensocket's WebSockets): each holds a thread outside the pool

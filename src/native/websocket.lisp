@@ -156,6 +156,8 @@ a surrogate, past U+10FFFF)."
   (max-message 0 :type fixnum)
   (deflate nil)                         ; the window bits to compress with, when agreed
   (deflate-min 0 :type fixnum)          ; shorter messages are sent as they are
+  (ping-interval nil)                   ; seconds of the client's silence before a ping
+  (pinged nil)                          ; the client's silence the last ping was sent in
   ;; the reader (READ-FRAMES), touched by one worker at a time
   (head (make-array 14 :element-type '(unsigned-byte 8)) :type octets)
   (head-fill 0 :type fixnum)
@@ -271,7 +273,7 @@ either way, so each message is compressed on its own."
 
 (defun accept-websocket (env &key on-open on-message on-close on-pong protocols
                                   (max-message-bytes (* 16 1024 1024)) idle-timeout
-                                  deflate (deflate-min-bytes 256))
+                                  ping-interval deflate (deflate-min-bytes 256))
   "Answer the WebSocket handshake of ENV: what the app returns.  A handshake
 this server refuses gets 400 (426 for another version than 13); else 101,
 and from then on ON-OPEN (WS) once, ON-MESSAGE (WS MESSAGE) for each
@@ -279,9 +281,12 @@ message (a string for text, octets for binary), ON-PONG (WS OCTETS), and
 ON-CLOSE (WS CODE REASON) once when it ends (CODE 1006 when no close frame
 came), each on a pool worker.  PROTOCOLS: the subprotocols served, the
 first the client lists among them is chosen (WS-PROTOCOL).  A message over
-MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed when the
-client sends nothing for that long (default: the server's
-UPGRADED-IDLE-TIMEOUT; send pings to keep it).  DEFLATE: agree to
+MAX-MESSAGE-BYTES closes with 1009.  IDLE-TIMEOUT (seconds): closed, with
+no close frame, when the client sends nothing for that long (default: the
+server's UPGRADED-IDLE-TIMEOUT, 60 s).  PING-INTERVAL (seconds, or NIL for
+none): a ping once the client was silent for that long, one per silence;
+the client then has IDLE-TIMEOUT to answer (a pong, or anything), so that
+a live client that has nothing to say stays open.  DEFLATE: agree to
 permessage-deflate when the client offers it, each message compressed on
 its own; messages sent shorter than DEFLATE-MIN-BYTES, or that would not
 shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
@@ -300,15 +305,24 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
                                         :on-open on-open :on-message on-message
                                         :on-close on-close :on-pong on-pong
                                         :max-message max-message-bytes
+                                        :ping-interval ping-interval
                                         :deflate window :deflate-min deflate-min-bytes)
                        idle-timeout))))
 
 (defun accept-switched (env socket protocol extension ws idle-timeout)
   "Take SOCKET for WS and answer 101 with PROTOCOL and EXTENSION."
-  (let ((c (take-socket socket)))
-    (when idle-timeout
-      (gallop.core:connection-set-upgraded-idle-timeout c idle-timeout))
-    ;; Shed by the overload manager: 1013, try again later (RFC 6455, 7.4.1).
+  (let* ((c (take-socket socket))
+         (timeout (or idle-timeout (gallop.core:connection-upgraded-idle-timeout c)))
+         (interval (ws-ping-interval ws)))
+    (when (or idle-timeout (and interval timeout))
+      ;; With pings, the client's silence may last the interval, then the
+      ;; timeout for its answer.
+      (gallop.core:connection-set-upgraded-idle-timeout c (and timeout (+ timeout (or interval 0)))))
+    (when interval
+      (ping-later ws interval))
+    ;; Too far behind: 1008 (WS-FALL-BEHIND).  Shed by the overload
+    ;; manager: 1013, try again later (RFC 6455, 7.4.1).
+    (gallop.core:connection-set-upgraded-on-limit c (lambda () (ws-fall-behind ws)))
     (gallop.core:connection-set-upgraded-on-shed c (lambda () (ws-shed ws)))
     (setf (exchange-read-callback socket)
           (lambda (octets &key start end) (read-frames ws octets start end))
@@ -372,7 +386,8 @@ PAYLOAD[START,END); with RSV1 set when COMPRESSED."
   "Send DATA on WS, from any thread, without waiting for the client: a string
 as a text message (UTF-8; with BINARY, as a binary one), octets as a binary
 message.  Returns the octets waiting for the client to take them, or NIL
-when WS is closing or closed."
+when WS is closing or closed.  A send that finds more waiting than the
+server's UPGRADED-SEND-LIMIT closes WS with 1008 instead (WS-FALL-BEHIND)."
   (unless (ws-close-sent ws)
     (let ((opcode (if (and (stringp data) (not binary)) 1 2))
           (octets (body-octets data)))
@@ -383,12 +398,81 @@ when WS is closing or closed."
             (send-frame ws opcode deflated 0 length t)
             (send-frame ws opcode octets))))))
 
+(defun ws-broadcast (websockets data &key binary)
+  "Send DATA to each WebSocket of the sequence WEBSOCKETS as WS-SEND would,
+from any thread, without waiting for any client, with its frame made once:
+every recipient's queue holds a reference to the same octets, which are in
+memory, and counted in the memory account, once.  With permessage-deflate,
+DATA is compressed once for each window size the recipients agreed to (it
+goes uncompressed to those it is too short for, as with WS-SEND).  Each
+recipient's backlog (WS-PENDING) counts the frame in full, and one whose
+backlog is past the send limit is closed with 1008 as with WS-SEND.
+Returns how many WebSockets it was queued for: closing ones, and those
+closed for lagging, are not counted."
+  (let* ((opcode (if (and (stringp data) (not binary)) 1 2))
+         (octets (body-octets data))
+         (frames '()))                  ; (window . shared-octets), window NIL: plain
+    (labels ((make (window)
+               (multiple-value-bind (deflated length)
+                   (and window (deflate-message octets window))
+                 (if deflated
+                     (gallop.core:make-shared-octets (frame-octets opcode deflated 0 length t))
+                     (or (cdr (assoc nil frames))
+                         (let ((plain (gallop.core:make-shared-octets (frame-octets opcode octets))))
+                           (push (cons nil plain) frames)
+                           plain)))))
+             (frame (window)
+               (or (cdr (assoc window frames))
+                   (let ((shared (make window)))
+                     (pushnew (cons window shared) frames :key #'car)
+                     shared))))
+      (let ((count 0))
+        (unwind-protect
+             (map nil (lambda (ws)
+                        (unless (ws-close-sent ws)
+                          (let ((window (and (ws-deflate ws) (>= (length octets) (ws-deflate-min ws))
+                                             (ws-deflate ws))))
+                            (when (gallop.core:connection-send-shared (ws-connection ws)
+                                                                      (frame window))
+                              (incf count)))))
+                  websockets)
+          ;; The queues hold the frames now; the maker lets go.
+          (loop for shared in (remove-duplicates (mapcar #'cdr frames))
+                do (gallop.core:release-shared-octets shared)))
+        count))))
+
 (defun ws-ping (ws &optional (data #.(make-array 0 :element-type '(unsigned-byte 8))))
   "Send a ping (at most 125 octets of DATA) on WS; the pong comes to ON-PONG."
   (let ((octets (body-octets data)))
     (assert (<= (length octets) 125) () "A ping carries at most 125 octets.")
     (unless (ws-close-sent ws)
       (send-frame ws 9 octets))))
+
+(defun ping-later (ws seconds)
+  "Look at WS's client's silence again in SECONDS (PING-WHEN-SILENT), unless
+its server stopped."
+  (let ((engine (gallop.core:connection-engine (ws-connection ws))))
+    (when (gallop.core:engine-running-p engine)
+      (handler-case (gallop.core:schedule-timer (gallop.core:engine-pool engine) seconds
+                                                (lambda () (ping-when-silent ws)))
+        ;; Stopped meanwhile: its timers are dropped.
+        (error () nil)))))
+
+(defun ping-when-silent (ws)
+  "WS's ping timer: once its client was silent for the ping interval, a
+ping, unless one was sent in this silence already; then the next look."
+  (unless (or (ws-closed ws) (ws-close-sent ws))
+    (let ((interval (ws-ping-interval ws)))
+      (multiple-value-bind (silent silence) (gallop.core:connection-upgraded-silence
+                                             (ws-connection ws))
+        (cond ((< silent interval)
+               (ping-later ws (- interval silent)))
+              ((eql silence (ws-pinged ws))
+               ;; No answer yet: the idle timeout closes it.
+               (ping-later ws interval))
+              ((ws-ping ws)
+               (setf (ws-pinged ws) silence)
+               (ping-later ws interval)))))))
 
 (defun ws-pending (ws)
   "Octets sent on WS that the client has not taken yet."
@@ -410,17 +494,50 @@ CODE and REASON (cut to fit); the connection closes once the client answers
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason))
-    (let* ((c (exchange-connection (ws-socket ws)))
-           (pool (gallop.core:engine-pool (gallop.core:connection-engine c))))
-      (when pool
-        (gallop.core:schedule-timer pool +close-wait-seconds+
-                                    (lambda () (socket-close (ws-socket ws) :abort t))))))
+    (abort-later ws))
   nil)
+
+(defun abort-later (ws)
+  "Abort WS's connection +CLOSE-WAIT-SECONDS+ from now, unless it ended."
+  (let* ((c (exchange-connection (ws-socket ws)))
+         (pool (gallop.core:engine-pool (gallop.core:connection-engine c))))
+    (when pool
+      (gallop.core:schedule-timer pool +close-wait-seconds+
+                                  (lambda () (socket-close (ws-socket ws) :abort t))))))
+
+(defun ws-fall-behind (ws)
+  "A send found more waiting for WS's client than the server's
+UPGRADED-SEND-LIMIT (or, short of memory, more than a little): the client
+does not keep up.  WS is closed with 1008 (policy violation; as a server
+short of memory closes with 1013, try again later): what waits for the
+client and has not begun to go out is dropped, the close frame follows the
+message the socket is taking, and the connection closes once the client has
+it, or is aborted +CLOSE-WAIT-SECONDS+ later (a client that reads nothing
+would never get it).  ON-CLOSE gets 1008.  When WS was closing already, it is
+aborted at once."
+  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+      (let ((reason "too far behind"))
+        (setf (ws-close-code ws) 1008 (ws-close-reason ws) reason)
+        (gallop.core:connection-cut-upgraded (ws-connection ws)
+                                             (frame-octets 8 (close-payload 1008 reason)))
+        (abort-later ws))
+      (socket-close (ws-socket ws) :abort t)))
+
+(defun drop-message (ws)
+  "WS reads no more messages: let go of the one it was assembling, and of
+its count in the body budget."
+  (let ((held (length (ws-message ws))))
+    (setf (ws-message ws) (make-array 0 :element-type '(unsigned-byte 8))
+          (ws-message-fill ws) 0
+          (ws-message-opcode ws) nil)
+    (unless (zerop held)
+      (charge ws (- held)))))
 
 (defun ws-fail (ws code reason)
   "The client broke the protocol (or a callback failed, or no memory is left
 for its message): close WS with CODE, read nothing more."
   (setf (ws-failed ws) t)
+  (drop-message ws)
   (when (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
     (setf (ws-close-code ws) code (ws-close-reason ws) reason)
     (send-frame ws 8 (close-payload code reason)))
@@ -428,20 +545,27 @@ for its message): close WS with CODE, read nothing more."
 
 (defun ws-shed (ws)
   "The server is short of memory and WS holds among the most (the overload
-manager, from its own thread): what WS holds is dropped, a close frame with
-1013 (try again later) is sent if nothing of an earlier frame is half sent,
-and the connection is closed once it went out, or at once.  Never waits."
+manager, from its own thread; never waits): WS is closed with 1013 (try
+again later) as a client that falls behind is with 1008 (WS-FALL-BEHIND):
+nothing more is read, what waits and has not begun to go out is dropped,
+the close frame follows the message the socket is taking, and the
+connection closes once the client has it, or is aborted
++CLOSE-WAIT-SECONDS+ later.  The message WS was assembling goes when it
+ends."
   (setf (ws-failed ws) t)
   (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
-      (progn
-        (setf (ws-close-code ws) 1013 (ws-close-reason ws) "server short of memory")
-        (gallop.core:connection-shed-upgraded (ws-connection ws)
-                                               (frame-octets 8 (close-payload 1013 "server short of memory"))))
+      (let ((reason "server short of memory"))
+        (setf (ws-close-code ws) 1013 (ws-close-reason ws) reason)
+        (gallop.core:connection-cut-upgraded (ws-connection ws)
+                                             (frame-octets 8 (close-payload 1013 reason)))
+        (abort-later ws))
       (socket-close (ws-socket ws) :abort t)))
 
 (defun websocket-ended (ws)
   "The connection of WS ended (the socket's close callback): ON-CLOSE, once."
   (unless (shiftf (ws-closed ws) t)
+    ;; The app may keep WS: it keeps no message.
+    (drop-message ws)
     (when (ws-on-close ws)
       (ws-call ws (ws-on-close ws) ws (ws-close-code ws) (ws-close-reason ws)))))
 
@@ -596,11 +720,13 @@ its message (or control) buffer.  The index after it."
           (ws-call ws (ws-on-pong ws) ws (subseq (ws-control ws) 0 (ws-control-fill ws)))))
     (8 (read-close ws (subseq (ws-control ws) 0 (ws-control-fill ws))))))
 
-(defun charge (ws delta)
-  "Count DELTA more octets of WS's messages in the server's body budget:
-true when they fit (always, for a WebSocket with no socket: a test's)."
+(defun charge (ws delta &optional (kind :messages))
+  "Count DELTA more octets of WS's messages in the server's body budget and
+the memory account (KIND :MESSAGES, or :INFLATE for what inflating one
+made): true when they fit (always, for a WebSocket with no socket: a
+test's)."
   (or (null (ws-socket ws))
-      (gallop.core:connection-charge-upgraded (ws-connection ws) delta)))
+      (gallop.core:connection-charge-upgraded (ws-connection ws) delta kind)))
 
 (defconstant +small-message-octets+ 65536
   "A message buffer this large or smaller is kept between messages, and a
@@ -643,7 +769,8 @@ inflated octets count in the body budget while they are held (1013)."
       (unwind-protect
            (multiple-value-bind (out length)
                (inflate-message buffer (+ fill 4) (ws-max-message ws)
-                                (lambda (delta) (and (charge ws delta) (incf charged delta))))
+                                (lambda (delta)
+                                  (and (charge ws delta :inflate) (incf charged delta))))
              (case out
                (:invalid (ws-fail ws 1007 "invalid compressed data"))
                (:too-big (ws-fail ws 1009 "message too big"))
@@ -651,7 +778,7 @@ inflated octets count in the body budget while they are held (1013)."
                (t (if (and (= opcode 1) (not (utf8-valid-p out 0 length)))
                       (ws-fail ws 1007 "invalid UTF-8 in a text message")
                       (deliver ws opcode out length)))))
-        (charge ws (- charged))))))
+        (charge ws (- charged) :inflate)))))
 
 (defun read-close (ws payload)
   "The client's close frame: check it, answer it (unless the server began

@@ -163,9 +163,9 @@ Twice on one connection."
 (test tls-streaming-writer-does-not-wait-for-its-reader
   "A handler streams 4 MiB over TLS, in large and small pieces, to a client
 that reads nothing: it finishes first, what it wrote past :MAX-UNSENT-BYTES
-waiting in spill buffers that grow while OpenSSL's write of their front is
-retried; then the client reads it all, exactly, and the account's :OUTPUT
-is back where it was."
+waiting in spill buffers; then the client reads it all, exactly (OpenSSL's
+retried writes lose and repeat no octet), and the account's :OUTPUT is back
+where it was."
   (let* ((pieces (streamed-pieces 50))
          (finished (list '()))
          (before (gallop.core:account-used :output)))

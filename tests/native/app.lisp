@@ -518,7 +518,7 @@ drop-in names are exported too, each with its definition."
                    "SOCKET-CLOSE-CALLBACK" "SOCKET-PENDING" "SOCKET-READ-CALLBACK"
                    "SOCKET-WRITE" "START" "STATS" "STOP" "STOP-ALL-SOFTLY" "STOP-ON-SIGTERM"
                    "WEBSOCKET" "WEBSOCKET-REQUEST-P"
-                   "WS-CLOSE" "WS-ENV" "WS-PENDING" "WS-PING" "WS-PROTOCOL" "WS-SEND"
+                   "WS-BROADCAST" "WS-CLOSE" "WS-ENV" "WS-PENDING" "WS-PING" "WS-PROTOCOL" "WS-SEND"
                    "WS-USER-DATA")
                  (mapcar #'first native)))
       (is (every #'second native) "exported without a definition: ~S"

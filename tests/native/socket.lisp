@@ -164,8 +164,8 @@ connection is closed (counted as a slow client)."
         (usocket:socket-close socket)))))
 
 (test socket-idle-timeout
-  "With UPGRADED-IDLE-TIMEOUT, a client that sends nothing is closed; without
-it, it is not (checked past the same time)."
+  "With UPGRADED-IDLE-TIMEOUT, a client that sends nothing is closed; with
+the default (60 s), it is not (checked past the same time)."
   (setf *socket-events* nil)
   (with-app (server #'echo-protocol-app :upgraded-idle-timeout 1)
     (let ((socket (connect (native-port server))))

@@ -86,6 +86,8 @@ is closed after the request."))
   (charged 0 :type sb-ext:word)           ; octets counted in the body budget, as :MESSAGES
   (inflated 0 :type sb-ext:word)          ; and as :INFLATE (account.lisp)
   (on-shed nil :type (or null function))  ; (), how the layer above closes it when shed
+  (on-limit nil :type (or null function)) ; (), how the layer above closes a client past its send limit
+  (last-words nil)                        ; octets sent after a cut (CONNECTION-CUT-UPGRADED), then T
   (ended nil)                             ; ON-CLOSE is called (or due)
   (entered nil))                          ; the handler returned: read from epoll
 
@@ -1039,17 +1041,16 @@ that is what happened under the TLS library."
 ;;; unless less than half of it is left to send, which is copied instead;
 ;;; a reference to octets the caller gives up (a native app's response body);
 ;;; or a copy.  A file is queued as a duplicate of its fd and sent with
-;;; sendfile(2).  The octets queued are counted in the memory account (kind
-;;; :OUTPUT, account.lisp) until they are sent or dropped (SEND-UNSENT,
-;;; DISCARD-UNSENT).
+;;; sendfile(2).  What the queue holds is counted in the memory account
+;;; (kind :OUTPUT, account.lisp), by the heap it takes (see below).
 ;;;
 ;;; What a streaming writer queues, copies and handed-over buffers, grows
 ;;; with what it writes, not with what its client reads; so the account, not
 ;;; the client, bounds it.  Up to the engine's MAX-UNSENT-BYTES a connection
 ;;; queues it as any other output.  Past that, each further piece is copied
 ;;; into spill buffers (SPILL-UNSENT): a new one, of +SPILL-OCTETS+ at least,
-;;; is charged whole to the account first (ACCOUNT-CHARGE), and given back
-;;; whole once sent or dropped.  While the account takes them the writer
+;;; is charged to the account before it is made (ACCOUNT-CHARGE), and given
+;;; back once sent or dropped, as every segment is.  While the account takes them the writer
 ;;; goes on, so that a handler streaming to a slow reader finishes and lets
 ;;; go of its worker, and the rest waits in epoll as a buffered answer does.
 ;;; (Large buffers, not a copy per write nor a handed-over 8 KiB buffer
@@ -1082,11 +1083,71 @@ that is what happened under the TLS library."
 ;;; write timeout without progress.
 ;;;
 ;;; Invariants: UNSENT holds no empty segment; UNSENT-BYTES is the sum of
-;;; its segments' remaining octets; the account's :OUTPUT holds, for each
-;;; connection, the SEGMENT-CHARGE of its segments; only the last segment
-;;; takes more octets (a spill buffer's room); while UNSENT is not empty,
-;;; nothing is sent to the socket except from its front (order on the wire
-;;; is the order of the writes).
+;;; its segments' remaining octets; only its last segment takes more octets
+;;; (QUEUE-COPY, SPILL-UNSENT), and never while it is also its first; while
+;;; UNSENT is not empty, nothing is sent to the socket except from its front
+;;; (order on the wire is the order of the writes).
+
+;;; What the queues hold is counted in the memory account as :OUTPUT, by
+;;; segment: the heap its octets take (OCTETS-FOOTPRINT) from when the
+;;; segment is made until it is freed, whole, since a vector half sent is
+;;; still all in memory.  A connection's own count of what waits for its
+;;; client (UNSENT-BYTES, an upgraded connection's MAILBOX-BYTES) is the
+;;; octets still to send: its backpressure, and its send limit.
+;;;
+;;; Shared octets.  One message sent to many connections (a WebSocket
+;;; broadcast) is made once and queued by reference on each: every queue
+;;; holding it has a segment of its own (its own START, advanced as the
+;;; socket takes it), all over the same octets, which nothing writes to once
+;;; shared.  The account counts them once, from when they are made until the
+;;; last queue lets go of them; each connection's backlog counts them in
+;;; full, since that is what its client has not read.
+
+(defun octets-footprint (n)
+  "Octets of the heap an octet vector of N elements takes: its header and
+data, and its share of the allocator's page (SB-VM:GENCGC-PAGE-BYTES), of
+which it holds a whole number: a vector a little over half a page takes a
+page (a 16 KiB message's frame takes 32 KiB).  Counting what a vector
+takes, not its length, keeps the account's limits true of the heap."
+  (declare (type fixnum n))
+  (let ((size (* 16 (ceiling (+ n (* 2 sb-vm:n-word-bytes)) 16)))
+        (page sb-vm:gencgc-page-bytes))
+    (if (<= size page)
+        (ceiling page (floor page size))
+        (* page (ceiling size page)))))
+
+(defstruct (shared-octets (:constructor %make-shared-octets (octets))
+                          (:copier nil) (:predicate nil))
+  "OCTETS queued on several connections, counted once in the memory account."
+  (octets nil :type octets :read-only t)
+  ;; The queues holding them, and their maker until it lets go.
+  (holders 1 :type sb-ext:word))
+
+(defmethod print-object ((shared shared-octets) stream)
+  (print-unreadable-object (shared stream :type t :identity t)
+    (format stream "~D octets, ~D holders" (length (shared-octets-octets shared))
+            (shared-octets-holders shared))))
+
+(defun make-shared-octets (octets)
+  "OCTETS, to be queued on many connections (CONNECTION-SEND-SHARED) and
+never written to again: counted in the memory account as :OUTPUT now, and
+given back when the maker (RELEASE-SHARED-OCTETS) and every queue holding
+them let go."
+  (declare (type octets octets))
+  (account-add :output (octets-footprint (length octets)))
+  (%make-shared-octets octets))
+
+(declaim (inline retain-shared-octets))
+(defun retain-shared-octets (shared)
+  (sb-ext:atomic-incf (shared-octets-holders shared)))
+
+(defun release-shared-octets (shared)
+  "One holder of SHARED lets go of it; the last gives its octets back to the
+memory account."
+  ;; ATOMIC-DECF returns the count before.
+  (when (= 1 (sb-ext:atomic-decf (shared-octets-holders shared)))
+    (account-add :output (- (octets-footprint (length (shared-octets-octets shared))))))
+  nil)
 
 (defconstant +spill-octets+ (* 256 1024)
   "The least size of a spill buffer (see SPILL-UNSENT).  Past 128 KiB an
@@ -1095,41 +1156,53 @@ copies: a writer's queued output then costs the collections nothing,
 however much of the heap it takes.")
 
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
-                    (:constructor make-spill-segment (octets end &aux (start 0) (spill t)))
+                    (:constructor make-shared-segment
+                        (shared &aux (octets (shared-octets-octets shared))
+                                  (start 0) (end (length octets))))
+                    (:constructor make-spill-segment
+                        (octets end counted &aux (start 0) (spill t)))
                     (:copier nil) (:predicate nil))
   "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
-back once sent; SPILL: a spill buffer, whose octets past END are room for
-more, see SPILL-UNSENT), or, when OCTETS is NIL, bytes START to END of the
-file open on FILE-FD, which the segment owns."
+back once sent; SHARED: the SHARED-OCTETS record OCTETS are of, let go of
+once sent; SPILL: a spill buffer, whose octets past END are room for more,
+see SPILL-UNSENT), or, when OCTETS is NIL, bytes START to END of the file
+open on FILE-FD, which the segment owns."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
   (end 0 :type fixnum)
   (pooled nil)
   (spill nil)
-  (file-fd -1 :type fixnum))
-
-(declaim (inline segment-charge))
-(defun segment-charge (segment)
-  "The octets the account counts for SEGMENT now: a spill buffer's whole
-length, else what is left of its octets in memory (a file's are not)."
-  (cond ((null (segment-octets segment)) 0)
-        ((segment-spill segment) (length (the octets (segment-octets segment))))
-        (t (- (segment-end segment) (segment-start segment)))))
+  (file-fd -1 :type fixnum)
+  (shared nil :type (or null shared-octets))
+  (counted 0 :type fixnum))             ; in the memory account, until freed
 
 (defmethod print-object ((segment segment) stream)
   (print-unreadable-object (segment stream :type t :identity t)))
 
+(defun count-segment (segment)
+  "Count SEGMENT's octets in the memory account, once, until it is freed:
+octets of its own (shared ones are counted once for all their segments, a
+file's are not in memory)."
+  (when (and (zerop (segment-counted segment)) (segment-octets segment)
+             (null (segment-shared segment)))
+    (let ((n (octets-footprint (length (the octets (segment-octets segment))))))
+      (account-add :output n)
+      (setf (segment-counted segment) n))))
+
 (defun free-segment (segment)
-  (cond ((segment-octets segment)
+  (when (plusp (segment-counted segment))
+    (account-add :output (- (shiftf (segment-counted segment) 0))))
+  (cond ((segment-shared segment)
+         (release-shared-octets (shiftf (segment-shared segment) nil)))
+        ((segment-octets segment)
          (when (segment-pooled segment)
            (release-buffer (segment-octets segment))))
         ((>= (segment-file-fd segment) 0)
          (close-fd (segment-file-fd segment))))
   (setf (segment-octets segment) nil (segment-file-fd segment) -1))
 
-(defun queue-unsent (c segment &optional charged)
-  "Append SEGMENT (not empty) to C's unsent output; its octets are counted in
-the account unless CHARGED says they were already (ACCOUNT-CHARGE)."
+(defun queue-unsent (c segment)
+  "Append SEGMENT (not empty) to C's unsent output."
   (with-connection-slots (unsent-bytes sent) c
     (let ((cell (list segment))
           (size (- (segment-end segment) (segment-start segment))))
@@ -1142,40 +1215,75 @@ the account unless CHARGED says they were already (ACCOUNT-CHARGE)."
                 (conn-slot c out-acked) (or (tcp-bytes-acked (connection-fd c)) 0)))
       (setf (conn-slot c unsent-tail) cell)
       (incf unsent-bytes size)
-      (when (and (segment-octets segment) (not charged)) ; a file's octets are not in memory
-        (account-add :output size))
+      (count-segment segment)
       ;; Counted as sent: it is committed, and goes out before anything else.
       (incf sent size))))
 
-(defun discard-unsent (c)
-  "Drop C's unsent output (C is closing)."
-  (loop for segment in (conn-slot c unsent)
-        do (account-add :output (- (segment-charge segment)))
-           (free-segment segment))
-  (setf (conn-slot c unsent) nil
-        (conn-slot c unsent-tail) nil
-        (conn-slot c unsent-bytes) 0))
+(defun queue-copy (c octets start end)
+  "Append a copy of OCTETS[START,END), a few octets, to C's unsent output
+\(not empty): into the pool buffer its last segment is when that has room,
+else into a fresh one.  So a client that does not read costs a buffer per
++BUFFER-SIZE+ of small messages, not one each.  (Never into the segment the
+socket is taking: on TLS it must be offered the same octets again.)"
+  (declare (type octets octets) (type fixnum start end))
+  (let ((n (- end start))
+        (tail (car (conn-slot c unsent-tail))))
+    (if (and tail (segment-pooled tail)
+             (not (eq tail (car (conn-slot c unsent))))
+             (<= (+ (segment-end tail) n) (length (the octets (segment-octets tail)))))
+        (progn
+          (replace (the octets (segment-octets tail)) octets
+                   :start1 (segment-end tail) :start2 start :end2 end)
+          (incf (segment-end tail) n)
+          (incf (the fixnum (conn-slot c unsent-bytes)) n)
+          (incf (the fixnum (conn-slot c sent)) n))
+        (let ((buffer (acquire-buffer)))
+          (replace buffer octets :start2 start :end2 end)
+          (queue-unsent c (make-segment buffer 0 n t))))))
+
+(defun discard-unsent (c &key keep-first)
+  "Drop C's unsent output (C is closing); with KEEP-FIRST, all but its first
+segment, the one the socket is taking."
+  (with-connection-slots (unsent unsent-bytes) c
+    (let ((kept (and keep-first unsent (car unsent))))
+      (loop for segment in (if kept (cdr unsent) unsent) do (free-segment segment))
+      (if kept
+          (setf unsent (list kept)
+                (conn-slot c unsent-tail) unsent
+                unsent-bytes (- (segment-end kept) (segment-start kept)))
+          (setf unsent nil
+                (conn-slot c unsent-tail) nil
+                unsent-bytes 0)))))
 
 (defun spill-limit ()
-  "The most octets one connection may hold unsent in spill buffers and
-before them: a 64th of the account's limit (8 MiB of half a 1 GiB heap)."
+  "The most octets one connection may hold unsent, spill buffers included: a
+64th of the account's limit (8 MiB of half a 1 GiB heap)."
   (floor (account-limit) 64))
 
+(defun spill-tail (c)
+  "C's last unsent segment when it is a spill buffer that may take more: not
+also the first, which the socket is taking (on TLS it must be offered the
+same octets again)."
+  (let ((unsent (conn-slot c unsent)))
+    (and unsent (cdr unsent)
+         (let ((tail (car (conn-slot c unsent-tail))))
+           (and (segment-spill tail) tail)))))
+
 (defun spill-room (c)
-  "Octets C's last spill buffer can still take (0: none, or its unsent
-output does not end in one)."
-  (let ((tail (and (conn-slot c unsent) (car (conn-slot c unsent-tail)))))
-    (if (and tail (segment-spill tail))
+  "Octets C's last spill buffer can still take (SPILL-TAIL), or 0."
+  (let ((tail (spill-tail c)))
+    (if tail
         (- (length (the octets (segment-octets tail))) (segment-end tail))
         0)))
 
 (defun spill-unsent (c buffer start end size)
   "Copy BUFFER[START,END) to the end of C's unsent output: as much as fits
-into the room of its last spill buffer, the rest into a new spill buffer
-of SIZE octets (0: none needed), charged to the account already."
+into the room of its last spill buffer (SPILL-TAIL), the rest into a new one
+of SIZE octets (0: none needed), whose footprint is charged to the memory
+account already."
   (declare (type octets buffer) (type fixnum start end size))
-  (let ((tail (and (conn-slot c unsent) (car (conn-slot c unsent-tail)))))
-    (when (and tail (segment-spill tail))
+  (let ((tail (spill-tail c)))
+    (when tail
       (let* ((fill (segment-end tail))
              (n (min (- end start) (- (length (the octets (segment-octets tail))) fill))))
         (replace (the octets (segment-octets tail)) buffer :start1 fill :start2 start :end2 (+ start n))
@@ -1186,7 +1294,7 @@ of SIZE octets (0: none needed), charged to the account already."
   (when (< start end)
     (let ((octets (make-array size :element-type '(unsigned-byte 8))))
       (replace octets buffer :start2 start :end2 end)
-      (queue-unsent c (make-spill-segment octets (- end start)) t))))
+      (queue-unsent c (make-spill-segment octets (- end start) (octets-footprint size))))))
 
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
@@ -1227,11 +1335,7 @@ CONNECTION-ERROR when the client went away."
                        (setf (conn-slot c out-since) now
                              (conn-slot c out-drained) 0)))
                    (decf unsent-bytes n)
-                   (when (and (segment-octets segment) (not (segment-spill segment)))
-                     (account-add :output (- n)))
                    (when (= (+ start n) end)
-                     (when (segment-spill segment)
-                       (account-add :output (- (segment-charge segment))))
                      (pop unsent)
                      (free-segment segment)))
                   ((and (minusp n) (= errno +eagain+)) (return nil))
@@ -1411,7 +1515,7 @@ BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
                            (setf spill 0)
                            (let ((size (max short +spill-octets+)))
                              (and (<= (+ (conn-slot c unsent-bytes) size) (spill-limit))
-                                  (account-charge :output size)
+                                  (account-charge :output (octets-footprint size))
                                   (setf spill size)))))))))
         (loop while (< start end)
               do (if (or (null (conn-slot c unsent)) (send-unsent c))
@@ -1428,8 +1532,8 @@ BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
         (when (< start end)
           (when (conn-slot c shed)
             ;; The overload manager closes C: nothing more is queued for it.
-            (when spill
-              (account-add :output (- spill)))
+            (when (and spill (plusp spill))
+              (account-add :output (- (octets-footprint spill))))
             (set-reset-on-close (connection-fd c))
             (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
           (if spill
@@ -1540,6 +1644,38 @@ the socket does not take then is queued as KEEP says, see SEND-ALL)."
             (t
              (flush-output c)
              (send-all c octets start end keep)))))
+  nil)
+
+(defun connection-write-segment (c segment)
+  "Send SEGMENT (octets in memory, not empty, given up by the caller) after
+C's output, without waiting: what the socket does not take now is queued as
+SEGMENT itself, its octets neither copied nor written to (shared ones stay
+shared).  An upgraded connection's sends come this way (upgrade.lisp).
+Signals CONNECTION-ERROR when the client went away; SEGMENT is let go of
+whatever happens to C."
+  (declare (type segment segment))
+  (let ((kept nil))
+    (unwind-protect
+         (progn
+           (flush-output c)
+           (when (conn-slot c gone)
+             (return-from connection-write-segment nil))
+           (when (or (null (conn-slot c unsent)) (send-unsent c))
+             ;; Nothing queued: straight to the socket.
+             (loop while (< (segment-start segment) (segment-end segment))
+                   do (multiple-value-bind (n errno)
+                          (connection-send c (segment-octets segment)
+                                           (segment-start segment) (segment-end segment))
+                        (declare (type fixnum n))
+                        (cond ((>= n 0)
+                               (incf (segment-start segment) n)
+                               (incf (the fixnum (conn-slot c sent)) n))
+                              ((= errno +eagain+) (return))
+                              (t (client-went-away c errno "write"))))))
+           (when (< (segment-start segment) (segment-end segment))
+             (queue-unsent c segment)
+             (setf kept t)))
+      (unless kept (free-segment segment))))
   nil)
 
 (defun connection-reserve-output (c n)

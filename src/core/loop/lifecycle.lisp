@@ -120,24 +120,37 @@ NIL), once: the holder and the end of the connection may both try."
             (account-add kind (- back))))
         (return t)))))
 
+(defun take-mailbox (u)
+  "What U's mailbox holds, newest first, taken from it at once."
+  (loop for old = (upgrade-mailbox u)
+        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
+          return old))
+
+(defun drop-mailbox-segment (u segment)
+  "Let go of SEGMENT, taken from U's mailbox and not sent, and of its count."
+  (let ((n (- (segment-end segment) (segment-start segment))))
+    (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
+    (free-segment segment)))
+
 (defun discard-mailbox (u)
-  "Drop what U's mailbox holds (its connection ended), and its count."
-  (let ((segments (loop for old = (upgrade-mailbox u)
-                        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
-                          return old)))
-    (dolist (segment segments)
-      (let ((n (- (segment-end segment) (segment-start segment))))
-        (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
-        (account-add :output (- n))
-        (free-segment segment)))))
+  "Drop what U's mailbox holds (its connection ended, or was cut)."
+  (dolist (segment (take-mailbox u))
+    (drop-mailbox-segment u segment)))
 
 (defun note-upgrade-ended (c)
   "C, upgraded, is closing: count it, and call its ON-CLOSE once, on a
 worker (a timer due now), or in this thread when the engine is stopping."
   (let ((u (conn-slot c upgrade)))
     (when (and u (null (sb-ext:compare-and-swap (upgrade-ended u) nil t)))
+      ;; The closed connection lets go of the layer above, and so of what
+      ;; that holds for it (a WebSocket's message half read): others may
+      ;; still hold the connection a while (a stale entry of the timing
+      ;; wheel, up to the wheel's span), while its budget is given back now.
       (let ((engine (connection-engine c))
-            (on-close (upgrade-on-close u)))
+            (on-close (shiftf (upgrade-on-close u) nil)))
+        (setf (upgrade-on-read u) nil
+              (upgrade-on-shed u) nil
+              (upgrade-on-limit u) nil)
         (when (upgrade-entered u)
           (sb-ext:atomic-decf (engine-upgraded engine)))
         (give-back-upgraded engine u :messages nil)

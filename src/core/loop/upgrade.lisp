@@ -14,7 +14,13 @@
 ;;;; workers run the read callback: a sender that owns the connection when
 ;;;; input is waiting hands it to the pool instead.  The octets waiting (the
 ;;;; mailbox and the output queue) are what a sender sees of backpressure,
-;;;; and SEND-LIMIT bounds them: a client that does not read is closed.
+;;;; and SEND-LIMIT bounds them: a send that finds more waiting closes the
+;;;; connection, as the layer above says (ON-LIMIT: a WebSocket cuts what
+;;;; its client has not begun to get and sends its close frame,
+;;;; CONNECTION-CUT-UPGRADED) or at once.  What waits is counted in the
+;;;; memory account as :OUTPUT; octets sent to many connections at once
+;;;; (CONNECTION-SEND-SHARED) are counted there once, and in each
+;;;; connection's backlog in full (connection.lisp, Shared octets).
 ;;;;
 ;;;; The UPGRADE record is kept beside the connection that holds it
 ;;;; (connection.lisp), and closing a connection ends it (NOTE-UPGRADE-ENDED,
@@ -115,6 +121,21 @@ another thread sends)."
         (+ (upgrade-mailbox-bytes u) (max 0 (conn-slot c unsent-bytes)))
         0)))
 
+(defun connection-upgraded-idle-timeout (c)
+  "Seconds the upgraded connection C may receive nothing before it is
+closed, or NIL: no limit."
+  (let ((ms (upgrade-idle-ms (conn-slot c upgrade))))
+    (and (plusp ms) (/ ms 1000.0))))
+
+(defun connection-upgraded-silence (c)
+  "Seconds since the client of the upgraded connection C last sent
+anything (0 until its handler returned), and a mark of that moment, the
+same until the client sends again."
+  (let* ((u (conn-slot c upgrade))
+         (last (upgrade-last-input u)))
+    (values (if (upgrade-entered u) (/ (max 0 (- (now-ms) last)) 1000.0) 0.0)
+            last)))
+
 ;;; Sending and closing, from any thread
 
 (defun kick-upgraded (c u)
@@ -136,34 +157,82 @@ else by this thread, which takes C.  NIL when C is closed."
       (:dirty (return t))
       (t (return nil)))))
 
+(defconstant +short-of-memory-backlog+ (* 64 1024)
+  "Short of memory (the overload manager's level 1 or more, overload.lisp),
+a backlog past this is too much: a send to such a connection closes it as
+its send limit would.  Its client has not read what waits, and the octets
+it holds are what the manager must otherwise shed.")
+
+(defun behind-p (c u)
+  "True when more waits for the client of the upgraded C (U its record) than
+may: past its send limit, or, short of memory, past
++SHORT-OF-MEMORY-BACKLOG+.  One message alone may be larger than either; a
+backlog may not."
+  (let ((pending (connection-upgraded-pending c)))
+    (or (> pending (upgrade-send-limit u))
+        (and (> pending +short-of-memory-backlog+) (>= (overload-level) 1)))))
+
+(defun fall-behind (c u)
+  "C's client fell behind (BEHIND-P): count it among the slow clients and
+close C as its layer says (ON-LIMIT), else at once."
+  (sb-ext:atomic-incf (engine-slow-clients (connection-engine c)))
+  (let ((on-limit (upgrade-on-limit u)))
+    (if on-limit
+        (handler-case (funcall on-limit)
+          (error (e)
+            (log-engine-error (connection-engine c) "Closing ~A past its send limit: ~A" c e)
+            (connection-close-upgraded c :abort t)))
+        (connection-close-upgraded c :abort t))))
+
+(defun queue-upgraded (c u segment)
+  "Push SEGMENT on U's mailbox, counted, and see that it goes out.  What
+CONNECTION-SEND-UPGRADED answers."
+  (let ((n (- (segment-end segment) (segment-start segment))))
+    (sb-ext:atomic-incf (upgrade-mailbox-bytes u) n)
+    (count-segment segment)
+    (sb-ext:atomic-push segment (upgrade-mailbox u))
+    (when (upgrade-ended u)
+      ;; Ended meanwhile: its mailbox may have been dropped already.
+      (discard-mailbox u))
+    (and (kick-upgraded c u) (connection-upgraded-pending c))))
+
 (defun connection-send-upgraded (c octets &key (start 0) (end (length octets)) (copy t))
   "Send OCTETS[START,END) on the upgraded connection C, after what was sent
 before, from any thread, without waiting for the client: what the socket
 does not take waits with C.  The octets are copied, unless COPY is NIL: the
-caller gives them up.  Returns the octets now
-waiting to be taken by the client (CONNECTION-UPGRADED-PENDING), or NIL when
-C is closed or closing: past the send limit, a send closes C (the client
-does not read) and answers NIL."
+caller gives them up (nothing may write to them after).  Returns the octets
+now waiting to be taken by the client (CONNECTION-UPGRADED-PENDING), or NIL
+when C is closed or closing: a send that finds more waiting than the send
+limit (or, short of memory, +SHORT-OF-MEMORY-BACKLOG+) closes C, its
+client does not read, as CONNECTION-SET-UPGRADED-ON-LIMIT says, and
+answers NIL."
   (declare (type octets octets) (type fixnum start end))
   (let ((u (conn-slot c upgrade)))
-    (when (or (null u) (upgrade-closing u) (upgrade-ended u))
-      (return-from connection-send-upgraded nil))
-    (when (> (connection-upgraded-pending c) (upgrade-send-limit u))
-      ;; One message alone may be larger than the limit; a backlog may not.
-      (sb-ext:atomic-incf (engine-slow-clients (connection-engine c)))
-      (connection-close-upgraded c :abort t)
-      (return-from connection-send-upgraded nil))
-    (when (< start end)
-      (let ((segment (if copy
-                         (make-segment (subseq octets start end) 0 (- end start))
-                         (make-segment octets start end))))
-        (sb-ext:atomic-incf (upgrade-mailbox-bytes u) (- end start))
-        (account-add :output (- end start))
-        (sb-ext:atomic-push segment (upgrade-mailbox u))
-        (when (upgrade-ended u)
-          ;; Ended meanwhile: its mailbox may have been dropped already.
-          (discard-mailbox u))))
-    (and (kick-upgraded c u) (connection-upgraded-pending c))))
+    (cond ((or (null u) (upgrade-closing u) (upgrade-ended u)) nil)
+          ((behind-p c u) (fall-behind c u) nil)
+          ((< start end)
+           (queue-upgraded c u (if copy
+                                   (make-segment (subseq octets start end) 0 (- end start))
+                                   (make-segment octets start end))))
+          (t (and (kick-upgraded c u) (connection-upgraded-pending c))))))
+
+(defun connection-send-shared (c shared)
+  "Send the octets of SHARED (MAKE-SHARED-OCTETS) on the upgraded
+connection C as CONNECTION-SEND-UPGRADED does, by reference: however many
+connections they are sent on, they are in memory, and counted in the
+memory account, once; each connection's backlog counts them in full."
+  (let ((u (conn-slot c upgrade)))
+    (cond ((or (null u) (upgrade-closing u) (upgrade-ended u)) nil)
+          ((behind-p c u) (fall-behind c u) nil)
+          (t (retain-shared-octets shared)
+             (queue-upgraded c u (make-shared-segment shared))))))
+
+(defun connection-set-upgraded-on-limit (c function)
+  "How the upgraded connection C is closed when a send finds its client too
+far behind (CONNECTION-SEND-UPGRADED): FUNCTION, called with no argument in
+the sending thread, must not wait (a WebSocket cuts to its close frame,
+CONNECTION-CUT-UPGRADED).  Without one, C is closed at once."
+  (setf (upgrade-on-limit (conn-slot c upgrade)) function))
 
 (defun connection-close-upgraded (c &key abort)
   "Close the upgraded connection C, from any thread: once what was sent is
@@ -179,40 +248,74 @@ ABORT, at once, dropping what waits.  ON-CLOSE is called."
       (kick-upgraded c u)))
   nil)
 
-(defun connection-shed-upgraded (c frame)
-  "Close the upgraded connection C for the overload manager, from its
-thread, never waiting: what other threads sent and C has not begun to send
-is dropped; when nothing of C's output waits, FRAME (the protocol's last
-word, a WebSocket close frame; NIL: none) is sent and C closed once the
-client has it, else C is closed at once (a client that has not read what
-waits would not read FRAME either)."
+(defun connection-cut-upgraded (c last-words)
+  "Close the upgraded connection C, from any thread, without waiting, with
+LAST-WORDS (octets, given up: a WebSocket's close frame) as the last its
+client gets: what waits for it and has not begun to go out is dropped, and
+LAST-WORDS go after what has (at most the message, or the buffer of small
+ones, the socket is taking), then C closes once its client has them, as
+with CONNECTION-CLOSE-UPGRADED.  Nothing is read from C meanwhile.  A
+client that reads nothing gets nothing more either: the caller aborts C
+after a while.  NIL when C was cut already or has ended."
   (let ((u (conn-slot c upgrade)))
-    (when u
-      (discard-mailbox u)
-      (if (and frame (zerop (conn-slot c unsent-bytes)))
-          (progn (connection-send-upgraded c frame :copy nil)
-                 (connection-close-upgraded c))
-          (connection-close-upgraded c :abort t)))))
+    (when (and u (not (upgrade-ended u))
+               (null (sb-ext:compare-and-swap (upgrade-last-words u) nil last-words)))
+      (sb-ext:compare-and-swap (upgrade-closing u) nil :close)
+      (kick-upgraded c u)
+      t)))
 
 ;;; The owner's side
+
+(defconstant +copied-send-octets+ 512
+  "Sends this small are copied into the connection's buffers, many in one
+\(a segment and its reference would weigh about as much); larger ones wait
+by reference.")
 
 (defun drain-mailbox (c u)
   "Move what other threads sent into C's output, in the order sent, and send
 what the socket takes (the caller owns C).  NIL when all of it went out."
-  (let ((segments (loop for old = (upgrade-mailbox u)
-                        when (eq old (sb-ext:compare-and-swap (upgrade-mailbox u) old nil))
-                          return old)))
-    (dolist (segment (nreverse segments))
-      (let ((n (- (segment-end segment) (segment-start segment))))
-        (sb-ext:atomic-decf (upgrade-mailbox-bytes u) n)
-        (account-add :output (- n))
-        ;; Small ones together in the output buffer, so that what was
-        ;; written in a row goes out in one send; large ones by reference:
-        ;; the segment's octets are a copy nobody else holds.
-        (connection-write-octets c (segment-octets segment) (segment-start segment)
-                                 (segment-end segment) :reference)))
-    (flush-output c)
-    (or (null (conn-slot c unsent)) (send-unsent c))))
+  (let ((words (upgrade-last-words u)))
+    (when (typep words 'octets)
+      ;; Cut (CONNECTION-CUT-UPGRADED): its last words after the one
+      ;; message the socket is taking, nothing else.
+      (setf (upgrade-last-words u) t)
+      (discard-mailbox u)
+      (discard-unsent c :keep-first t)
+      (connection-write-segment c (make-segment words 0 (length words)))))
+  (let* ((segments (nreverse (take-mailbox u)))
+         (segment nil))
+    (unwind-protect
+         (loop while segments
+               do (setf segment (pop segments))
+                  (let ((octets (segment-octets segment))
+                        (start (segment-start segment))
+                        (end (segment-end segment)))
+                    (sb-ext:atomic-decf (upgrade-mailbox-bytes u) (- end start))
+                    (cond ((= start end))
+                          ((<= (- end start) +copied-send-octets+)
+                           ;; Small: together in the output buffer, so that
+                           ;; what was written in a row goes out in one send;
+                           ;; behind queued output, in its last buffer.
+                           (when (conn-slot c unsent)
+                             (flush-output c))
+                           ;; (The flush may have sent all that was queued.)
+                           (if (conn-slot c unsent)
+                               (queue-copy c octets start end)
+                               (connection-write-octets c octets start end)))
+                          ((and (null (segment-shared segment)) (null (conn-slot c unsent))
+                                (<= (- end start) +buffer-size+))
+                           (connection-write-octets c octets start end))
+                          (t
+                           ;; Large, or shared, or behind queued output: by
+                           ;; reference, never copied.
+                           (connection-write-segment c (shiftf segment nil))))
+                    (when segment
+                      (free-segment (shiftf segment nil)))))
+      ;; A failed send: what was taken from the mailbox is let go of.
+      (when segment (free-segment segment))
+      (dolist (rest segments) (drop-mailbox-segment u rest))))
+  (flush-output c)
+  (or (null (conn-slot c unsent)) (send-unsent c)))
 
 (defun upgraded-deadline (c u)
   (cond ((conn-slot c unsent) (output-deadline c))

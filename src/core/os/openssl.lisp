@@ -25,9 +25,7 @@
 ;;;;    octets it returns.
 ;;;;  - A write that OpenSSL could not finish must be retried with the same
 ;;;;    octets.  The engine's output queue retries its front segment
-;;;;    unchanged (connection.lisp, Output; a spill buffer there may have
-;;;;    grown at its end meanwhile, and OpenSSL takes a retry that is longer,
-;;;;    never one that is shorter), SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
+;;;;    unchanged (connection.lisp, Output), SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
 ;;;;    lets those octets move (the garbage collector) in between, and
 ;;;;    SSL_MODE_ENABLE_PARTIAL_WRITE returns each record written, as send(2)
 ;;;;    returns a partial count.  A file is read again from the same offset
