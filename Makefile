@@ -245,11 +245,14 @@ bench-slow-readers:
 # Cheap attacks (bench/attacks.lisp; results in BENCHMARKS.md, "Attacks"):
 # connections that send nothing or part of a head, a handler that fails on
 # every request, clients that hang up in the middle of a body, slow bodies
-# (slowhttptest -B), large uploads, streamed answers nobody reads; each against
+# (slowhttptest -B), large uploads, streamed answers nobody reads; WebSocket
+# messages that never end, a broadcast to clients that never read, a first
+# message on as many held WebSockets as the server takes, silent WebSockets
+# at a 256-fd limit, slowhttptest -X on a streamed answer; each against
 # gallop:start, gallop:easy-acceptor, stock Hunchentoot and (where it has the
 # same thing to do) nginx, each in its own process, beside a fresh client
 # asking once a second.  Non-zero when a Gallop row misses its bar.
-#   make bench-attacks   about 25 min
+#   make bench-attacks   about 40 min (ATTACK_CASES, ATTACK_KINDS: a part)
 
 .PHONY: bench-attacks
 

@@ -69,15 +69,22 @@ separators: 2_000_000), or DEFAULT when unset."
 
 ;;; bench/server.lisp children (see its header for the protocol)
 
-(defun start-bench-server (kind port &key environment log (if-log-exists :append) (timeout 180))
+(defun start-bench-server (kind port &key environment log (if-log-exists :append) (timeout 180)
+                                          nofile)
   "Start bench/server.lisp as KIND on PORT (no handler sleep) in a child
 process with ENVIRONMENT (default: this one's), its standard error appended
 to LOG (or superseding it, IF-LOG-EXISTS), and wait up to TIMEOUT seconds for
-its READY line.  Returns the process and the server's pid; if it does not
+its READY line.  NOFILE: the child's fd limit, soft and hard (prlimit(1),
+from its start).  Returns the process and the server's pid; if it does not
 start, kills it and signals an error."
-  (let* ((process (sb-ext:run-program (lisp-sh)
-                                      (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                                            kind (princ-to-string port) "0")
+  (let* ((arguments (list "--load" "bench/server.lisp" "--end-toplevel-options"
+                          kind (princ-to-string port) "0"))
+         (process (sb-ext:run-program (if nofile "prlimit" (lisp-sh))
+                                      (if nofile
+                                          (list* (format nil "--nofile=~D:~D" nofile nofile) "--"
+                                                 (lisp-sh) arguments)
+                                          arguments)
+                                      :search (and nofile t)
                                       :directory (namestring *repo*) :wait nil
                                       :environment (or environment (sb-ext:posix-environ))
                                       :input :stream :output :stream

@@ -33,6 +33,14 @@
 ;;;; file (Hunchentoot: HANDLE-STATIC-FILE, whose head goes out through
 ;;;; SEND-HEADERS; native: a pathname body), for the restart drills
 ;;;; (tests/stress/restart.lisp).
+;;;; WebSockets (bench/attacks.lisp): /ws echoes each message, /feed sends
+;;;; every WebSocket on it 16 KiB every 20 ms (BENCH_FEED_BYTES,
+;;;; BENCH_FEED_MS) from one thread.  Native: GALLOP:ACCEPT-WEBSOCKET.
+;;;; Hunchentoot's kinds serve them only with BENCH_SWITCHED=1, in
+;;;; hunchensocket's shape (a handler that answers 101 and keeps its thread,
+;;;; reading frames from the request's stream; its SET-TIMEOUTS of 300 s,
+;;;; BENCH_SWITCHED_TIMEOUT=none to leave the server's own): see "WebSockets"
+;;;; below.
 ;;;;
 ;;;; BENCH_TLS_CERT and BENCH_TLS_KEY (PEM files; `make bench-tls`) make
 ;;;; every kind answer HTTPS only: stock HUNCHENTOOT:EASY-SSL-ACCEPTOR,
@@ -71,6 +79,12 @@
 ;;;;   "gc"    -> a full garbage collection, then "GC <dynamic usage in bytes>"
 ;;;;              (the soak test calls it before reading RSS, so that
 ;;;;              samples do not depend on when the last collection ran);
+;;;;   "feed"  -> "FEED <plist>": how /feed's thread sends (:MODE :WS-BROADCAST,
+;;;;              :WS-SEND or :SWITCHED-STREAMS), the messages it sent to
+;;;;              everyone (:TICKS) and to one WebSocket (:SENDS, :ERRORS),
+;;;;              and the WebSockets on it now (:CLIENTS);
+;;;;   "settings" -> "SETTINGS <plist>": every Gallop setting of this server
+;;;;              (stock: its thread limit and read timeout);
 ;;;;   "heap"  -> "HEAP <dynamic usage> <dynamic space size>" in bytes, without
 ;;;;              collecting (garbage included: what the heap holds now);
 ;;;;   "gc-stats" -> "GC-STATS <ms spent in GC> <bytes allocated>", both since
@@ -212,6 +226,321 @@ buffer per request, reused), keeping nothing; the number of octets read."
 (hunchentoot:define-easy-handler (fail :uri "/error") ()
   (error "The handler of /error failed, as it always does."))
 
+;;; WebSockets (bench/attacks.lisp).  /ws echoes each message; /feed joins
+;;; the feed: a thread that sends every WebSocket on it BENCH_FEED_BYTES
+;;; (16 KiB) as one binary message every BENCH_FEED_MS (20 ms), as a chat
+;;; or a ticker broadcasts, whether or not the clients read.  Native: GALLOP:
+;;; ACCEPT-WEBSOCKET, the feed sending with GALLOP:WS-BROADCAST where Gallop
+;;; has it, else GALLOP:WS-SEND to each WebSocket in turn.  Hunchentoot's
+;;; kinds (with BENCH_SWITCHED=1): hunchensocket's shape, which this file
+;;; reproduces with Hunchentoot alone (hunchensocket is not a Debian
+;;; package): the handler answers 101, then PROCESS-REQUEST :AFTER keeps its
+;;; thread and reads frames from the request's stream in a loop, with
+;;; hunchensocket's limits (a fragment over 65,535 octets or a message over
+;;; 1 MiB is closed with 1009) and its SET-TIMEOUTS of 300 s on the
+;;; connection's usocket (BENCH_SWITCHED_TIMEOUT: other seconds, or "none"
+;;; to leave the server's own); the feed writes each frame to each client's
+;;; stream from its thread, under the client's lock, as hunchensocket's
+;;; SEND-TEXT-MESSAGE does.
+
+(defparameter *feed-bytes*
+  (let ((v (uiop:getenv "BENCH_FEED_BYTES")))
+    (if (and v (plusp (length v))) (parse-integer v) 16384))
+  "The size of the feed's message.")
+
+(defparameter *feed-ms*
+  (let ((v (uiop:getenv "BENCH_FEED_MS")))
+    (if (and v (plusp (length v))) (parse-integer v) 20))
+  "Milliseconds from one feed message to the next.")
+
+(defparameter *feed-message*
+  (make-array *feed-bytes* :element-type '(unsigned-byte 8) :initial-element 120)
+  "The feed's message, built once: what the feed sends is the same each time.")
+
+(defvar *feed* '() "The WebSockets (or switched clients) on /feed.")
+(defvar *feed-lock* (sb-thread:make-mutex :name "feed"))
+(defvar *feed-thread* nil "The feed's thread while anyone is on it.")
+(defvar *feed-ticks* 0 "Messages the feed sent to everyone on it so far.")
+(defvar *feed-sends* 0 "Messages the feed sent to one WebSocket so far.")
+(defvar *feed-errors* 0 "Sends to one WebSocket that failed.")
+
+(defun feed-send (clients)
+  "Send the feed's message to CLIENTS once."
+  (if (eq *kind* :native)
+      (let ((broadcast (find-symbol "WS-BROADCAST" "GALLOP")))
+        (if (and broadcast (fboundp broadcast))
+            (handler-case (progn (funcall broadcast clients *feed-message*)
+                                 (incf *feed-sends* (length clients)))
+              (error () (incf *feed-errors*)))
+            (dolist (ws clients)
+              (handler-case (progn (funcall (gallop-symbol "WS-SEND") ws *feed-message*)
+                                   (incf *feed-sends*))
+                (error () (incf *feed-errors*))))))
+      (dolist (client clients)
+        (handler-case (progn (write-switched-frame client 2 *feed-message*)
+                             (incf *feed-sends*))
+          (error ()
+            (incf *feed-errors*)
+            (leave-feed client))))))
+
+(defun feed-loop ()
+  "Send the feed's message every *FEED-MS* until nobody is on the feed."
+  (loop
+    (let ((start (get-internal-real-time))
+          (clients (sb-thread:with-mutex (*feed-lock*)
+                     (or (copy-list *feed*)
+                         (progn (setf *feed-thread* nil) (return))))))
+      (feed-send clients)
+      (incf *feed-ticks*)
+      (let ((left (- (/ *feed-ms* 1000)
+                     (/ (- (get-internal-real-time) start) internal-time-units-per-second))))
+        (when (plusp left) (sleep left))))))
+
+(defun join-feed (client)
+  (sb-thread:with-mutex (*feed-lock*)
+    (push client *feed*)
+    (unless *feed-thread*
+      (setf *feed-thread* (sb-thread:make-thread #'feed-loop :name "feed")))))
+
+(defun leave-feed (client)
+  (sb-thread:with-mutex (*feed-lock*)
+    (setf *feed* (remove client *feed*))))
+
+(defun feed-mode ()
+  (cond ((not (eq *kind* :native)) :switched-streams)
+        ((let ((broadcast (find-symbol "WS-BROADCAST" "GALLOP")))
+           (and broadcast (fboundp broadcast)))
+         :ws-broadcast)
+        (t :ws-send)))
+
+(defun feed-report ()
+  (list :mode (feed-mode) :ticks *feed-ticks* :sends *feed-sends* :errors *feed-errors*
+        :clients (sb-thread:with-mutex (*feed-lock*) (length *feed*))))
+
+;;; hunchensocket's shape on Hunchentoot's kinds
+
+(defparameter *switched*
+  (equal "1" (uiop:getenv "BENCH_SWITCHED"))
+  "True: the Hunchentoot kinds serve /ws and /feed in hunchensocket's shape
+\(otherwise their request class and acceptor are Hunchentoot's or Gallop's
+own, as the other benchmarks measure them).")
+
+(defparameter *switched-timeout*
+  (let ((v (uiop:getenv "BENCH_SWITCHED_TIMEOUT")))
+    (cond ((or (null v) (zerop (length v))) 300)
+          ((string-equal v "none") nil)
+          (t (parse-integer v))))
+  "The read and write timeout the switched handler sets on its connection
+\(hunchensocket's WEBSOCKET-TIMEOUT, 300 s by default), or NIL for none.")
+
+(defconstant +switched-max-fragment+ 65535
+  "hunchensocket's largest frame of a data message.")
+
+(defconstant +switched-max-message+ (1- (* 1024 1024))
+  "hunchensocket's largest data message.")
+
+(defvar *switched-socket* nil
+  "The usocket PROCESS-CONNECTION was given, for SET-TIMEOUTS.")
+
+(defclass switched-request (hunchentoot:request) ()
+  (:documentation "A request whose PROCESS-REQUEST :AFTER may keep its stream."))
+
+(defclass switched-acceptor-mixin () ()
+  (:default-initargs :request-class 'switched-request))
+
+(defmethod hunchentoot:process-connection :around ((acceptor switched-acceptor-mixin) socket)
+  (let ((*switched-socket* socket))
+    (call-next-method)))
+
+(defun acceptor-class (class)
+  "CLASS, or with BENCH_SWITCHED a subclass of it with the switched shape
+\(made here at run time: Gallop's classes exist only once Gallop is loaded)."
+  (if *switched*
+      (let ((name (intern (concatenate 'string "SWITCHED-" (symbol-name class))
+                          '#:gallop-bench-server)))
+        (eval `(defclass ,name (switched-acceptor-mixin ,class) ()))
+        name)
+      class))
+
+(defun sha1 (octets)
+  "The SHA-1 digest of OCTETS (FIPS 180-4), for the handshake's accept key."
+  (let* ((n (length octets))
+         (total (* 64 (ceiling (+ n 9) 64)))
+         (m (make-array total :element-type '(unsigned-byte 8) :initial-element 0))
+         (w (make-array 80))
+         (h (list #x67452301 #xEFCDAB89 #x98BADCFE #x10325476 #xC3D2E1F0)))
+    (replace m octets)
+    (setf (aref m n) #x80)
+    (dotimes (i 8)
+      (setf (aref m (- total 1 i)) (ldb (byte 8 (* 8 i)) (* 8 n))))
+    (flet ((rotl (x k) (logand #xffffffff (logior (ash x k) (ash x (- k 32))))))
+      (loop for block from 0 below total by 64
+            do (dotimes (i 16)
+                 (let ((at (+ block (* 4 i))))
+                   (setf (aref w i) (logior (ash (aref m at) 24) (ash (aref m (+ at 1)) 16)
+                                            (ash (aref m (+ at 2)) 8) (aref m (+ at 3))))))
+               (loop for i from 16 below 80
+                     do (setf (aref w i) (rotl (logxor (aref w (- i 3)) (aref w (- i 8))
+                                                       (aref w (- i 14)) (aref w (- i 16)))
+                                               1)))
+               (destructuring-bind (a b c d e) h
+                 (dotimes (i 80)
+                   (multiple-value-bind (f k)
+                       (cond ((< i 20) (values (logior (logand b c) (logand (lognot b) d)) #x5A827999))
+                             ((< i 40) (values (logxor b c d) #x6ED9EBA1))
+                             ((< i 60) (values (logior (logand b c) (logand b d) (logand c d)) #x8F1BBCDC))
+                             (t (values (logxor b c d) #xCA62C1D6)))
+                     (let ((next (logand #xffffffff (+ (rotl a 5) f e k (aref w i)))))
+                       (setf e d d c c (rotl b 30) b a a next))))
+                 (setf h (mapcar (lambda (x y) (logand #xffffffff (+ x y))) h (list a b c d e))))))
+    (let ((digest (make-array 20 :element-type '(unsigned-byte 8))))
+      (loop for word in h
+            for at from 0 by 4
+            do (dotimes (i 4)
+                 (setf (aref digest (+ at i)) (ldb (byte 8 (- 24 (* 8 i))) word))))
+      digest)))
+
+(defun websocket-accept (key)
+  (cl-base64:usb8-array-to-base64-string
+   (sha1 (map '(vector (unsigned-byte 8)) #'char-code
+              (concatenate 'string key "258EAFA5-E914-47DA-95CA-C5AB0DC85B11")))))
+
+(defun switch-or-refuse ()
+  "The handler of /ws and /feed on Hunchentoot's kinds: 101 to a WebSocket
+handshake (PROCESS-REQUEST :AFTER then takes the stream), else 400."
+  (let ((key (hunchentoot:header-in* :sec-websocket-key)))
+    (cond ((and *switched* key
+                (string-equal "websocket" (or (hunchentoot:header-in* :upgrade) "")))
+           (setf (hunchentoot:return-code*) 101
+                 (hunchentoot:header-out :upgrade) "websocket"
+                 (hunchentoot:header-out :connection) "Upgrade"
+                 (hunchentoot:header-out :sec-websocket-accept) (websocket-accept key))
+           "")
+          (t (setf (hunchentoot:return-code*) 400
+                   (hunchentoot:content-type*) "text/plain")
+             "WebSocket handshakes only (BENCH_SWITCHED=1 on Hunchentoot's kinds)"))))
+
+(hunchentoot:define-easy-handler (ws :uri "/ws") () (switch-or-refuse))
+(hunchentoot:define-easy-handler (feed :uri "/feed") () (switch-or-refuse))
+
+(defclass switched-client ()
+  ((stream :initarg :stream :reader switched-client-stream)
+   (path :initarg :path :reader switched-client-path)
+   (lock :initform (sb-thread:make-mutex :name "client writes") :reader switched-client-lock))
+  (:documentation "A WebSocket's client, a CLOS instance as hunchensocket's are."))
+
+(defclass switched-frame ()
+  ((opcode :initarg :opcode :reader frame-opcode)
+   (fin :initarg :fin :reader frame-fin)
+   (length :initarg :length :reader frame-length)
+   (mask :initarg :mask :reader frame-mask))
+  (:documentation "A frame's head, a CLOS instance made for each frame read,
+as hunchensocket's READ-FRAME makes one: so the first frames of many
+WebSockets at once meet MAKE-INSTANCE's first call, as theirs do."))
+
+(defun write-switched-frame (client opcode payload)
+  "One final, unmasked frame of OPCODE to CLIENT, from any thread."
+  (let ((stream (switched-client-stream client))
+        (n (length payload)))
+    (sb-thread:with-mutex ((switched-client-lock client))
+      (write-byte (logior #x80 opcode) stream)
+      (cond ((< n 126) (write-byte n stream))
+            ((< n 65536) (write-byte 126 stream)
+             (write-byte (ldb (byte 8 8) n) stream) (write-byte (ldb (byte 8 0) n) stream))
+            (t (write-byte 127 stream)
+             (loop for shift from 56 downto 0 by 8 do (write-byte (ldb (byte 8 shift) n) stream))))
+      (write-sequence payload stream)
+      (force-output stream))))
+
+(define-condition switched-refusal (error)
+  ((code :initarg :code :reader refusal-code)
+   (reason :initarg :reason :reader refusal-reason)))
+
+(defun read-octets (stream n)
+  (let ((octets (make-array n :element-type '(unsigned-byte 8))))
+    (unless (= n (read-sequence octets stream))
+      (error 'end-of-file :stream stream))
+    octets))
+
+(defun read-big-endian (stream n)
+  (loop with value = 0 repeat n do (setf value (+ (ash value 8) (read-byte stream))) finally (return value)))
+
+(defgeneric switched-message (path client opcode payload)
+  (:documentation "A whole message from CLIENT on PATH: a generic function,
+as hunchensocket's TEXT-MESSAGE-RECEIVED is.")
+  (:method ((path string) client opcode payload)
+    (when (string= path "/ws")
+      (write-switched-frame client opcode
+                            (if (= opcode 1)
+                                (flexi-streams:string-to-octets
+                                 (flexi-streams:octets-to-string payload :external-format :utf-8)
+                                 :external-format :utf-8)
+                                payload)))))
+
+(defun switched-loop (client)
+  "Read CLIENT's frames until it closes or breaks a limit."
+  (let ((stream (switched-client-stream client))
+        (fragments '()) (opcode nil) (total 0))
+    (flet ((refuse (code reason) (error 'switched-refusal :code code :reason reason)))
+      (loop
+        (let* ((b0 (read-byte stream))
+               (b1 (read-byte stream))
+               (frame (make-instance 'switched-frame
+                                     :opcode (ldb (byte 4 0) b0) :fin (logbitp 7 b0)
+                                     :length (let ((n (ldb (byte 7 0) b1)))
+                                               (case n
+                                                 (126 (read-big-endian stream 2))
+                                                 (127 (read-big-endian stream 8))
+                                                 (t n)))
+                                     :mask (and (logbitp 7 b1) (read-octets stream 4))))
+               (op (frame-opcode frame))
+               (n (frame-length frame))
+               (mask (frame-mask frame)))
+          (cond ((>= op 8)
+                 (when (> n 125) (refuse 1002 "Control frame is too large")))
+                ;; A data frame's limits, before its payload is read.
+                ((> n +switched-max-fragment+) (refuse 1009 "Message fragment too big"))
+                ((> (+ total n) +switched-max-message+) (refuse 1009 "Total message too big")))
+          (let ((payload (read-octets stream n)))
+            (when mask
+              (dotimes (i n) (setf (aref payload i) (logxor (aref payload i) (aref mask (mod i 4))))))
+            (case op
+              (8 (write-switched-frame client 8 payload) (return))
+              (9 (write-switched-frame client 10 payload))
+              (10)
+              (t (when (/= op 0) (setf opcode op))
+               (push payload fragments)
+               (incf total n)
+               (when (frame-fin frame)
+                 (let ((message (apply #'concatenate '(vector (unsigned-byte 8))
+                                       (reverse fragments))))
+                   (setf fragments '() total 0)
+                   (switched-message (switched-client-path client) client opcode
+                                     (coerce message '(simple-array (unsigned-byte 8) (*))))))))))))))
+
+(defmethod hunchentoot:process-request :after ((request switched-request))
+  (when (eql 101 (hunchentoot:return-code*))
+    (let* ((stream (hunchentoot::content-stream request))
+           (path (hunchentoot:script-name request))
+           (client (make-instance 'switched-client :stream stream :path path)))
+      (force-output stream)
+      (when *switched-timeout*
+        (hunchentoot::set-timeouts *switched-socket* *switched-timeout* *switched-timeout*))
+      (when (string= path "/feed")
+        (join-feed client))
+      (unwind-protect
+           (handler-case (switched-loop client)
+             (switched-refusal (refusal)
+               (ignore-errors
+                (let ((reason (map '(vector (unsigned-byte 8)) #'char-code (refusal-reason refusal))))
+                  (write-switched-frame client 8
+                                        (concatenate '(vector (unsigned-byte 8))
+                                                     (vector (ldb (byte 8 8) (refusal-code refusal))
+                                                             (ldb (byte 8 0) (refusal-code refusal)))
+                                                     reason)))))
+             (error () nil))
+        (leave-feed client)))))
+
 (defun query-parameter (query name)
   "The value of NAME in the query string QUERY (no decoding: the benchmark's
 names are plain)."
@@ -261,6 +590,16 @@ answered \"Hey!\" *LATER-SECONDS* after the request by a timer
            '(200 (:content-type "text/plain") ("ignored")))
           ((string= path "/error")
            (error "The app failed at /error, as it always does."))
+          ((and (string= path "/ws") (funcall (gallop-symbol "WEBSOCKET-REQUEST-P") env))
+           (funcall (gallop-symbol "ACCEPT-WEBSOCKET") env
+                    :on-message (lambda (ws message)
+                                  (funcall (gallop-symbol "WS-SEND") ws message))))
+          ((and (string= path "/feed") (funcall (gallop-symbol "WEBSOCKET-REQUEST-P") env))
+           (funcall (gallop-symbol "ACCEPT-WEBSOCKET") env
+                    :on-open #'join-feed
+                    :on-close (lambda (ws code reason)
+                                (declare (ignore code reason))
+                                (leave-feed ws))))
           (t
            '(404 (:content-type "text/plain") ("Not Found"))))))
 
@@ -359,17 +698,20 @@ alike, then BENCH_GALLOP_OPTIONS."
 (defparameter *acceptor*
   (case *kind*
     (:stock
-     (apply #'make-instance (if *tls* 'hunchentoot:easy-ssl-acceptor 'hunchentoot:easy-acceptor)
+     (apply #'make-instance (acceptor-class (if *tls* 'hunchentoot:easy-ssl-acceptor
+                                                'hunchentoot:easy-acceptor))
             :address "127.0.0.1" :port *port*
             (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))
     (:gallop
-     (apply #'make-instance (gallop-symbol (if *tls* "EASY-SSL-ACCEPTOR" "EASY-ACCEPTOR"))
+     (apply #'make-instance (acceptor-class (gallop-symbol (if *tls* "EASY-SSL-ACCEPTOR"
+                                                                "EASY-ACCEPTOR")))
             :address "127.0.0.1" :port *port* :taskmaster (gallop-taskmaster)
             :reuse-port *reuse-port*
             (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))
     (:gallop-tm
      (setf *taskmaster* (gallop-taskmaster))
-     (apply #'make-instance (if *tls* 'hunchentoot:easy-ssl-acceptor 'hunchentoot:easy-acceptor)
+     (apply #'make-instance (acceptor-class (if *tls* 'hunchentoot:easy-ssl-acceptor
+                                                'hunchentoot:easy-acceptor))
             :address "127.0.0.1" :port *port* :taskmaster *taskmaster*
             (append (and *tls* (tls-initargs)) (acceptor-timeout-args) *log-args*)))))
 
@@ -382,6 +724,20 @@ alike, then BENCH_GALLOP_OPTIONS."
                             (hunchentoot::acceptor-taskmaster *acceptor*))))
     (:gallop (funcall (gallop-symbol "STATS") *acceptor*))
     (:gallop-tm (funcall (gallop-symbol "STATS") *taskmaster*))))
+
+(defun server-settings ()
+  "Every Gallop setting of this server, as a property list: its default
+\(GALLOP.CORE::+SETTINGS+) unless BENCH_GALLOP_OPTIONS gives it; stock
+Hunchentoot's thread limit and read timeout for stock."
+  (if (eq *kind* :stock)
+      (list :max-thread-count (hunchentoot:taskmaster-max-thread-count
+                               (hunchentoot::acceptor-taskmaster *acceptor*))
+            :read-timeout (hunchentoot:acceptor-read-timeout *acceptor*))
+      (let ((table (find-symbol "+SETTINGS+" "GALLOP.CORE")))
+        (loop for (name default) in (and table (boundp table) (symbol-value table))
+              for key = (intern (symbol-name name) :keyword)
+              for given = (getf *extra-options* key '%none)
+              append (list key (if (eq given '%none) (ignore-errors (eval default)) given))))))
 
 (defun reply (control &rest args)
   (let ((*print-pretty* nil))
@@ -425,6 +781,10 @@ alike, then BENCH_GALLOP_OPTIONS."
                      ((string= command "gc")
                       (sb-ext:gc :full t)
                       (reply "GC ~D" (sb-kernel:dynamic-usage)))
+                     ((string= command "feed")
+                      (reply "FEED ~S" (feed-report)))
+                     ((string= command "settings")
+                      (reply "SETTINGS ~S" (ignore-errors (server-settings))))
                      ((string= command "heap")
                       (reply "HEAP ~D ~D" (sb-kernel:dynamic-usage)
                              (sb-ext:dynamic-space-size)))
