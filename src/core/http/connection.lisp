@@ -1050,16 +1050,16 @@ that is what happened under the TLS library."
 ;;; queues it as any other output.  Past that, each further piece is copied
 ;;; into spill buffers (SPILL-UNSENT): a new one, of +SPILL-OCTETS+ at least,
 ;;; is charged to the account before it is made (ACCOUNT-CHARGE), and given
-;;; back once sent or dropped, as every segment is.  While the account takes them the writer
-;;; goes on, so that a handler streaming to a slow reader finishes and lets
-;;; go of its worker, and the rest waits in epoll as a buffered answer does.
-;;; (Large buffers, not a copy per write nor a handed-over 8 KiB buffer
-;;; holding a chunk's size line: what the collector copies, and what a
-;;; buffer holds but the account does not see, would grow with the output.)
-;;; One connection holds at most SPILL-LIMIT so, a 64th of the account's
-;;; limit: a large download to a slow client then waits for its client, as
-;;; it always did, instead of filling the account alone and being closed as
-;;; the largest holder.  Only a piece refused by that limit or by the account
+;;; back once sent or dropped, as every segment is.  While the account takes
+;;; them the writer goes on, so that a handler streaming to a slow reader
+;;; finishes and lets go of its worker, and the rest waits in epoll as a
+;;; buffered answer does.  (Large buffers, not a copy per write nor a
+;;; handed-over 8 KiB buffer holding a chunk's size line: what the collector
+;;; copies, and what the heap holds per octet queued, would grow with the
+;;; output.)  One connection holds at most SPILL-LIMIT so, a 64th of the
+;;; account's limit: a large download to a slow client then waits for its
+;;; client, holding its worker, instead of filling the account alone and
+;;; being closed as the largest holder.  Only a piece refused by that limit or by the account
 ;;; makes the writer wait for its client (WAIT-FOR-ROOM), and at most
 ;;; MAX-WAITING-WRITERS writers of an engine wait at once: past them, the
 ;;; connection is closed instead (reset, counted in :WRITERS-SHED), so that
