@@ -172,13 +172,15 @@
                (:file "conformance/runner")
                (:file "conformance/websocket-corpus")
                (:file "conformance/websocket-runner")
-               ;; run in child processes by stress/shutdown, stress/websockets and core/uploads
+               ;; run in child processes by stress/shutdown, stress/websockets,
+               ;; stress/slow-read and core/uploads
                (:static-file "child/stop-server.lisp")
                (:static-file "child/upload-server.lisp")
                (:static-file "child/ws-server.lisp")
                (:static-file "child/switched-server.lisp")
                (:static-file "child/broadcast-server.lisp")
                (:static-file "child/ws-echo-server.lisp")
+               (:static-file "child/stream-server.lisp")
                (:static-file "clients/ws-client.py")
                (:static-file "clients/chromium-chat.py"))
   :perform (test-op (o c) (symbol-call :gallop-tests :run-all-tests)))
@@ -194,6 +196,7 @@ connections, the pool's ceilings.  Not deterministic enough for CI."
                (:file "connections")
                (:file "shutdown")
                (:file "switched")
+               (:file "slow-read")
                (:file "restart")
                (:file "websockets")
                (:file "broadcast"))

@@ -43,8 +43,8 @@ in its epoll set.")
 (defconstant +default-max-request-line-bytes+ (* 64 1024)
   "Request lines over this get 414.")
 (defconstant +default-max-unsent-bytes+ (* 64 1024)
-  "Octets a streaming writer may leave unsent, copied, on one connection
-before it waits for the client to read (connection.lisp, Output).")
+  "Octets a streaming writer may leave unsent on one connection before what
+it writes on is charged to the memory account (connection.lisp, Output).")
 (defconstant +kernel-unsent-bytes+ (* 16 1024)
   "Octets of a connection's output the kernel may hold not yet sent
 (TCP_NOTSENT_LOWAT, set on the listen socket and inherited).  Without it
@@ -180,6 +180,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-body-bytes 0 :type fixnum)
   (max-request-line-bytes 0 :type fixnum)
   (max-unsent-bytes 0 :type fixnum)
+  (max-waiting-writers 1 :type fixnum) ; see WAIT-FOR-ROOM (connection.lisp)
   (upgraded-idle-ms 0 :type fixnum)  ; 0: an upgraded connection may stay silent
   (upgraded-send-limit 0 :type fixnum)
   (max-switched 0 :type fixnum)      ; MOST-POSITIVE-FIXNUM: as memory allows
@@ -212,6 +213,8 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (disk-bytes 0 :type sb-ext:word)   ; and in temporary files
   (body-files 0 :type sb-ext:word)   ; bodies that went to a temporary file, in all
   (slow-clients 0 :type sb-ext:word) ; closed for sending or reading under the minimum rate
+  (waiting-writers 0 :type sb-ext:word) ; writers waiting for their clients now (WAIT-FOR-ROOM)
+  (writers-shed 0 :type sb-ext:word)    ; connections closed instead, in all
   (tls-freed 0 :type sb-ext:word)    ; SSL objects freed, in all (see TRIM-MALLOC)
   (tls-trimmed 0 :type sb-ext:word)  ; TLS-FREED at the last trim
   (trim-ms 0 :type fixnum)           ; when that was

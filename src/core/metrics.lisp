@@ -62,6 +62,12 @@
        "Connections and requests ended by a timeout or the minimum data rate." :timeouts)
       ("gallop_write_timeouts_total" "counter"
        "Connections closed because the client read nothing of its answer in time." :write-timeouts)
+      ("gallop_waiting_writers" "gauge"
+       "Writers waiting for their clients to read because the memory account refused what they write."
+       :waiting-writers)
+      ("gallop_writers_shed_total" "counter"
+       "Connections closed because their writer would have waited for the client while memory was short and enough writers waited already."
+       :writers-shed)
       ("gallop_aborted_total" "counter"
        "Requests whose client closed or reset the connection while a handler read or answered."
        :aborted)

@@ -35,7 +35,7 @@
    #:connection-flush #:connection-send-file
    #:connection-suspend #:connection-unsuspend
    #:connection-resume #:connection-error
-   #:connection-timeout-error #:handler-timeout #:handler-timeout-seconds
+   #:connection-timeout-error #:connection-shed-error #:handler-timeout #:handler-timeout-seconds
    #:stop-cut-message #:error-body-bytes
    #:request-body-error #:request-body-error-status
    #:chunk-decoder #:make-chunk-decoder #:reset-chunk-decoder #:chunk-decoder-step

@@ -35,8 +35,9 @@ the connection is closed.
 MAX-HEAD-BYTES and MAX-REQUEST-LINE-BYTES bound a request head (431, 414);
 MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.
 Output the client does not read yet waits with its connection in epoll, not
-in a worker; MAX-UNSENT-BYTES bounds what a streaming writer may leave there
-copied before it waits for the client (see connection.lisp).  METHODS, when
+in a worker; past MAX-UNSENT-BYTES, what a streaming writer leaves there is
+charged to the memory account, and when the account refuses, at most
+MAX-WAITING-WRITERS writers wait for their clients (see connection.lisp).  METHODS, when
 given, lists the request methods (keywords, exact case) the handler serves:
 others get 501 before it sees them.  MAX-QUEUE-LENGTH bounds the
 accepted connections no worker has served yet; beyond it (and the workers
@@ -60,6 +61,8 @@ when given, for each answer the engine writes itself (400, 408, 413, 414,
                                 :max-body-bytes max-body-bytes
                                 :max-request-line-bytes max-request-line-bytes
                                 :max-unsent-bytes max-unsent-bytes
+                                :max-waiting-writers (max 1 (or max-waiting-writers
+                                                                (ceiling (usable-cpus))))
                                 :upgraded-idle-ms (if upgraded-idle-timeout
                                                       (ms upgraded-idle-timeout)
                                                       0)
@@ -344,7 +347,10 @@ was interrupted: see ENGINE-STOP), :BODY-BYTES and :DISK-BYTES (request bodies t
 reading or holds for their handlers, in memory and in temporary files, see
 spool.lisp), :BODY-FILES (bodies that went to a temporary file, in all),
 :SLOW-CLIENTS (connections ended for sending or reading under the minimum
-data rate; counted in :TIMEOUTS too), :TIMERS (application timers pending,
+data rate; counted in :TIMEOUTS too), :WAITING-WRITERS (writers waiting
+for their clients now because the memory account refused what they write,
+at most MAX-WAITING-WRITERS, see WAIT-FOR-ROOM), :WRITERS-SHED (connections
+closed instead, because that many waited already, in all), :TIMERS (application timers pending,
 see timers.lisp); the process-wide memory account (account.lisp):
 :MEMORY-BYTES (octets held for clients, by all the servers of the process),
 :MEMORY-LIMIT, :MEMORY (a property list of them by kind: :HEADS, :BODIES,
@@ -376,6 +382,8 @@ served for another group whose workers were all busy), see pool.lisp."
               :disk-bytes (engine-disk-bytes engine)
               :body-files (engine-body-files engine)
               :slow-clients (engine-slow-clients engine)
+              :waiting-writers (engine-waiting-writers engine)
+              :writers-shed (engine-writers-shed engine)
               :accepted (engine-accepted engine)
               :closed (engine-closed engine)
               :requests (engine-requests engine)

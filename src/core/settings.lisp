@@ -39,10 +39,16 @@ GALLOP:HANDLER-TIMEOUT is signalled in the handler's thread: the client gets
        "Request bodies over this many octets get 413 (a declared
 Content-Length before the body is read; a chunked body when it grows past it).")
       (max-unsent-bytes +default-max-unsent-bytes+
-       "Octets a streaming writer may leave unsent, copied, on a connection whose
-client does not read yet, before its write waits for the client.  What the
-client has not read when the handler returns waits with the connection in
-epoll, not in a worker.")
+       "Octets a streaming writer may leave unsent on a connection whose client
+does not read yet before what it writes on is charged to the memory account:
+the writer goes on while the account takes it, and waits for the client only
+when the account refuses (MAX-WAITING-WRITERS).  What the client has not read
+when the handler returns waits with the connection in epoll, not in a worker.")
+      (max-waiting-writers nil
+       "Writers of one server that may wait for their clients at once, because
+the memory account refused what they write (NIL: the number of CPUs the
+process may use).  Past it, such a writer's connection is closed instead
+\(:WRITERS-SHED), so that slow readers never hold more workers than this.")
       (upgraded-idle-timeout 60
        "Seconds a connection that switched protocols (a WebSocket) may receive
 nothing before it is closed, with no close frame; NIL: no limit.  A front

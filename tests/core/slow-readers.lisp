@@ -476,3 +476,218 @@ nothing gets only a few hundred answered before the server waits for it."
 accepts, the engine adopts each socket): the same bound."
   (with-server (server 'hunchentoot:easy-acceptor :taskmaster (make-instance 'gallop:taskmaster))
     (check-few-answers-ahead server (port-of server) "/slow/yo" "Yo!")))
+
+;;; Streaming writers: past MAX-UNSENT-BYTES what they write is charged to
+;;; the memory account and waits with the connection, not in the writer
+;;; (connection.lisp, Output).  Only when the account refuses does a writer
+;;; wait for its client, and only MAX-WAITING-WRITERS of them at once.
+
+(defun streamed-pieces (seed)
+  "About 4 MiB in 96 pieces: 64 KiB ones, which a connection copies when it
+queues them, between 2 KiB ones, which fill its output buffer and are
+queued with it.  Far past the kernel's buffers and :MAX-UNSENT-BYTES."
+  (loop for i below 96
+        collect (pattern-octets (if (evenp i) (* 64 1024) 2048) (+ seed i))))
+
+(defun joined-octets (pieces)
+  (apply #'concatenate '(vector (unsigned-byte 8)) pieces))
+
+(defun piece-streaming-app (pieces finished &key (every-write t))
+  "A native app whose handler streams PIECES from its worker, then pushes
+onto the list in the cons FINISHED whether every write found the client
+there (EVERY-WRITE NIL: it stops at the first that did not).  /yo answers
+Yo!."
+  (lambda (env)
+    (if (string= (getf env :path-info) "/yo")
+        '(200 (:content-type "text/plain") ("Yo!"))
+        (lambda (respond)
+          (let ((write (funcall respond '(200 (:content-type "application/octet-stream"))))
+                (all t))
+            (dolist (piece pieces)
+              (unless (funcall write piece)
+                (setf all nil)
+                (unless every-write (return))))
+            (funcall write nil :close t)
+            (sb-ext:atomic-push all (car finished)))))))
+
+(defvar *streamed-pieces* (streamed-pieces 60)
+  "What /slow/stream-pieces writes.")
+
+(defvar *stream-finished* (list '())
+  "The handler of /slow/stream-pieces pushes onto its car whether every
+write succeeded, once it wrote them all.")
+
+(hunchentoot:define-easy-handler (handle-slow-stream-pieces :uri "/slow/stream-pieces") ()
+  ;; Streams *STREAMED-PIECES* through SEND-HEADERS, then says it finished.
+  (setf (hunchentoot:content-type*) "application/octet-stream"
+        (hunchentoot:content-length*) (reduce #'+ *streamed-pieces* :key #'length))
+  (let ((out (hunchentoot:send-headers))
+        (all t))
+    (dolist (piece *streamed-pieces*)
+      (unless (ignore-errors (write-sequence piece out) t)
+        (setf all nil)
+        (return)))
+    (ignore-errors (finish-output out))
+    (sb-ext:atomic-push all (car *stream-finished*)))
+  nil)
+
+(defun check-writer-does-not-wait (server port path body finished framing)
+  "A client asks PATH on SERVER (at PORT), whose handler streams BODY and
+then pushes onto the car of FINISHED, and reads nothing: the handler finishes
+writing, every write taken, while the client has read nothing; the
+connection then waits in epoll with no worker, holding the answer in the
+account's :OUTPUT; the client reads the whole answer, exactly (FRAMING),
+and the account is back to what it was."
+  (let ((before (gallop.core:account-used :output)))
+    (with-slow-readers (readers)
+      (let ((socket (slow-reader port)))
+        (push socket readers)
+        (slow-reader-send socket (get-line path))
+        (is-true (wait-until (lambda () (car finished)) :timeout 10)
+                 "the handler did not finish before its client read")
+        (is (equal '(t) (car finished)) "a write failed: ~S" (car finished))
+        (is-true (wait-until (lambda () (and (= 1 (stat server :writing))
+                                             (zerop (stat server :active))))
+                             :timeout 10)
+                 "the answer does not wait in epoll: ~S" (gallop:stats server))
+        (is (< before (gallop.core:account-used :output)))
+        (let ((source (stream-source (slow-reader-stream socket))))
+          (expect-answer source body :framing framing)
+          (close-slow-readers readers)
+          (setf readers '()))))
+    (is-true (wait-until (lambda () (and (zerop (stat server :open))
+                                         (= before (gallop.core:account-used :output)))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+
+(test native-streaming-writer-does-not-wait-for-its-reader
+  "A native handler streams 4 MiB, in large and small pieces, from its
+worker to a client that reads nothing: it finishes without waiting for the
+client, the rest waits in epoll, counted in the account's :OUTPUT; then the
+client reads all of it, exactly, and :OUTPUT is back where it was."
+  (let* ((pieces (streamed-pieces 20))
+         (finished (list '())))
+    (with-app (server (piece-streaming-app pieces finished))
+      (check-writer-does-not-wait server (native-port server) "/pieces" (joined-octets pieces)
+                                  finished :chunked))))
+
+(test easy-acceptor-streaming-writer-does-not-wait-for-its-reader
+  "The same through Hunchentoot: a handler writing 4 MiB to the stream
+SEND-HEADERS returns, to a client that reads nothing, finishes without
+waiting for it; the client then reads all of it, exactly."
+  (setf (car *stream-finished*) '())
+  (with-server (server 'gallop:easy-acceptor)
+    (check-writer-does-not-wait server (port-of server) "/slow/stream-pieces"
+                                (joined-octets *streamed-pieces*) *stream-finished* :content-length)))
+
+(test native-streaming-writer-stops-for-a-client-reading-nothing
+  "A handler streaming on and on to a client that reads nothing is stopped
+by the write timeout, as a parked answer would be: its writer answers NIL,
+the connection closes, the timeout is counted, and the account's :OUTPUT is
+back where it was."
+  (let* ((piece (pattern-octets (* 64 1024) 9))
+         (finished (list '()))
+         (before (gallop.core:account-used :output)))
+    (flet ((app (env)
+             (declare (ignore env))
+             (lambda (respond)
+               (let ((write (funcall respond '(200 (:content-type "application/octet-stream")))))
+                 ;; At most 64 MiB: the timeout must come long before.
+                 (sb-ext:atomic-push (loop repeat 1024
+                                           always (progn (sleep 0.005) (funcall write piece)))
+                                     (car finished))))))
+      (with-app (server #'app :write-timeout 1 :min-data-rate nil)
+        (with-slow-readers (readers)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (get-line "/on"))
+            (is-true (wait-until (lambda () (car finished)) :timeout 20))
+            (is (equal '(nil) (car finished)) "the writer was never stopped")
+            (is (= 1 (stat server :write-timeouts)))
+            (is-true (wait-until (lambda () (zerop (stat server :open)))))))))
+    (is-true (wait-until (lambda () (= before (gallop.core:account-used :output))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+
+(test native-writer-past-its-spill-limit-waits-for-its-reader
+  "One connection holds at most a 64th of the account's limit of its
+writer's output: past it the writer waits for its client, though the
+account has room, and once the client reads it gets its whole answer,
+exactly."
+  (let* ((pieces (streamed-pieces 40))
+         (finished (list '())))
+    ;; A limit of 64 MiB: 1 MiB a connection, a quarter of the answer.
+    (with-memory-limit ((* 64 1024 1024))
+      (with-app (server (piece-streaming-app pieces finished) :min-data-rate nil)
+        (with-slow-readers (readers)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (get-line "/pieces"))
+            (is-true (wait-until (lambda () (= 1 (stat server :waiting-writers))))
+                     "the writer does not wait: ~S" (gallop:stats server))
+            (is (<= (gallop.core:account-used :output) (* 1024 1024)))
+            (is (null (car finished)))
+            (expect-answer (stream-source (slow-reader-stream socket)) (joined-octets pieces)
+                           :framing :chunked)
+            (is-true (wait-until (lambda () (car finished))))
+            (is (equal '(t) (car finished)))
+            (is (zerop (stat server :writers-shed)))))))))
+
+(defun read-until-closed (socket)
+  "Read SOCKET until its end or a reset: the octets read."
+  (let ((stream (slow-reader-stream socket))
+        (buffer (make-array 65536 :element-type '(unsigned-byte 8)))
+        (total 0))
+    (handler-case (loop for n = (read-sequence buffer stream)
+                        do (incf total n)
+                        while (= n (length buffer)))
+      (error () nil))
+    total))
+
+(defun check-waiting-writers-bound (server port path body framing)
+  "SERVER (at PORT, with :MAX-WAITING-WRITERS 1, :MAX-UNSENT-BYTES 8 KiB and
+no minimum rate) streams BODY for PATH, with the account full: client A
+asks and reads nothing, and its writer waits for it (:WAITING-WRITERS 1);
+client B asks and reads nothing, and its writer may not wait too: B's
+connection is closed before the whole answer (:WRITERS-SHED 1).  Then the
+account has room again and A reads the whole answer, exactly (FRAMING)."
+  (let ((before (gallop.core:account-used :output)))
+    (with-slow-readers (readers)
+      (let ((a (slow-reader port))
+            (b (slow-reader port)))
+        (push a readers)
+        (push b readers)
+        (with-charged (100)
+          (slow-reader-send a (get-line path))
+          (is-true (wait-until (lambda () (= 1 (stat server :waiting-writers))))
+                   "A's writer does not wait: ~S" (gallop:stats server))
+          (slow-reader-send b (get-line path))
+          (is-true (wait-until (lambda () (= 1 (stat server :writers-shed))))
+                   "B's connection was not shed: ~S" (gallop:stats server))
+          (is (= 1 (stat server :waiting-writers))))
+        (is (< (read-until-closed b) (length body)) "B got its whole answer")
+        (expect-answer (stream-source (slow-reader-stream a)) body :framing framing)
+        (is (= 1 (stat server :writers-shed)))))
+    (is-true (wait-until (lambda () (and (zerop (stat server :open))
+                                         (zerop (stat server :waiting-writers))
+                                         (= before (gallop.core:account-used :output)))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+
+(test native-waiting-writers-are-bounded
+  "With the memory account full, one writer waits for its client (the bound
+is 1 here) and a second one's connection is closed instead; the first gets
+its whole answer once its client reads."
+  (let* ((pieces (streamed-pieces 30))
+         (finished (list '())))
+    (with-app (server (piece-streaming-app pieces finished :every-write nil)
+                      :max-waiting-writers 1 :max-unsent-bytes 8192 :min-data-rate nil)
+      (check-waiting-writers-bound server (native-port server) "/pieces" (joined-octets pieces)
+                                   :chunked))))
+
+(test easy-acceptor-waiting-writers-are-bounded
+  "The same through Hunchentoot's SEND-HEADERS stream."
+  (setf (car *stream-finished*) '())
+  (with-server (server 'gallop:easy-acceptor
+                       :taskmaster (make-instance 'gallop:taskmaster :max-waiting-writers 1
+                                                                     :max-unsent-bytes 8192
+                                                                     :min-data-rate nil))
+    (check-waiting-writers-bound server (port-of server) "/slow/stream-pieces"
+                                 (joined-octets *streamed-pieces*) :content-length)))

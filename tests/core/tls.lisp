@@ -4,9 +4,9 @@
 ;;;; over a real socket to 127.0.0.1), answers read strictly:
 ;;;;   - answers are exact over TLS: string, file (sent from a file through
 ;;;;     OpenSSL) and streamed bodies, keep-alive, :URL-SCHEME "https";
-;;;;   - a 2 MiB file and a 1 MiB body to a client that does not read at
-;;;;     first: the answer waits in epoll (:WRITING), OpenSSL's retried
-;;;;     writes lose and repeat no octet;
+;;;;   - a 2 MiB file, a 1 MiB body and a 4 MiB streamed answer to a client
+;;;;     that does not read at first: the answer waits in epoll (:WRITING),
+;;;;     OpenSSL's retried writes lose and repeat no octet;
 ;;;;   - a close_notify that arrives with the last request ends the
 ;;;;     connection after its answer, not at the idle timeout;
 ;;;;   - 2,000 idle TLS keep-alive connections hold no thread;
@@ -159,6 +159,33 @@ Twice on one connection."
                                   (let ((data (make-array *big-size* :element-type '(unsigned-byte 8))))
                                     (dotimes (i *big-size* data) (setf (aref data i) (mod i 251)))))
       (hunchentoot:stop server))))
+
+(test tls-streaming-writer-does-not-wait-for-its-reader
+  "A handler streams 4 MiB over TLS, in large and small pieces, to a client
+that reads nothing: it finishes first, what it wrote past :MAX-UNSENT-BYTES
+waiting in spill buffers; then the client reads it all, exactly (OpenSSL's
+retried writes lose and repeat no octet), and the account's :OUTPUT is back
+where it was."
+  (let* ((pieces (streamed-pieces 50))
+         (finished (list '()))
+         (before (gallop.core:account-used :output)))
+    (with-tls-app (server (piece-streaming-app pieces finished))
+      (let ((client (tls-connect-slow-reader (native-port server))))
+        (unwind-protect
+             (progn
+               (tls-send client (octets (crlf "GET /pieces HTTP/1.1" "Host: x")))
+               (is-true (wait-until (lambda () (car finished)) :timeout 10)
+                        "the handler did not finish before its client read")
+               (is (equal '(t) (car finished)))
+               (is (wait-until (lambda () (eql 1 (getf (gallop:stats server) :writing))))
+                   "the answer does not wait in epoll: ~S" (gallop:stats server))
+               (check-exact-tls-answer "streamed, unread at first"
+                                       (tls-read-wire client :timeout 20) (joined-octets pieces)
+                                       :framing :chunked))
+          (tls-close client)))
+      (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open))))))
+    (is-true (wait-until (lambda () (= before (gallop.core:account-used :output))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
 
 ;;; The client's close_notify
 

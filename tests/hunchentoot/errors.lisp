@@ -148,11 +148,14 @@ start of a line; lines that do not belong to the entry before."
           "~D backtraces in ~D s" traced (1+ (- last-second first-second))))))
 
 (hunchentoot:define-easy-handler (ht-error-flood :uri "/err/flood") ()
-  ;; 32 MiB to a client that reads none of it: the write times out.
+  ;; Up to 8 MiB, 16 KiB every 10 ms, to a client that reads none of it: a
+  ;; write times out once the client made no progress for the write timeout
+  ;; (before, the writer does not wait: the account takes what it writes).
   (setf (hunchentoot:content-type*) "application/octet-stream")
   (let ((stream (hunchentoot:send-headers))
-        (block (make-array 65536 :element-type '(unsigned-byte 8) :initial-element 97)))
+        (block (make-array 16384 :element-type '(unsigned-byte 8) :initial-element 97)))
     (dotimes (i 512)
+      (sleep 0.01)
       (write-sequence block stream))
     nil))
 
@@ -188,9 +191,9 @@ start of a line; lines that do not belong to the entry before."
                         (declare (ignore env))
                         (lambda (respond)
                           (let ((write (funcall respond '(200 (:content-type "application/octet-stream"))))
-                                (block (make-array 65536 :element-type '(unsigned-byte 8)
+                                (block (make-array 16384 :element-type '(unsigned-byte 8)
                                                          :initial-element 97)))
-                            (loop repeat 512 while (funcall write block))
+                            (loop repeat 512 while (progn (sleep 0.01) (funcall write block)))
                             (funcall write nil :close t))))
                       :write-timeout 1 :log log)
       (unwind-protect

@@ -1042,22 +1042,56 @@ that is what happened under the TLS library."
 ;;; it in :WRITE-TIMEOUTS).
 ;;;
 ;;; The queue keeps the octets it holds in one of three ways: the output
-;;; buffer itself, handed over (a fresh one is taken for the next write);
+;;; buffer itself, handed over (a fresh one is taken for the next write),
+;;; unless less than half of it is left to send, which is copied instead;
 ;;; a reference to octets the caller gives up (a native app's response body);
-;;; or a copy.  Copies are what a streaming writer adds without bound, so they
-;;; are bounded: a write that would copy past the engine's MAX-UNSENT-BYTES
-;;; waits (bounded by the write timeout) until the client has read enough.
-;;; That is the one case where a writer waits for its client.  A file is
-;;; queued as a duplicate of its fd and sent with sendfile(2).
+;;; or a copy.  A file is queued as a duplicate of its fd and sent with
+;;; sendfile(2).  What the queue holds is counted in the memory account
+;;; (kind :OUTPUT, account.lisp), by the heap it takes (see below).
 ;;;
-;;; TLS and detached connections (RAW) keep blocking sends: a TLS library
-;;; writing through the stream, or a handler that kept it, expects every
-;;; octet gone when the write returns.
+;;; What a streaming writer queues, copies and handed-over buffers, grows
+;;; with what it writes, not with what its client reads; so the account, not
+;;; the client, bounds it.  Up to the engine's MAX-UNSENT-BYTES a connection
+;;; queues it as any other output.  Past that, each further piece is copied
+;;; into spill buffers (SPILL-UNSENT): a new one, of +SPILL-OCTETS+ at least,
+;;; is charged to the account before it is made (ACCOUNT-CHARGE), and given
+;;; back once sent or dropped, as every segment is.  While the account takes
+;;; them the writer goes on, so that a handler streaming to a slow reader
+;;; finishes and lets go of its worker, and the rest waits in epoll as a
+;;; buffered answer does.  (Large buffers, not a copy per write nor a
+;;; handed-over 8 KiB buffer holding a chunk's size line: what the collector
+;;; copies, and what the heap holds per octet queued, would grow with the
+;;; output.)  One connection holds at most SPILL-LIMIT so, a 64th of the
+;;; account's limit: a large download to a slow client then waits for its
+;;; client, holding its worker, instead of filling the account alone and
+;;; being closed as the largest holder.  Only a piece refused by that limit or by the account
+;;; makes the writer wait for its client (WAIT-FOR-ROOM), and at most
+;;; MAX-WAITING-WRITERS writers of an engine wait at once: past them, the
+;;; connection is closed instead (reset, counted in :WRITERS-SHED), so that
+;;; however many slow readers there are, they hold no more workers than
+;;; that.  A writer queuing past MAX-UNSENT-BYTES holds its client to the
+;;; terms a parked connection's client has, the write timeout and the
+;;; minimum data rate (READER-STALLED-P): a handler that streams on to a
+;;; client reading nothing is stopped, instead of filling the account for
+;;; everyone.  Octets given up by reference and files are never refused (the
+;;; first are held by their owner whether queued or not; the second are not
+;;; memory), nor is an upgraded connection's output, which its sends bound
+;;; before it comes here (upgrade.lisp).
+;;;
+;;; TLS through a library above the engine (SOURCE) and detached connections
+;;; (RAW) keep blocking sends: a TLS library writing through the stream, or a
+;;; handler that kept it, expects every octet gone when the write returns.
+;;; Neither takes a pool worker that is not taken already: a TLS library's
+;;; connection holds its worker for as long as it is open (tls.lisp), and a
+;;; detached or switched stream's writer is its owner's thread (outside the
+;;; pool, for a switched one), which a slow reader holds for at most the
+;;; write timeout without progress.
 ;;;
 ;;; Invariants: UNSENT holds no empty segment; UNSENT-BYTES is the sum of
-;;; its segments' remaining octets; while UNSENT is not empty, nothing is
-;;; sent to the socket except from its front (order on the wire is the order
-;;; of the writes).
+;;; its segments' remaining octets; only its last segment takes more octets
+;;; (QUEUE-COPY, SPILL-UNSENT), and never while it is also its first; while
+;;; UNSENT is not empty, nothing is sent to the socket except from its front
+;;; (order on the wire is the order of the writes).
 
 ;;; What the queues hold is counted in the memory account as :OUTPUT, by
 ;;; segment: the heap its octets take (OCTETS-FOOTPRINT) from when the
@@ -1120,19 +1154,29 @@ memory account."
     (account-add :output (- (octets-footprint (length (shared-octets-octets shared))))))
   nil)
 
+(defconstant +spill-octets+ (* 256 1024)
+  "The least size of a spill buffer (see SPILL-UNSENT).  Past 128 KiB an
+octet vector is one of SBCL's large objects, which its collector never
+copies: a writer's queued output then costs the collections nothing,
+however much of the heap it takes.")
+
 (defstruct (segment (:constructor make-segment (octets start end &optional pooled (file-fd -1)))
                     (:constructor make-shared-segment
                         (shared &aux (octets (shared-octets-octets shared))
                                   (start 0) (end (length octets))))
+                    (:constructor make-spill-segment
+                        (octets end counted &aux (start 0) (spill t)))
                     (:copier nil) (:predicate nil))
   "Octets START to END of OCTETS (POOLED: a buffer of the buffer pool, given
 back once sent; SHARED: the SHARED-OCTETS record OCTETS are of, let go of
-once sent), or, when OCTETS is NIL, bytes START to END of the file open on
-FILE-FD, which the segment owns."
+once sent; SPILL: a spill buffer, whose octets past END are room for more,
+see SPILL-UNSENT), or, when OCTETS is NIL, bytes START to END of the file
+open on FILE-FD, which the segment owns."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
   (end 0 :type fixnum)
   (pooled nil)
+  (spill nil)
   (file-fd -1 :type fixnum)
   (shared nil :type (or null shared-octets))
   (counted 0 :type fixnum))             ; in the memory account, until freed
@@ -1216,11 +1260,52 @@ segment, the one the socket is taking."
                 (conn-slot c unsent-tail) nil
                 unsent-bytes 0)))))
 
+(defun spill-limit ()
+  "The most octets one connection may hold unsent, spill buffers included: a
+64th of the account's limit (8 MiB of half a 1 GiB heap)."
+  (floor (account-limit) 64))
+
+(defun spill-tail (c)
+  "C's last unsent segment when it is a spill buffer that may take more: not
+also the first, which the socket is taking (on TLS it must be offered the
+same octets again)."
+  (let ((unsent (conn-slot c unsent)))
+    (and unsent (cdr unsent)
+         (let ((tail (car (conn-slot c unsent-tail))))
+           (and (segment-spill tail) tail)))))
+
+(defun spill-room (c)
+  "Octets C's last spill buffer can still take (SPILL-TAIL), or 0."
+  (let ((tail (spill-tail c)))
+    (if tail
+        (- (length (the octets (segment-octets tail))) (segment-end tail))
+        0)))
+
+(defun spill-unsent (c buffer start end size)
+  "Copy BUFFER[START,END) to the end of C's unsent output: as much as fits
+into the room of its last spill buffer (SPILL-TAIL), the rest into a new one
+of SIZE octets (0: none needed), whose footprint is charged to the memory
+account already."
+  (declare (type octets buffer) (type fixnum start end size))
+  (let ((tail (spill-tail c)))
+    (when tail
+      (let* ((fill (segment-end tail))
+             (n (min (- end start) (- (length (the octets (segment-octets tail))) fill))))
+        (replace (the octets (segment-octets tail)) buffer :start1 fill :start2 start :end2 (+ start n))
+        (setf (segment-end tail) (+ fill n))
+        (incf (the fixnum (conn-slot c unsent-bytes)) n)
+        (incf (the fixnum (conn-slot c sent)) n)
+        (incf start n))))
+  (when (< start end)
+    (let ((octets (make-array size :element-type '(unsigned-byte 8))))
+      (replace octets buffer :start2 start :end2 end)
+      (queue-unsent c (make-spill-segment octets (- end start) (octets-footprint size))))))
+
 (defun connection-give-body (c)
   "Say that the next whole octet vector written to C with WRITE-SEQUENCE is
 this answer's body, given up by its owner: queued, if the client does not
-read it at once, by reference instead of copied (and so with no
-MAX-UNSENT-BYTES to wait for).  Hunchentoot's layer says so for a body a
+read it at once, by reference instead of copied (and so never refused by
+the memory account, see Output above).  Hunchentoot's layer says so for a body a
 handler returned.  Holds until the next request."
   (setf (conn-slot c body-given) t))
 
@@ -1319,33 +1404,88 @@ or during a TLS handshake, whose octets are not counted here)."
 OUTPUT-DEADLINES."
   (multiple-value-call #'earliest (output-deadlines c)))
 
+(defun reader-timed-out (c)
+  "C's client read too little of its waiting output in time: count it as a
+write timeout (and a slow client when the minimum rate's deadline came
+first), and signal CONNECTION-TIMEOUT-ERROR; the connection is reset when
+it closes."
+  (let ((engine (connection-engine c))
+        (rate (output-rate-deadline c)))
+    (sb-ext:atomic-incf (engine-timeouts engine))
+    (sb-ext:atomic-incf (engine-write-timeouts engine))
+    (when (and rate (< rate (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
+      (sb-ext:atomic-incf (engine-slow-clients engine)))
+    (setf (conn-slot c timed-out) t)
+    ;; At once (see SET-RESET-ON-CLOSE), not once the client read.
+    (set-reset-on-close (connection-fd c))
+    (error 'connection-timeout-error :stream c :operation "write")))
+
 (defun wait-for-reader (c)
   "Wait until C's socket takes more output, bounded by the write timeout or,
 sooner, the minimum data rate of the client's reading (WRITE-WAIT-MS; a
 period in which the client's TCP acknowledged its quota begins another,
-CLIENT-READ-A-PERIOD-P).  Past it, CONNECTION-TIMEOUT-ERROR, counted as a
-write timeout, and the connection is reset when it closes."
+CLIENT-READ-A-PERIOD-P).  Past it, READER-TIMED-OUT."
+  (loop
+    (unless (eq :timeout (poll-fds (connection-fd c) +pollout+ -1 (write-wait-ms c)))
+      (return :ready))
+    (unless (client-read-a-period-p c)
+      (reader-timed-out c))))
+
+(defun reader-stalled-p (c)
+  "True when C's waiting output is past the deadline a parked connection's
+would be closed at (OUTPUT-DEADLINE): its client read nothing for the write
+timeout, or less than the minimum rate's quota in the period, and its TCP
+acknowledged no more since (CLIENT-READ-A-PERIOD-P)."
+  (and (conn-slot c unsent)
+       (>= (now-ms) (output-deadline c))
+       (not (client-read-a-period-p c))))
+
+(define-condition connection-shed-error (connection-timeout-error)
+  ()
+  (:report (lambda (c s)
+             (format s "~A on ~A: its client reads too slowly for the server, short of ~
+                        memory, to keep what it writes; closed"
+                     (connection-error-operation c) (stream-error-stream c))))
+  (:documentation "A write past MAX-UNSENT-BYTES that the memory account refused,
+when the engine's MAX-WAITING-WRITERS writers waited for their clients
+already (WAIT-FOR-ROOM).  A timeout of the client's to the layers above: logged
+at most once a minute."))
+
+(defun wait-for-room (c)
+  "The memory account refused output C's writer would queue: wait for the
+client to read some (WAIT-FOR-READER) while fewer than the engine's
+MAX-WAITING-WRITERS writers wait; past them, close C instead: it is counted
+in :WRITERS-SHED, its unsent output dropped, and CONNECTION-SHED-ERROR is
+signalled; C closes, reset, once its handler returns."
   (let ((engine (connection-engine c)))
-    (loop
-      (unless (eq :timeout (poll-fds (connection-fd c) +pollout+ -1 (write-wait-ms c)))
-        (return :ready))
-      (unless (client-read-a-period-p c)
-        (let ((rate (output-rate-deadline c)))
-          (sb-ext:atomic-incf (engine-timeouts engine))
-          (sb-ext:atomic-incf (engine-write-timeouts engine))
-          (when (and rate (< rate (+ (conn-slot c out-progress) (engine-write-timeout-ms engine))))
-            (sb-ext:atomic-incf (engine-slow-clients engine))))
-        (setf (conn-slot c timed-out) t)
-        ;; At once (see SET-RESET-ON-CLOSE), not once the client read.
-        (set-reset-on-close (connection-fd c))
-        (error 'connection-timeout-error :stream c :operation "write")))))
+    ;; The count is taken and given back with interrupts off, so that a
+    ;; handler deadline's interrupt cannot leave it counted.
+    (when (sb-sys:without-interrupts
+            (if (< (sb-ext:atomic-incf (engine-waiting-writers engine))
+                   (engine-max-waiting-writers engine))
+                (unwind-protect (sb-sys:with-local-interrupts (wait-for-reader c) nil)
+                  (sb-ext:atomic-decf (engine-waiting-writers engine)))
+                (progn (sb-ext:atomic-decf (engine-waiting-writers engine))
+                       t)))
+      (sb-ext:atomic-incf (engine-writers-shed engine))
+      ;; C closes as soon as its handler is done, whether or not the handler
+      ;; heeds the error: what waits is dropped, later writes too, and the
+      ;; close resets it.
+      (discard-unsent c)
+      (setf (conn-slot c timed-out) t
+            (conn-slot c framing-broken) t
+            (conn-slot c gone) t)
+      (set-reset-on-close (connection-fd c))
+      (error 'connection-shed-error :stream c :operation "write"))))
 
 (defun send-all (c buffer start end &optional (keep :copy))
   "Send BUFFER[START,END) after C's unsent output.  What the socket does not
-take now is queued (see above): KEEP :COPY copies it (waiting past
-MAX-UNSENT-BYTES), :REFERENCE keeps BUFFER itself, :HAND-OVER keeps BUFFER, a
-pooled buffer, and gives it back once sent.  Returns :KEPT when BUFFER itself
-was queued.  On a RAW connection, blocks until all is sent."
+take now is queued (see above): KEEP :COPY copies it, :REFERENCE keeps BUFFER
+itself, :HAND-OVER keeps BUFFER, a pooled buffer, and gives it back once
+sent.  Past MAX-UNSENT-BYTES a copy or a hand-over is copied into a spill
+buffer instead (SPILL-UNSENT), charged to the memory account, and waits for
+the client when the account refuses (WAIT-FOR-ROOM).  Returns :KEPT when
+BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
   (declare (type octets buffer) (type fixnum start end))
   (when (conn-slot c source)
     (return-from send-all (send-to-source c buffer start end)))
@@ -1364,33 +1504,54 @@ was queued.  On a RAW connection, blocks until all is sent."
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))
-    (flet ((may-queue-p ()
-             ;; What is left may join the queue now; else (a copy past
-             ;; MAX-UNSENT-BYTES) the client must read some first.
-             (or (not (eq keep :copy))
-                 (<= (+ (conn-slot c unsent-bytes) (- end start))
-                     (engine-max-unsent-bytes engine)))))
-      (loop while (< start end)
-            do (if (or (null (conn-slot c unsent)) (send-unsent c))
-                   ;; Nothing queued: straight to the socket.
-                   (multiple-value-bind (n errno) (connection-send c buffer start end)
-                     (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
-                           ((/= errno +eagain+) (client-went-away c errno "write"))
-                           ((may-queue-p) (return))
-                           (t (wait-for-reader c))))
-                   ;; Queued output waits: queue behind it, or wait for room.
-                   (if (may-queue-p)
-                       (return)
-                       (wait-for-reader c))))
-      (when (< start end)
-        (when (conn-slot c shed)
-          ;; The overload manager closes C: nothing more is queued for it.
-          (set-reset-on-close (connection-fd c))
-          (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
-        (ecase keep
-          (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
-          (:reference (queue-unsent c (make-segment buffer start end)) :kept)
-          (:hand-over (queue-unsent c (make-segment buffer start end t)) :kept))))))
+    (let ((spill nil))               ; past MAX-UNSENT-BYTES: a new spill buffer's size, or 0
+      (flet ((may-queue-p ()
+               ;; What is left may join the queue now (see Output above);
+               ;; NIL when the account refused it.
+               (or (eq keep :reference)
+                   (conn-slot c upgrade)
+                   (<= (+ (conn-slot c unsent-bytes) (- end start))
+                       (engine-max-unsent-bytes engine))
+                   (progn
+                     (when (reader-stalled-p c)
+                       (reader-timed-out c))
+                     (let ((short (- end start (spill-room c))))
+                       (if (<= short 0)
+                           (setf spill 0)
+                           (let ((size (max short +spill-octets+)))
+                             (and (<= (+ (conn-slot c unsent-bytes) size) (spill-limit))
+                                  (account-charge :output (octets-footprint size))
+                                  (setf spill size)))))))))
+        (loop while (< start end)
+              do (if (or (null (conn-slot c unsent)) (send-unsent c))
+                     ;; Nothing queued: straight to the socket.
+                     (multiple-value-bind (n errno) (connection-send c buffer start end)
+                       (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                             ((/= errno +eagain+) (client-went-away c errno "write"))
+                             ((may-queue-p) (return))
+                             (t (wait-for-room c))))
+                     ;; Queued output waits: queue behind it, or wait for room.
+                     (if (may-queue-p)
+                         (return)
+                         (wait-for-room c))))
+        (when (< start end)
+          (when (conn-slot c shed)
+            ;; The overload manager closes C: nothing more is queued for it.
+            (when (and spill (plusp spill))
+              (account-add :output (- (octets-footprint spill))))
+            (set-reset-on-close (connection-fd c))
+            (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
+          (if spill
+              (progn (spill-unsent c buffer start end spill) nil)
+              (ecase keep
+                (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
+                (:reference (queue-unsent c (make-segment buffer start end)) :kept)
+                (:hand-over
+                 (if (< (* 2 (- end start)) (length buffer))
+                     ;; Mostly empty (a writer's flush after a short
+                     ;; write): a copy costs what it holds, the buffer more.
+                     (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)))
+                     (progn (queue-unsent c (make-segment buffer start end t)) :kept))))))))))
 
 (declaim (inline output-buffer))
 (defun output-buffer (c)
