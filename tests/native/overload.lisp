@@ -153,6 +153,8 @@
                 (expect-octets big (server-frame 8 payload) "the close frame"))
               (is (closed-by-peer-p big))
               (is (wait-until (lambda () (= (1+ shed) (nth-value 2 (gallop.core::overload-counts))))))
+              ;; ON-CLOSE runs on a worker once the connection ended.
+              (is (wait-until (lambda () *ws-closes*)))
               (is (equal '((1013 "server short of memory")) *ws-closes*)))
             ;; ... and it was enough: the other finishes its message.
             (ws-send small (ws-frame 0 (octets "!")))
