@@ -140,7 +140,7 @@ ENGINE-COUNTS returns it) and the budgets' limits in octets.  Pure."
       (loop for (kind value) on (getf stats :memory) by #'cddr
             do (format stream "gallop_memory_bytes{kind=\"~(~A~)\"} ~D~%" kind value))
       (one "gallop_memory_limit_bytes" "gauge"
-           "The memory account's limit: octets all kinds together may hold."
+           "The memory account's limit: octets the heap's kinds (all but stacks) together may hold."
            (or (getf stats :memory-limit) 0))
       (one "gallop_overload_level" "gauge"
            "The overload manager's level: 0 normal, 1 largest holders not read, 2 new upgrades and large bodies refused, 3 largest holders closed."

@@ -353,7 +353,8 @@ at most MAX-WAITING-WRITERS, see WAIT-FOR-ROOM), :WRITERS-SHED (connections
 closed instead, because that many waited already, in all), :TIMERS (application timers pending,
 see timers.lisp); the process-wide memory account (account.lisp):
 :MEMORY-BYTES (octets held for clients, by all the servers of the process),
-:MEMORY-LIMIT, :MEMORY (a property list of them by kind: :HEADS, :BODIES,
+:MEMORY-LIMIT (that of the heap's kinds, all but :STACKS), :STACKS-LIMIT,
+:MEMORY (a property list of them by kind: :HEADS, :BODIES,
 :MESSAGES, :INFLATE, :OUTPUT, :STACKS), :OVERLOAD-LEVEL (0 to 3, see
 overload.lisp), :OVERLOAD-PAUSED, :OVERLOAD-REFUSED and :OVERLOAD-SHED (the
 overload manager's actions, in all); and

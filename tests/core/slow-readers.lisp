@@ -691,3 +691,29 @@ its whole answer once its client reads."
                                                                      :min-data-rate nil))
     (check-waiting-writers-bound server (port-of server) "/slow/stream-pieces"
                                  (joined-octets *streamed-pieces*) :content-length)))
+
+(test writers-past-their-own-share-all-wait-while-memory-is-plenty
+  "Writers past their connection's share of the account (a 64th of its
+limit) wait for their clients, however many, while memory is plentiful:
+the bound on waiting writers is for a full account only.  Two clients read
+nothing with :MAX-WAITING-WRITERS 1; neither is shed, and each then reads
+its whole answer, exactly."
+  (let* ((pieces (streamed-pieces 40))
+         (finished (list '())))
+    (with-memory-limit ((* 64 1024 1024))
+      (with-app (server (piece-streaming-app pieces finished)
+                        :min-data-rate nil :max-waiting-writers 1)
+        (with-slow-readers (readers)
+          (let ((a (slow-reader (native-port server)))
+                (b (slow-reader (native-port server))))
+            (push a readers)
+            (push b readers)
+            (slow-reader-send a (get-line "/pieces"))
+            (slow-reader-send b (get-line "/pieces"))
+            (is-true (wait-until (lambda () (= 2 (stat server :waiting-writers))))
+                     "both writers do not wait: ~S" (gallop:stats server))
+            (is (zerop (gallop.core:overload-level)))
+            (dolist (socket (list a b))
+              (expect-answer (stream-source (slow-reader-stream socket)) (joined-octets pieces)
+                             :framing :chunked))
+            (is (zerop (stat server :writers-shed)))))))))

@@ -1191,12 +1191,15 @@ file's are not in memory)."
   (when (and (zerop (segment-counted segment)) (segment-octets segment)
              (null (segment-shared segment)))
     (let ((n (octets-footprint (length (the octets (segment-octets segment))))))
-      (account-add :output n)
-      (setf (segment-counted segment) n))))
+      ;; Counted and noted at once: see SEND-ALL.
+      (sb-sys:without-interrupts
+        (account-add :output n)
+        (setf (segment-counted segment) n)))))
 
 (defun free-segment (segment)
   (when (plusp (segment-counted segment))
-    (account-add :output (- (shiftf (segment-counted segment) 0))))
+    (sb-sys:without-interrupts
+      (account-add :output (- (shiftf (segment-counted segment) 0)))))
   (cond ((segment-shared segment)
          (release-shared-octets (shiftf (segment-shared segment) nil)))
         ((segment-octets segment)
@@ -1443,26 +1446,31 @@ acknowledged no more since (CLIENT-READ-A-PERIOD-P)."
 (define-condition connection-shed-error (connection-timeout-error)
   ()
   (:report (lambda (c s)
-             (format s "~A on ~A: its client reads too slowly for the server, short of ~
-                        memory, to keep what it writes; closed"
+             (format s "~A on ~A: its client reads too slowly for the server to keep ~
+                        what it writes (the memory account is full, or its writers ~
+                        waiting for clients are); closed"
                      (connection-error-operation c) (stream-error-stream c))))
   (:documentation "A write past MAX-UNSENT-BYTES that the memory account refused,
 when the engine's MAX-WAITING-WRITERS writers waited for their clients
 already (WAIT-FOR-ROOM).  A timeout of the client's to the layers above: logged
 at most once a minute."))
 
-(defun wait-for-room (c)
+(defun wait-for-room (c &key (bounded t))
   "The memory account refused output C's writer would queue: wait for the
 client to read some (WAIT-FOR-READER) while fewer than the engine's
 MAX-WAITING-WRITERS writers wait; past them, close C instead: it is counted
 in :WRITERS-SHED, its unsent output dropped, and CONNECTION-SHED-ERROR is
-signalled; C closes, reset, once its handler returns."
+signalled; C closes, reset, once its handler returns.  Not BOUNDED (C's own
+spill limit refused, memory plentiful), it waits whatever the count, as a
+writer past its share always did: its write timeout and the minimum rate
+bound that."
   (let ((engine (connection-engine c)))
     ;; The count is taken and given back with interrupts off, so that a
     ;; handler deadline's interrupt cannot leave it counted.
     (when (sb-sys:without-interrupts
-            (if (< (sb-ext:atomic-incf (engine-waiting-writers engine))
-                   (engine-max-waiting-writers engine))
+            (if (or (< (sb-ext:atomic-incf (engine-waiting-writers engine))
+                       (engine-max-waiting-writers engine))
+                    (not bounded))
                 (unwind-protect (sb-sys:with-local-interrupts (wait-for-reader c) nil)
                   (sb-ext:atomic-decf (engine-waiting-writers engine)))
                 (progn (sb-ext:atomic-decf (engine-waiting-writers engine))
@@ -1504,7 +1512,8 @@ BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
                          ((= errno +eagain+) (wait-for-fd c +pollout+ timeout "write"))
                          (t (client-went-away c errno "write"))))))
       (return-from send-all nil))
-    (let ((spill nil))               ; past MAX-UNSENT-BYTES: a new spill buffer's size, or 0
+    (let ((spill nil)   ; past MAX-UNSENT-BYTES: a new spill buffer's size (charged), or 0
+          (refused nil)) ; why MAY-QUEUE-P said no: :OWN (C's spill limit) or :ACCOUNT
       (flet ((may-queue-p ()
                ;; What is left may join the queue now (see Output above);
                ;; NIL when the account refused it.
@@ -1519,39 +1528,60 @@ BUFFER itself was queued.  On a RAW connection, blocks until all is sent."
                        (if (<= short 0)
                            (setf spill 0)
                            (let ((size (max short +spill-octets+)))
-                             (and (<= (+ (conn-slot c unsent-bytes) size) (spill-limit))
-                                  (account-charge :output (octets-footprint size))
-                                  (setf spill size)))))))))
-        (loop while (< start end)
-              do (if (or (null (conn-slot c unsent)) (send-unsent c))
-                     ;; Nothing queued: straight to the socket.
-                     (multiple-value-bind (n errno) (connection-send c buffer start end)
-                       (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
-                             ((/= errno +eagain+) (client-went-away c errno "write"))
-                             ((may-queue-p) (return))
-                             (t (wait-for-room c))))
-                     ;; Queued output waits: queue behind it, or wait for room.
-                     (if (may-queue-p)
-                         (return)
-                         (wait-for-room c))))
-        (when (< start end)
-          (when (conn-slot c shed)
-            ;; The overload manager closes C: nothing more is queued for it.
-            (when (and spill (plusp spill))
-              (account-add :output (- (octets-footprint spill))))
-            (set-reset-on-close (connection-fd c))
-            (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
-          (if spill
-              (progn (spill-unsent c buffer start end spill) nil)
-              (ecase keep
-                (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
-                (:reference (queue-unsent c (make-segment buffer start end)) :kept)
-                (:hand-over
-                 (if (< (* 2 (- end start)) (length buffer))
-                     ;; Mostly empty (a writer's flush after a short
-                     ;; write): a copy costs what it holds, the buffer more.
-                     (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)))
-                     (progn (queue-unsent c (make-segment buffer start end t)) :kept))))))))))
+                             (cond ((> (+ (conn-slot c unsent-bytes) size) (spill-limit))
+                                    (setf refused :own)
+                                    nil)
+                                   ;; Charged and noted at once: an interrupt
+                                   ;; (a handler deadline) between the two
+                                   ;; would leave the charge for good.
+                                   ((sb-sys:without-interrupts
+                                      (and (account-charge :output (octets-footprint size))
+                                           (setf spill size))))
+                                   (t (setf refused :account)
+                                      nil))))))))
+             (wait ()
+               ;; C's own spill limit, memory plentiful: wait for its client
+               ;; as a writer past it always did (the write timeout and the
+               ;; minimum rate bound it).  The account: bounded waiting.
+               (wait-for-room c :bounded (not (and (eq refused :own)
+                                                   (zerop (overload-level)))))))
+        (unwind-protect
+            (progn
+              (loop while (< start end)
+                    do (if (or (null (conn-slot c unsent)) (send-unsent c))
+                           ;; Nothing queued: straight to the socket.
+                           (multiple-value-bind (n errno) (connection-send c buffer start end)
+                             (cond ((>= n 0) (incf start n) (incf (the fixnum (conn-slot c sent)) n))
+                                   ((/= errno +eagain+) (client-went-away c errno "write"))
+                                   ((may-queue-p) (return))
+                                   (t (wait))))
+                           ;; Queued output waits: queue behind it, or wait for room.
+                           (if (may-queue-p)
+                               (return)
+                               (wait))))
+              (when (< start end)
+                (when (conn-slot c shed)
+                  ;; The overload manager closes C: nothing more is queued for it
+                  ;; (the spill buffer's charge is given back below).
+                  (set-reset-on-close (connection-fd c))
+                  (error 'connection-error :stream c :operation "write (shed: the server is short of memory)"))
+                (if spill
+                    (sb-sys:without-interrupts
+                      (spill-unsent c buffer start end spill)
+                      ;; Queued: its charge is the queue's now.
+                      (setf spill nil))
+                    (ecase keep
+                      (:copy (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start))))
+                      (:reference (queue-unsent c (make-segment buffer start end)) :kept)
+                      (:hand-over
+                       (if (< (* 2 (- end start)) (length buffer))
+                           ;; Mostly empty (a writer's flush after a short
+                           ;; write): a copy costs what it holds, the buffer more.
+                           (queue-unsent c (make-segment (subseq buffer start end) 0 (- end start)))
+                           (progn (queue-unsent c (make-segment buffer start end t)) :kept)))))))
+          ;; Charged and not queued (an error, the shed, an interrupt): given back.
+          (when (and spill (plusp spill))
+            (account-add :output (- (octets-footprint spill)))))))))
 
 (declaim (inline output-buffer))
 (defun output-buffer (c)

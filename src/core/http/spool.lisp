@@ -160,12 +160,17 @@ NIL (nothing appended) when they would exceed the body budget."
     (when (plusp more)
       (unless (charge-budget engine #'body-bytes-incf (engine-body-budget engine) more)
         (return-from spool-to-memory nil))
-      ;; Under pressure (the overload level, account.lisp) or past the
-      ;; account's limit, a body goes to disk instead.
-      (unless (and (zerop (overload-level)) (account-charge :bodies more))
+      ;; Under pressure (the overload level, account.lisp) a body longer
+      ;; than one buffer goes to disk instead, and past the account's limit
+      ;; any.  Charged and noted with interrupts off: a handler deadline's
+      ;; interrupt between the two would leave the charge for good.
+      (unless (sb-sys:without-interrupts
+                (when (and (or (<= want +buffer-size+) (zerop (overload-level)))
+                           (account-charge :bodies more))
+                  (incf (spool-charged spool) more)
+                  t))
         (body-bytes-incf engine (- more))
         (return-from spool-to-memory nil))
-      (incf (spool-charged spool) more)
       (let* ((count (ceiling want +buffer-size+))
              (old (spool-memory spool))
              (memory (if (and old (<= count (length old)))

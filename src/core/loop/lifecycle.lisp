@@ -184,7 +184,9 @@ caller owns C.  Returns true, or NIL when an event came while C was busy
 caller still owns C and must read (or send) again."
   (let ((engine (connection-engine c)))
     (with-connection-slots (in-start in-end head-started boundary stream-closed) c
-      (setf boundary nil stream-closed nil)
+      (setf boundary nil stream-closed nil
+            ;; A mark of the overload manager's is for the request it saw.
+            (conn-slot c shed) nil)
       (let ((now (now-ms)))
         (cond (output
                ;; The write timeout, from the last time the client read, or

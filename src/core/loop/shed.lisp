@@ -13,8 +13,9 @@ a parked one at once (503 when its body was arriving); one a worker owns is
 marked, and fails at its next queued write (SEND-ALL).  True when done or
 marked."
   (let ((u (conn-slot c upgrade)))
-    (setf (conn-slot c shed) t)
     (cond ((and u (not (upgrade-ended u)))
+           ;; Marked: going (SHED-LARGEST counts what it holds as given back).
+           (setf (conn-slot c shed) t)
            (let ((on-shed (upgrade-on-shed u)))
              (if on-shed
                  (handler-case (funcall on-shed)
@@ -32,7 +33,10 @@ marked."
                       (set-reset-on-close (connection-fd c)))
                     (close-connection c)))
              t))
-          ((member (connection-state c) '(:active :dirty)) t)
+          ((member (connection-state c) '(:active :dirty))
+           ;; Its owner's next queued write fails; PARK clears the mark of a
+           ;; connection that needed none until its request ended.
+           (setf (conn-slot c shed) t))
           (t nil))))
 
 (defun shed-largest (bound)

@@ -282,6 +282,10 @@ what the socket takes (the caller owns C).  NIL when all of it went out."
       (discard-mailbox u)
       (discard-unsent c :keep-first t)
       (connection-write-segment c (make-segment words 0 (length words)))))
+  (when (eq (upgrade-last-words u) t)
+    ;; Cut: a send that passed its check before the cut came after it, and
+    ;; nothing goes after the last words.
+    (discard-mailbox u))
   (let* ((segments (nreverse (take-mailbox u)))
          (segment nil))
     (unwind-protect
