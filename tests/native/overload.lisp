@@ -207,3 +207,26 @@ holds among the most, and gets the engine's 503, exactly, then the close."
                  (is (closed-by-peer-p socket))))
           (usocket:socket-close socket))
         (is (wait-until (lambda () (zerop (gallop.core:account-used :bodies)))))))))
+
+(test a-mark-of-the-overload-manager-is-for-one-request
+  "The manager marks a connection a worker owns (its next queued write
+fails); once that request is answered and the connection parks, the mark
+is gone: a later answer on the same keep-alive connection, too big for the
+socket, is not reset."
+  (let ((big (make-array (* 4 1024 1024) :element-type '(unsigned-byte 8) :initial-element 7)))
+    (flet ((app (env)
+             (if (string= "/mark" (getf env :path-info))
+                 (progn (gallop.core::shed-connection
+                         (gallop::exchange-connection (getf env :clack.io)))
+                        '(200 (:content-type "text/plain") ("marked")))
+                 `(200 (:content-type "application/octet-stream") ,big))))
+      (with-app (server #'app)
+        (with-slow-readers (readers)
+          (let ((socket (slow-reader (native-port server))))
+            (push socket readers)
+            (slow-reader-send socket (get-line "/mark"))
+            (let ((source (stream-source (slow-reader-stream socket))))
+              (expect-answer source (octets "marked"))
+              (slow-reader-send socket (get-line "/big"))
+              (is (wait-until (lambda () (plusp (stat server :unsent-bytes)))))
+              (expect-answer source big))))))))
