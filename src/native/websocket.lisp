@@ -505,23 +505,29 @@ CODE and REASON (cut to fit); the connection closes once the client answers
       (gallop.core:schedule-timer pool +close-wait-seconds+
                                   (lambda () (socket-close (ws-socket ws) :abort t))))))
 
+(defun ws-cut (ws code reason)
+  "Close WS with CODE and REASON without waiting for its client, from any
+thread: nothing more is read, what waits for the client and has not begun
+to go out is dropped, the close frame follows the message the socket is
+taking, and the connection closes once the client has it, or is aborted
++CLOSE-WAIT-SECONDS+ later (a client that reads nothing would never get
+it).  ON-CLOSE gets CODE.  When WS was closing already, it is aborted at
+once."
+  (setf (ws-failed ws) t)
+  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
+      (progn
+        (setf (ws-close-code ws) code (ws-close-reason ws) reason)
+        (gallop.core:connection-cut-upgraded (ws-connection ws)
+                                             (frame-octets 8 (close-payload code reason)))
+        (abort-later ws))
+      (socket-close (ws-socket ws) :abort t)))
+
 (defun ws-fall-behind (ws)
   "A send found more waiting for WS's client than the server's
 UPGRADED-SEND-LIMIT (or, short of memory, more than a little): the client
-does not keep up.  WS is closed with 1008 (policy violation; as a server
-short of memory closes with 1013, try again later): what waits for the
-client and has not begun to go out is dropped, the close frame follows the
-message the socket is taking, and the connection closes once the client has
-it, or is aborted +CLOSE-WAIT-SECONDS+ later (a client that reads nothing
-would never get it).  ON-CLOSE gets 1008.  When WS was closing already, it is
-aborted at once."
-  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
-      (let ((reason "too far behind"))
-        (setf (ws-close-code ws) 1008 (ws-close-reason ws) reason)
-        (gallop.core:connection-cut-upgraded (ws-connection ws)
-                                             (frame-octets 8 (close-payload 1008 reason)))
-        (abort-later ws))
-      (socket-close (ws-socket ws) :abort t)))
+does not keep up.  WS is cut (WS-CUT) with 1008, policy violation (a server
+short of memory closes with 1013, try again later: WS-SHED)."
+  (ws-cut ws 1008 "too far behind"))
 
 (defun drop-message (ws)
   "WS reads no more messages: let go of the one it was assembling, and of
@@ -545,21 +551,9 @@ for its message): close WS with CODE, read nothing more."
 
 (defun ws-shed (ws)
   "The server is short of memory and WS holds among the most (the overload
-manager, from its own thread; never waits): WS is closed with 1013 (try
-again later) as a client that falls behind is with 1008 (WS-FALL-BEHIND):
-nothing more is read, what waits and has not begun to go out is dropped,
-the close frame follows the message the socket is taking, and the
-connection closes once the client has it, or is aborted
-+CLOSE-WAIT-SECONDS+ later.  The message WS was assembling goes when it
-ends."
-  (setf (ws-failed ws) t)
-  (if (null (sb-ext:compare-and-swap (ws-close-sent ws) nil t))
-      (let ((reason "server short of memory"))
-        (setf (ws-close-code ws) 1013 (ws-close-reason ws) reason)
-        (gallop.core:connection-cut-upgraded (ws-connection ws)
-                                             (frame-octets 8 (close-payload 1013 reason)))
-        (abort-later ws))
-      (socket-close (ws-socket ws) :abort t)))
+manager, from its own thread): WS is cut (WS-CUT) with 1013, try again
+later.  The message it was assembling goes when it ends."
+  (ws-cut ws 1013 "server short of memory"))
 
 (defun websocket-ended (ws)
   "The connection of WS ended (the socket's close callback): ON-CLOSE, once."

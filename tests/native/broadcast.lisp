@@ -194,7 +194,9 @@ the send limit, then refused.  When it reads, it gets the first messages
 whole and in order (those the socket had begun to take), a close frame with
 1008 (policy violation), then end of file: the rest was dropped.  ON-CLOSE gets 1008,
 the slow client is counted, the account is given back."
-  (with-broadcast-app (server port :upgraded-send-limit (* 64 1024))
+  ;; No minimum rate: a client that reads nothing for its grace would be
+  ;; closed by it too, with no close frame, on a slow host.
+  (with-broadcast-app (server port :upgraded-send-limit (* 64 1024) :min-data-rate nil)
     (let ((client (lagging-ws port))
           (before (gallop.core:account-used :output)))
       (unwind-protect

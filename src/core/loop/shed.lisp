@@ -16,13 +16,7 @@ marked."
     (cond ((and u (not (upgrade-ended u)))
            ;; Marked: going (SHED-LARGEST counts what it holds as given back).
            (setf (conn-slot c shed) t)
-           (let ((on-shed (upgrade-on-shed u)))
-             (if on-shed
-                 (handler-case (funcall on-shed)
-                   (error (e)
-                     (log-engine-error (connection-engine c) "Shedding ~A: ~A" c e)
-                     (connection-close-upgraded c :abort t)))
-                 (connection-close-upgraded c :abort t)))
+           (close-upgraded-as-layer-says c (upgrade-on-shed u) "for the overload manager")
            t)
           ((eq (connection-state c) :parked)
            (when (eq :parked (sb-ext:compare-and-swap (%conn-slot c state) :parked :active))

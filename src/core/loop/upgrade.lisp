@@ -172,17 +172,22 @@ backlog may not."
     (or (> pending (upgrade-send-limit u))
         (and (> pending +short-of-memory-backlog+) (>= (overload-level) 1)))))
 
+(defun close-upgraded-as-layer-says (c function why)
+  "Close the upgraded connection C by FUNCTION, the layer above's way (a
+WebSocket's close frame first), or at once when there is none or it fails
+\(logged, with WHY)."
+  (if function
+      (handler-case (funcall function)
+        (error (e)
+          (log-engine-error (connection-engine c) "Closing ~A ~A: ~A" c why e)
+          (connection-close-upgraded c :abort t)))
+      (connection-close-upgraded c :abort t)))
+
 (defun fall-behind (c u)
   "C's client fell behind (BEHIND-P): count it among the slow clients and
 close C as its layer says (ON-LIMIT), else at once."
   (sb-ext:atomic-incf (engine-slow-clients (connection-engine c)))
-  (let ((on-limit (upgrade-on-limit u)))
-    (if on-limit
-        (handler-case (funcall on-limit)
-          (error (e)
-            (log-engine-error (connection-engine c) "Closing ~A past its send limit: ~A" c e)
-            (connection-close-upgraded c :abort t)))
-        (connection-close-upgraded c :abort t))))
+  (close-upgraded-as-layer-says c (upgrade-on-limit u) "past its send limit"))
 
 (defun queue-upgraded (c u segment)
   "Push SEGMENT on U's mailbox, counted, and see that it goes out.  What
