@@ -428,7 +428,8 @@ waits, and park C again, or close it."
               (when (eq input :eof)
                 (setf (conn-slot c peer-closed) t))
               (when (or (eq (upgrade-closing u) :abort)
-                        (and sent (or (upgrade-closing u) (eq input :eof))))
+                        (and sent (or (upgrade-closing u) (eq input :eof))
+                             (nothing-waits-p u)))
                 (return (end-upgraded c u)))
               (when (eq input :eof)
                 ;; What is left goes out; nothing more will be read.
@@ -442,13 +443,23 @@ waits, and park C again, or close it."
         (close-connection c)))
     nil))
 
+(defun nothing-waits-p (u)
+  "True when no send and no cut's last words wait in U's mailbox.  Read after
+U's closing was seen: a sender pushes, or a cut sets its last words, before
+it closes, and then kicks the owner (whose park fails, :DIRTY), so an owner
+that drained before the push and saw the closing after it ends only once
+this is true, and otherwise drains again."
+  (and (null (upgrade-mailbox u))
+       (not (typep (upgrade-last-words u) 'octets))))
+
 (defun flush-upgraded-as-sender (c u)
   "A sending thread took the parked C (KICK-UPGRADED): send what waits, close
 C if it is closing, and let go of it; input that came meanwhile is left to a
 worker (the read callback runs only on workers)."
   (handler-case
       (let ((sent (drain-mailbox c u)))
-        (cond ((or (eq (upgrade-closing u) :abort) (and sent (upgrade-closing u)))
+        (cond ((or (eq (upgrade-closing u) :abort)
+                   (and sent (upgrade-closing u) (nothing-waits-p u)))
                (end-upgraded c u))
               ((park-upgraded c u))
               (t
