@@ -497,14 +497,11 @@ epoll rather than closed."
 (defun release-buffers (c)
   "Give back the buffers of C that hold nothing (and the head budget the input
 buffer held, see CHARGE-HEAD)."
-  (with-connection-slots (inbuf in-start in-end scan outbuf out-fill budgeted engine) c
+  (with-connection-slots (inbuf in-start in-end scan outbuf out-fill) c
     (when (and inbuf (= in-start in-end))
       (release-buffer inbuf)
       (setf inbuf nil in-start 0 in-end 0 scan 0)
-      (when (plusp budgeted)
-        (sb-ext:atomic-decf (engine-head-bytes engine) budgeted)
-        (account-add :heads (- budgeted))
-        (setf budgeted 0)))
+      (uncharge-head c))
     (when (and outbuf (zerop out-fill))
       (release-buffer outbuf)
       (setf outbuf nil))))
@@ -522,20 +519,28 @@ buffer held, see CHARGE-HEAD)."
 ;;; the BUDGETED octets of every connection, and BUDGETED is 0 or the length
 ;;; of the connection's input buffer.
 
+(defun charge-head-octets (engine n)
+  "Count N octets (N may be negative) of head buffers against ENGINE's head
+budget and the memory account's :HEADS.  NIL, nothing counted, when either
+would be exceeded."
+  (declare (type fixnum n))
+  ;; ATOMIC-INCF returns the old value.
+  (cond ((or (> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
+                (engine-head-budget engine))
+             (not (account-charge :heads n)))
+         (sb-ext:atomic-decf (engine-head-bytes engine) n)
+         nil)
+        (t t)))
+
 (defun charge-head (c)
   "Count C's input buffer against the head budget if C is about to park with
 a partial request in it.  NIL when that would exceed the budget."
   (with-connection-slots (inbuf in-start in-end budgeted engine) c
     (or (null inbuf) (= in-start in-end) (plusp budgeted)
         (let ((n (length (the octets inbuf))))
-          (cond ((> (+ n (sb-ext:atomic-incf (engine-head-bytes engine) n))
-                    (engine-head-budget engine))
-                 (sb-ext:atomic-decf (engine-head-bytes engine) n)
-                 nil)
-                ((not (account-charge :heads n))
-                 (sb-ext:atomic-decf (engine-head-bytes engine) n)
-                 nil)
-                (t (setf budgeted n) t))))))
+          (when (charge-head-octets engine n)
+            (setf budgeted n)
+            t)))))
 
 (defun uncharge-head (c)
   "C gives its input buffer up (rejected or closed): give its share of the
@@ -556,16 +561,9 @@ those together exhausted the heap.  (The plaintext side of TLS is charged
 the same way; it gives its share back between requests and when it closes.)"
   (declare (type fixnum size))
   (with-connection-slots (engine budgeted) c
-    (let ((delta (- size budgeted)))
-      ;; ATOMIC-INCF returns the old value.
-      (cond ((> (+ delta (sb-ext:atomic-incf (engine-head-bytes engine) delta))
-                (engine-head-budget engine))
-             (sb-ext:atomic-decf (engine-head-bytes engine) delta)
-             nil)
-            ((not (account-charge :heads delta))
-             (sb-ext:atomic-decf (engine-head-bytes engine) delta)
-             nil)
-            (t (setf budgeted size) t)))))
+    (when (charge-head-octets engine (- size budgeted))
+      (setf budgeted size)
+      t)))
 
 (defun make-room (c max)
   "Make space after IN-END in the input buffer: move unread bytes to the
