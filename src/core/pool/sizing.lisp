@@ -1,7 +1,7 @@
 ;;;; sizing.lisp -- how many workers of a group may run: the pool's sizing
 ;;;; policy, a pure function of what the maker samples.
 ;;;;
-;;;; Every +SAMPLE-MS+ the maker thread (pool.lisp) reads each group into a
+;;;; Every +SAMPLE-MS+ the maker thread (maker.lisp) reads each group into a
 ;;;; SIZING-SAMPLE and calls DECIDE-SIZE with the group's SIZING-STATE (the
 ;;;; counters carried from sample to sample).  It answers one of
 ;;;;
@@ -19,7 +19,7 @@
 ;;;; then a CPU is free and work waits.  A sample finds the group blocked
 ;;;; when no worker of it is idle, the process uses under +GROWTH-CPU-LIMIT+
 ;;;; of its CPUs, and a look at its workers' states (the sample's LOOK
-;;;; function: the kernel's view of each thread, pool.lisp BLOCKED-WORKERS
+;;;; function: the kernel's view of each thread, maker.lisp BLOCKED-WORKERS
 ;;;; and CONFIRMED-BLOCKED) finds enough of them blocked:
 ;;;;  - the holders not blocked are fewer than the share or than half the
 ;;;;    holders, or, when the CPUs were idle lately, any holder is blocked;
