@@ -177,7 +177,88 @@ connection, an application timer, a deadline pushed by another thread), and
 it only keeps the wheel's clock near the time, so an idle server does not
 wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
 
+(defun end-accepting (engine epfd accept-paused)
+  "A stop began (STOP-FD readable): accepting ends here, after a final accept
+of the engine's own socket in a soft stop; the rest goes on until
+HOUSEKEEPER-EXIT.  STOP-FD stays readable for others: it leaves this set, as
+the listening socket does (unless ACCEPT-PAUSED: then not in the set).
+Returns ACCEPT-PAUSED as it is now."
+  (epoll-ctl epfd +epoll-ctl-del+ (engine-stop-fd engine) 0 0)
+  (unless (engine-accepting-ended engine)
+    (when (>= (engine-listen-fd engine) 0)
+      (unless accept-paused
+        (epoll-ctl epfd +epoll-ctl-del+ (engine-listen-fd engine) 0 0))
+      (setf accept-paused nil)
+      (when (engine-final-accept engine)
+        (handler-case (final-accept engine)
+          (error (e) (log-engine-error engine "Final accept: ~A" e)))))
+    (setf (engine-accepting-ended engine) t))
+  accept-paused)
+
+(defun hand-timers-to-pool (engine)
+  "The application timers' timerfd fired: hand the thunk of each timer due to
+ENGINE's pool (TIMERS-FIRE, POOL-SUBMIT): the housekeeper runs none itself."
+  (handler-case
+      (timers-fire (pool-timers (engine-pool engine))
+                   (let ((pool (engine-pool engine)))
+                     (lambda (thunk) (pool-submit pool thunk))))
+    (error (e) (log-engine-error engine "Timer error: ~A" e))))
+
+(declaim (inline housekeeper-event))
+(defun housekeeper-event (engine epfd data accept-paused)
+  "Phase 2: serve one event of the housekeeper's set, whose epoll data is
+DATA: a stop (END-ACCEPTING), a wake-up that ended the wheel's rest
+\(nothing to do: the tick follows), due timers (HAND-TIMERS-TO-POOL), new
+connections (ACCEPT-PENDING, which pauses accepting when the engine may not
+take more), or a connection of this set (CONNECTION-EVENT).  Returns
+ACCEPT-PAUSED as it is now: true while the listening socket is out of the
+set.  Inline: DATA, an unsigned 64-bit word, is never boxed."
+  (cond ((= data +stop-data+) (end-accepting engine epfd accept-paused))
+        ((= data +keeper-wake-data+) accept-paused) ; WHEEL-SCHEDULE ended the rest
+        ((= data +timer-data+) (hand-timers-to-pool engine) accept-paused)
+        ((= data +listen-data+)
+         (if (and (not (engine-accepting-ended engine))
+                  (eq (accept-pending engine) :paused))
+             t
+             accept-paused))
+        (t (connection-event engine data) accept-paused)))
+
+(defun housekeeper-tick (engine epfd wheel now accept-paused)
+  "Phase 3, once a tick (+TICK-MS+) at NOW: the connection claims start afresh
+\(a connection handed to a free worker a tick ago was taken, or is silent:
+see FREE-WORKERS); the wheel brings up the connections whose deadline may
+have passed (EXPIRE); the C heap is trimmed when due (TRIM-MALLOC); the
+overload manager makes its pass (OVERLOAD-PASS); accepting, when paused,
+resumes; and with no connection's deadline to look at, the wheel rests
+\(once a second) until a push wakes this thread.  Each step's error is
+logged, not raised: the thread outlives it.  Returns ACCEPT-PAUSED as it is
+now."
+  (setf (engine-claims engine) 0)
+  (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
+    (error (e) (log-engine-error engine "Timer error: ~A" e)))
+  (handler-case (trim-malloc engine now)
+    (error (e) (log-engine-error engine "malloc_trim: ~A" e)))
+  (handler-case (overload-pass now)
+    (error (e) (log-engine-error engine "Overload manager: ~A" e)))
+  (when (and accept-paused (not (engine-accepting-ended engine)))
+    (setf accept-paused nil)
+    (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
+               +epollin+ +listen-data+))
+  (unless (wheel-resting wheel)
+    (wheel-rest wheel))
+  accept-paused)
+
 (defun housekeeper-loop (engine)
+  "The life of ENGINE's housekeeper thread, from ENGINE-START until
+HOUSEKEEPER-EXIT is set.  One turn, in order:
+  1. Wait in its epoll set up to a tick: +TICK-MS+, or +REST-TICK-MS+ while
+     the wheel rests.
+  2. HOUSEKEEPER-EVENT for each event it got.
+  3. HOUSEKEEPER-TICK, when a tick is due.
+  4. Exit once HOUSEKEEPER-EXIT is set.
+ACCEPT-PAUSED, carried from turn to turn, is true while the listening
+socket is out of the set: ACCEPT-PENDING paused accepting, and the next tick
+resumes it."
   (let ((events (make-event-buffer 64))
         (epfd (engine-housekeeper-epfd engine))
         (wheel (engine-wheel engine))
@@ -188,54 +269,12 @@ wake every +TICK-MS+ for nothing (doc/design.md, \"A pool at rest\").")
            (let ((n (epoll-wait epfd events 64
                                 (if (wheel-resting wheel) +rest-tick-ms+ +tick-ms+))))
              (dotimes (i n)
-               (let ((data (event-data events i)))
-                 (cond ((= data +stop-data+)
-                        ;; A stop began: accepting ends here (after a final
-                        ;; accept of the engine's own socket, in a soft
-                        ;; stop); the rest goes on until HOUSEKEEPER-EXIT.
-                        ;; STOP-FD stays readable for others: out of the set.
-                        (epoll-ctl epfd +epoll-ctl-del+ (engine-stop-fd engine) 0 0)
-                        (unless (engine-accepting-ended engine)
-                          (when (>= (engine-listen-fd engine) 0)
-                            (unless accept-paused ; then not in the set
-                              (epoll-ctl epfd +epoll-ctl-del+ (engine-listen-fd engine) 0 0))
-                            (setf accept-paused nil)
-                            (when (engine-final-accept engine)
-                              (handler-case (final-accept engine)
-                                (error (e) (log-engine-error engine "Final accept: ~A" e)))))
-                          (setf (engine-accepting-ended engine) t)))
-                       ((= data +keeper-wake-data+))  ; WHEEL-SCHEDULE ended the rest
-                       ((= data +timer-data+)
-                        (handler-case
-                            (timers-fire (pool-timers (engine-pool engine))
-                                         (let ((pool (engine-pool engine)))
-                                           (lambda (thunk) (pool-submit pool thunk))))
-                          (error (e) (log-engine-error engine "Timer error: ~A" e))))
-                       ((= data +listen-data+)
-                        (when (and (not (engine-accepting-ended engine))
-                                   (eq (accept-pending engine) :paused))
-                          (setf accept-paused t)))
-                       (t (connection-event engine data)))))
+               (setf accept-paused
+                     (housekeeper-event engine epfd (event-data events i) accept-paused)))
              (let ((now (now-ms)))
                (when (>= now next-tick)
                  (setf next-tick (+ now +tick-ms+)
-                       ;; A connection handed to a free worker a tick ago
-                       ;; was taken, or is silent: see FREE-WORKERS.
-                       (engine-claims engine) 0)
-                 (handler-case (wheel-advance wheel now (lambda (c) (expire engine c now)))
-                   (error (e) (log-engine-error engine "Timer error: ~A" e)))
-                 (handler-case (trim-malloc engine now)
-                   (error (e) (log-engine-error engine "malloc_trim: ~A" e)))
-                 (handler-case (overload-pass now)
-                   (error (e) (log-engine-error engine "Overload manager: ~A" e)))
-                 (when (and accept-paused (not (engine-accepting-ended engine)))
-                   (setf accept-paused nil)
-                   (epoll-ctl epfd +epoll-ctl-add+ (engine-listen-fd engine)
-                              +epollin+ +listen-data+))
-                 ;; No connection's deadline to look at: rest (once a
-                 ;; second) until a push wakes this thread.
-                 (unless (wheel-resting wheel)
-                   (wheel-rest wheel))))
+                       accept-paused (housekeeper-tick engine epfd wheel now accept-paused))))
              (when (engine-housekeeper-exit engine)
                (return-from housekeeper-loop))))
       ;; No wake-ups once this thread is gone (ENGINE-STOP closes WAKE-FD).
