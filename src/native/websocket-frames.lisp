@@ -2,15 +2,48 @@
 ;;;; length a frame head declares, the frames a server sends, and what a
 ;;;; payload must be (UTF-8 text, close codes).
 ;;;;
-;;;; Nothing here touches a connection: these are functions of octets.
+;;;; One decoder reads a head's length, FRAME-LENGTH, for both readers of
+;;;; frames: the socket's assembly of whole frames for a WebSocket library
+;;;; (socket.lisp) and the native WebSocket's reader (websocket.lisp).  It
+;;;; reads the length as sent; what the RFC refuses (the 64-bit form with its
+;;;; high bit set) each reader decides on.  Nothing here touches a
+;;;; connection: these are functions of octets.
 
 (in-package #:gallop)
 
 ;;; Frame heads
 
+(declaim (inline frame-mask-at))
+(defun frame-mask-at (second)
+  "Where the masking key begins in a frame head whose second octet is
+SECOND: after the 7-bit length, or after the 16 or 64 bits that follow 126
+or 127 there (RFC 6455, 5.2)."
+  (case (logand second 127) (126 4) (127 10) (t 2)))
+
+(declaim (inline frame-length))
+(defun frame-length (octets start end)
+  "The payload length declared by the head of the WebSocket frame at START
+in OCTETS[START,END), and where its masking key begins (FRAME-MASK-AT: 2, 4
+or 10 octets after START); NIL while the length is not all there.  A
+length written in a longer form than it needs is read as any other, and
+the 64-bit form's high bit is left to the caller."
+  (declare (type octets octets) (type fixnum start end))
+  (when (>= (- end start) 2)
+    (let* ((second (aref octets (1+ start)))
+           (at (frame-mask-at second)))
+      (when (>= (- end start) at)
+        (values (case at
+                  (2 (logand second 127))
+                  (4 (logior (ash (aref octets (+ start 2)) 8) (aref octets (+ start 3))))
+                  (t (loop for i from 2 below 10
+                           for n = (aref octets (+ start i))
+                             then (logior (ash n 8) (aref octets (+ start i)))
+                           finally (return n))))
+                at)))))
+
 (defun head-size (head)
   "The octets of the frame head begun in HEAD, once its first two are in."
-  (+ 2 (case (logand (aref head 1) 127) (126 2) (127 8) (t 0))
+  (+ (frame-mask-at (aref head 1))
      (if (logbitp 7 (aref head 1)) 4 0)))
 
 ;;; The frames a server sends

@@ -360,46 +360,40 @@ check it.  The index after what was taken."
          (fin (logbitp 7 first))
          (opcode (logand first 15))
          (control (>= opcode 8))
-         (short (logand second 127))
-         (length (case short
-                   (126 (logior (ash (aref head 2) 8) (aref head 3)))
-                   (127 (loop for i from 2 below 10
-                              for n = (aref head i) then (logior (ash n 8) (aref head i))
-                              finally (return n)))
-                   (t short)))
-         (mask-at (case short (126 4) (127 10) (t 2))))
-    (cond ((or (plusp (logand first #x30))
-               ;; RSV1: a compressed message, in its first frame (RFC 7692, 6)
-               (and (logbitp 6 first) (not (and (ws-deflate ws) (member opcode '(1 2))))))
-           (ws-fail ws 1002 "reserved bits set"))
-          ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
-          ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
-          ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
-          ((and control (> length 125)) (ws-fail ws 1002 "a control frame over 125 octets"))
-          ((and (= short 127) (logbitp 63 length)) (ws-fail ws 1002 "a length over 2^63"))
-          ((and (= opcode 0) (null (ws-message-opcode ws)))
-           (ws-fail ws 1002 "a continuation with no message begun"))
-          ((and (member opcode '(1 2)) (ws-message-opcode ws))
-           (ws-fail ws 1002 "a new message before the last one ended"))
-          ((and (not control)
-                (> (+ (if (= opcode 0) (ws-message-fill ws) 0) length) (ws-max-message ws)))
-           (ws-fail ws 1009 "message too big"))
-          (t
-           (replace (ws-mask ws) head :start2 mask-at :end2 (+ mask-at 4))
-           (setf (ws-fin ws) fin
-                 (ws-opcode ws) opcode
-                 (ws-mask-at ws) 0
-                 (ws-left ws) length
-                 (ws-control-fill ws) 0)
-           (unless control
-             (when (member opcode '(1 2))
-               (setf (ws-message-opcode ws) opcode
-                     (ws-compressed ws) (logbitp 6 first)
-                     (ws-message-fill ws) 0
-                     (ws-utf8 ws) 0)))
-           (if (zerop length)
-               (end-frame ws)
-               (setf (ws-in-payload ws) t))))))
+         (short (logand second 127)))
+    (multiple-value-bind (length mask-at) (frame-length head 0 (length head))
+      (cond ((or (plusp (logand first #x30))
+                 ;; RSV1: a compressed message, in its first frame (RFC 7692, 6)
+                 (and (logbitp 6 first) (not (and (ws-deflate ws) (member opcode '(1 2))))))
+             (ws-fail ws 1002 "reserved bits set"))
+            ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
+            ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
+            ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
+            ((and control (> length 125)) (ws-fail ws 1002 "a control frame over 125 octets"))
+            ((and (= short 127) (logbitp 63 length)) (ws-fail ws 1002 "a length over 2^63"))
+            ((and (= opcode 0) (null (ws-message-opcode ws)))
+             (ws-fail ws 1002 "a continuation with no message begun"))
+            ((and (member opcode '(1 2)) (ws-message-opcode ws))
+             (ws-fail ws 1002 "a new message before the last one ended"))
+            ((and (not control)
+                  (> (+ (if (= opcode 0) (ws-message-fill ws) 0) length) (ws-max-message ws)))
+             (ws-fail ws 1009 "message too big"))
+            (t
+             (replace (ws-mask ws) head :start2 mask-at :end2 (+ mask-at 4))
+             (setf (ws-fin ws) fin
+                   (ws-opcode ws) opcode
+                   (ws-mask-at ws) 0
+                   (ws-left ws) length
+                   (ws-control-fill ws) 0)
+             (unless control
+               (when (member opcode '(1 2))
+                 (setf (ws-message-opcode ws) opcode
+                       (ws-compressed ws) (logbitp 6 first)
+                       (ws-message-fill ws) 0
+                       (ws-utf8 ws) 0)))
+             (if (zerop length)
+                 (end-frame ws)
+                 (setf (ws-in-payload ws) t)))))))
 
 (defun ws-connection (ws) (exchange-connection (ws-socket ws)))
 
