@@ -8,5 +8,5 @@
   :description "Clack handler for Gallop's native app API."
   :version "0.1.0"
   :license "BSD-2-Clause"
-  :depends-on ("gallop/native" "clack-socket" "sb-introspect")
+  :depends-on ("gallop/native" "clack-socket")
   :components ((:file "src/clack/handler")))

@@ -78,8 +78,10 @@
                              (:file "access-log")
                              (:file "server")
                              (:file "running")
+                             (:file "websocket-frames")
                              (:file "socket")
                              (:file "zlib")
+                             (:file "websocket-handshake")
                              (:file "websocket")
                              (:file "metrics")))))
 

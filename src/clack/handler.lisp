@@ -8,33 +8,6 @@
   (:export #:run))
 (in-package #:clack.handler.gallop)
 
-(defun keyword-parameters (lambda-list)
-  "The keywords of the &KEY parameters of LAMBDA-LIST, in order."
-  (loop for rest on (rest (member '&key lambda-list))
-        for parameter = (first rest)
-        until (member parameter lambda-list-keywords)
-        collect (let ((name (if (consp parameter) (first parameter) parameter)))
-                  ;; NAME is VAR or (KEYWORD VAR).
-                  (if (consp name)
-                      (first name)
-                      (intern (symbol-name name) "KEYWORD")))))
-
-(defun start-keywords ()
-  "The keywords GALLOP:START accepts, read from its lambda list, so that a
-key added to START is passed on from clackup with no list here to update.
-Read at each RUN, not cached: a START redefined since this file was loaded
-is still seen whole."
-  (let ((keywords (keyword-parameters
-                   (sb-introspect:function-lambda-list #'gallop:start))))
-    ;; START's lambda list is unreadable only if it was compiled without
-    ;; debug information; say so rather than drop every option.
-    (unless (member :port keywords)
-      (error "Cannot read the keyword parameters of ~S (got ~S)." 'gallop:start keywords))
-    keywords))
-
-;; Fail when this file is loaded, not at the first clackup.
-(start-keywords)
-
 (defparameter *clack-tls-options*
   '((:ssl-cert-file . :ssl-certificate-file)
     (:ssl-key-file . :ssl-privatekey-file)
@@ -47,10 +20,9 @@ their order (so the first of a repeated key still wins), Clack's names of
 the TLS options read as START's.  Clack's own options (:SERVER, :USE-THREAD,
 :USE-DEFAULT-MIDDLEWARES, :SILENT, :SSL, :ALLOW-OTHER-KEYS ...) and any
 other key are left out."
-  (loop with keywords = (start-keywords)
-        for (clack-key value) on options by #'cddr
+  (loop for (clack-key value) on options by #'cddr
         for key = (or (cdr (assoc clack-key *clack-tls-options*)) clack-key)
-        when (member key keywords)
+        when (member key gallop::+start-keywords+)
           append (list key value)))
 
 (defun run (app &rest options &key &allow-other-keys)

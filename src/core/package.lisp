@@ -74,6 +74,7 @@
    #:format-log-line
    ;; utilities used by the layers above
    #:octet-position #:octets-case #:octets-match-p #:unix-seconds
+   #:+crlf-octets+
    #:set-nonblocking #:raise-fd-limit #:fd-limit
    #:listen-socket-fd #:open-listen-socket #:claim-activated-socket
    #:release-activated-socket #:socket-of-fd))

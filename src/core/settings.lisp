@@ -2,7 +2,7 @@
 ;;;; and its meaning, in one table.
 ;;;;
 ;;;; The same names are MAKE-ENGINE's keywords, GALLOP:START's (and so
-;;;; Clack's, which reads START's lambda list) and GALLOP:TASKMASTER's
+;;;; Clack's, which passes on START's keywords) and GALLOP:TASKMASTER's
 ;;;; initargs: each layer takes them from +SETTINGS+ through the macros below
 ;;;; instead of listing them again, so a setting added here reaches every
 ;;;; front end with one default.

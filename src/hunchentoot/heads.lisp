@@ -117,9 +117,6 @@ with a checked head not read yet, else through ORIGINAL, Hunchentoot's own."
 
 ;;; Writing: SEND-RESPONSE's head through the connection's buffer
 
-(sb-int:defconstant-eqx +crlf-octets+ (coerce '(13 10) 'octets) #'equalp
-  "CR LF (not through CONNECTION-WRITE-LATIN1, which makes controls spaces).")
-
 (defvar *status-lines* (make-array 600 :initial-element nil)
   "The status line of each code below 600, as Hunchentoot writes it (its own
 reason phrase), encoded once on first use (threads racing to fill an entry
@@ -190,7 +187,8 @@ WRITE-TO-STRING with :BASE 10 writes, but never the trailing dot a true
             (if (stringp value)
                 (gallop.core:connection-write-latin1 c value)
                 (gallop.core:connection-write-decimal c value))
-            (gallop.core:connection-write-octets c +crlf-octets+))))))
+            ;; As octets: CONNECTION-WRITE-LATIN1 makes controls spaces.
+            (gallop.core:connection-write-octets c gallop.core:+crlf-octets+))))))
 
 (defun header-value-string (value)
   "VALUE as Hunchentoot's WRITE-HEADER-LINE writes it: a string as it is, a
@@ -279,7 +277,7 @@ request to a connection the stop closes."
                                      (header-value-string value))))
         (loop for (nil . cookie) in cookies
               do (write-header c "Set-Cookie" (header-value-string (hunchentoot-stringify-cookie cookie))))
-        (gallop.core:connection-write-octets c +crlf-octets+)
+        (gallop.core:connection-write-octets c gallop.core:+crlf-octets+)
         (when content
           (write-sequence content c)
           (finish-output c))

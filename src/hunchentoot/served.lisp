@@ -16,7 +16,9 @@
 ;;;; HUNCHENTOOT:ACCEPTOR in the precedence list, where Gallop's methods
 ;;;; would be if they were on HUNCHENTOOT:ACCEPTOR: the methods of the
 ;;;; user's classes and Hunchentoot's before it run inside Gallop's :AROUND
-;;;; methods, those of mixins after it outside.
+;;;; methods, those of mixins after it outside.  Why the class is changed
+;;;; (five of the methods have only the acceptor to dispatch on), and what
+;;;; that costs: doc/design.md, "A stock acceptor's class is changed".
 
 (in-package #:gallop)
 

@@ -26,9 +26,6 @@
   #'equalp
   "Status line octets for each code, encoded once.")
 
-(sb-int:defconstant-eqx +crlf+
-    (ascii (format nil "~C~C" #\Return #\Linefeed))
-  #'equalp)
 (sb-int:defconstant-eqx +content-length-prefix+
     (ascii (format nil "Content-Length: "))
   #'equalp)
@@ -242,7 +239,7 @@ of the native layer begins here, so it is counted here for the metrics."
                      c (+ size (if ascii-body (length (the simple-string ascii-body)) 0))))
         (cond
           (buffer
-           (let ((crlf (load-time-value +crlf+ t)))
+           (let ((crlf (load-time-value gallop.core:+crlf-octets+ t)))
              (declare (type octets buffer crlf) (type fixnum fill))
              (setf fill (put-octets buffer fill status-line)
                    fill (put-octets buffer fill date-line))
@@ -284,16 +281,16 @@ of the native layer begins here, so it is counted here for the metrics."
                  (setf has-length t))
                (gallop.core:connection-write-octets c (header-name-octets name))
                (write-header-value c value)
-               (gallop.core:connection-write-octets c +crlf+))
+               (gallop.core:connection-write-octets c gallop.core:+crlf-octets+))
     (when (and content-length (not has-length))
       (gallop.core:connection-write-octets c +content-length-prefix+)
       (gallop.core:connection-write-decimal c content-length)
-      (gallop.core:connection-write-octets c +crlf+)))
+      (gallop.core:connection-write-octets c gallop.core:+crlf-octets+)))
   (when chunked
     (gallop.core:connection-write-octets c +chunked-line+))
   (cond ((not keep-alive) (gallop.core:connection-write-octets c +connection-close-line+))
         (http-1.0 (gallop.core:connection-write-octets c +keep-alive-line+)))
-  (gallop.core:connection-write-octets c +crlf+))
+  (gallop.core:connection-write-octets c gallop.core:+crlf-octets+))
 
 (defun write-chunk (c octets)
   "One chunk of a chunked body."
@@ -301,4 +298,4 @@ of the native layer begins here, so it is counted here for the metrics."
     (gallop.core:connection-write-octets c (ascii (format nil "~X~C~C" (length octets)
                                                           #\Return #\Linefeed)))
     (gallop.core:connection-write-octets c octets)
-    (gallop.core:connection-write-octets c +crlf+)))
+    (gallop.core:connection-write-octets c gallop.core:+crlf-octets+)))

@@ -410,6 +410,18 @@ string: dotted for IPv4, eight groups of hex digits for IPv6."
         (format nil "~{~D~^.~}" (coerce bound 'list))
         (format nil "~{~(~2,'0x~2,'0x~)~^:~}" (coerce bound 'list)))))
 
+(sb-int:defconstant-eqx +start-keywords+
+    (append '(:address :port :backlog :debug :log :reuse-port :activated-socket
+              :access-log :access-log-format
+              :ssl-certificate-file :ssl-privatekey-file :ssl-privatekey-password)
+            (loop for (setting) in gallop.core:+settings+
+                  collect (intern (symbol-name setting) :keyword)))
+  #'equal
+  "The keywords START accepts, in the order of its lambda list: its own, then
+one per setting (GALLOP.CORE:+SETTINGS+).  The Clack handler passes these on
+from clackup.  A key added to START's own is added here too: a test compares
+this list with START's lambda list.")
+
 (gallop.core:define-settings-function start (app)
     ((address "127.0.0.1") (port 5000) (backlog 1024) debug (log *error-output*)
      reuse-port (activated-socket t) access-log (access-log-format :combined)

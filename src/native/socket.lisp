@@ -33,21 +33,15 @@ sees it: websocket-driver's default maximum message length.")
 (declaim (inline frame-size))
 (defun frame-size (octets start end)
   "The octets of the WebSocket frame at START in OCTETS[START,END) (RFC 6455,
-5.2: its head and payload), or NIL while its length is not all there."
+5.2: its head and payload), or NIL while its length (and, after a 16- or
+64-bit one, its masking key) is not all there."
   (declare (type octets octets) (type fixnum start end))
-  (when (>= (- end start) 2)
-    (let* ((second (aref octets (1+ start)))
-           (mask (if (logbitp 7 second) 4 0))
-           (length (logand second 127)))
-      (case length
-        (126 (when (>= (- end start) (+ 4 mask))
-               (+ 4 mask (logior (ash (aref octets (+ start 2)) 8) (aref octets (+ start 3))))))
-        (127 (when (>= (- end start) (+ 10 mask))
-               (+ 10 mask (loop for i from 2 below 10
-                                for n = (aref octets (+ start i))
-                                  then (logior (ash n 8) (aref octets (+ start i)))
-                                finally (return n)))))
-        (t (+ 2 mask length))))))
+  (multiple-value-bind (length mask-at) (frame-length octets start end)
+    (when length
+      (let ((mask (if (logbitp 7 (aref octets (1+ start))) 4 0)))
+        ;; A 16- or 64-bit length counts once the masking key is here too.
+        (when (or (= mask-at 2) (>= (- end start) (+ mask-at mask)))
+          (+ mask-at mask length))))))
 
 (defun whole-frames-end (octets start end)
   "The end of the whole WebSocket frames at the start of OCTETS[START,END),

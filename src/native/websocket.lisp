@@ -27,121 +27,13 @@
 ;;;; permessage-deflate (RFC 7692), each message compressed on its own, so
 ;;;; that a WebSocket keeps no compression state between messages
 ;;;; (zlib.lisp; doc/design.md, "WebSocket compression").
+;;;;
+;;;; The handshake's checks and answer are in websocket-handshake.lisp; the
+;;;; frames' octets (the length a head declares, the frames sent, UTF-8,
+;;;; close codes) in websocket-frames.lisp.  Here: the WebSocket itself, its
+;;;; reader, its sends and its close.
 
 (in-package #:gallop)
-
-;;; SHA-1 (FIPS 180-4) and base64, for Sec-WebSocket-Accept
-
-(defun sha1 (octets)
-  "The SHA-1 digest of OCTETS, 20 octets."
-  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (optimize speed))
-  (let* ((n (length octets))
-         (total (* 64 (ceiling (+ n 9) 64)))
-         (padded (make-array total :element-type '(unsigned-byte 8) :initial-element 0))
-         (w (make-array 80 :element-type '(unsigned-byte 32)))
-         (h0 #x67452301) (h1 #xEFCDAB89) (h2 #x98BADCFE) (h3 #x10325476) (h4 #xC3D2E1F0))
-    (declare (type (unsigned-byte 32) h0 h1 h2 h3 h4) (type fixnum n total))
-    (replace padded octets)
-    (setf (aref padded n) #x80)
-    (loop for i from 0 below 8
-          do (setf (aref padded (- total 1 i)) (ldb (byte 8 (* 8 i)) (* 8 n))))
-    (flet ((rotl (x k)
-             (declare (type (unsigned-byte 32) x) (type (integer 0 31) k))
-             (logand #xFFFFFFFF (logior (ash x k) (ash x (- k 32))))))
-      (loop for block from 0 below total by 64
-            do (dotimes (i 16)
-                 (let ((j (+ block (* 4 i))))
-                   (setf (aref w i) (logior (ash (aref padded j) 24) (ash (aref padded (+ j 1)) 16)
-                                            (ash (aref padded (+ j 2)) 8) (aref padded (+ j 3))))))
-               (loop for i from 16 below 80
-                     do (setf (aref w i) (rotl (logxor (aref w (- i 3)) (aref w (- i 8))
-                                                       (aref w (- i 14)) (aref w (- i 16)))
-                                               1)))
-               (let ((a h0) (b h1) (c h2) (d h3) (e h4))
-                 (declare (type (unsigned-byte 32) a b c d e))
-                 (dotimes (i 80)
-                   (multiple-value-bind (f k)
-                       (cond ((< i 20) (values (logior (logand b c) (logand (logxor b #xFFFFFFFF) d))
-                                               #x5A827999))
-                             ((< i 40) (values (logxor b c d) #x6ED9EBA1))
-                             ((< i 60) (values (logior (logand b c) (logand b d) (logand c d))
-                                               #x8F1BBCDC))
-                             (t (values (logxor b c d) #xCA62C1D6)))
-                     (let ((temp (logand #xFFFFFFFF (+ (rotl a 5) f e k (aref w i)))))
-                       (setf e d d c c (rotl b 30) b a a temp))))
-                 (setf h0 (logand #xFFFFFFFF (+ h0 a)) h1 (logand #xFFFFFFFF (+ h1 b))
-                       h2 (logand #xFFFFFFFF (+ h2 c)) h3 (logand #xFFFFFFFF (+ h3 d))
-                       h4 (logand #xFFFFFFFF (+ h4 e))))))
-    (let ((digest (make-array 20 :element-type '(unsigned-byte 8))))
-      (loop for h in (list h0 h1 h2 h3 h4) for i from 0 by 4
-            do (loop for k below 4 do (setf (aref digest (+ i k)) (ldb (byte 8 (- 24 (* 8 k))) h))))
-      digest)))
-
-(sb-int:defconstant-eqx +base64-alphabet+
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-  #'string=)
-
-(defun base64-encode (octets)
-  "OCTETS in base64 (RFC 4648, with padding)."
-  (with-output-to-string (out)
-    (loop for i from 0 below (length octets) by 3
-          for n = (- (length octets) i)
-          for group = (logior (ash (aref octets i) 16)
-                              (if (> n 1) (ash (aref octets (+ i 1)) 8) 0)
-                              (if (> n 2) (aref octets (+ i 2)) 0))
-          do (dotimes (k 4)
-               (write-char (if (<= k (min n 3))
-                               (char +base64-alphabet+ (ldb (byte 6 (- 18 (* 6 k))) group))
-                               #\=)
-                           out)))))
-
-(defun websocket-accept (key)
-  "Sec-WebSocket-Accept for the client's Sec-WebSocket-Key KEY (RFC 6455, 4.2.2)."
-  (base64-encode (sha1 (map '(simple-array (unsigned-byte 8) (*)) #'char-code
-                            (concatenate 'string key "258EAFA5-E914-47DA-95CA-C5AB0DC85B11")))))
-
-(defun websocket-key-p (key)
-  "True when KEY is the base64 of 16 octets (RFC 6455, 4.2.1 item 5)."
-  (and (stringp key) (= (length key) 24) (string= "==" key :start2 22)
-       (every (lambda (ch) (find ch +base64-alphabet+)) (subseq key 0 22))
-       ;; The 22nd character carries 2 bits and 4 of padding: those are 0.
-       (zerop (logand 15 (position (char key 21) +base64-alphabet+)))))
-
-;;; UTF-8, checked as it arrives (RFC 3629): a state is the octets still
-;;; needed by the character begun, and the range the next one must be in.
-
-(declaim (inline utf8-state))
-(defun utf8-state (need low high)
-  (logior (ash need 16) (ash low 8) high))
-
-(declaim (inline utf8-step))
-(defun utf8-step (state octet)
-  "The state after OCTET, from STATE (0: between characters); -1 when OCTET
-makes the text invalid (a stray or missing continuation, an overlong form,
-a surrogate, past U+10FFFF)."
-  (declare (type fixnum state) (type (unsigned-byte 8) octet))
-  (if (zerop state)
-      (cond ((< octet #x80) 0)
-            ((<= #xC2 octet #xDF) (utf8-state 1 #x80 #xBF))
-            ((= octet #xE0) (utf8-state 2 #xA0 #xBF))
-            ((or (<= #xE1 octet #xEC) (<= #xEE octet #xEF)) (utf8-state 2 #x80 #xBF))
-            ((= octet #xED) (utf8-state 2 #x80 #x9F))
-            ((= octet #xF0) (utf8-state 3 #x90 #xBF))
-            ((<= #xF1 octet #xF3) (utf8-state 3 #x80 #xBF))
-            ((= octet #xF4) (utf8-state 3 #x80 #x8F))
-            (t -1))
-      (let ((need (ldb (byte 2 16) state)) (low (ldb (byte 8 8) state)) (high (ldb (byte 8 0) state)))
-        (if (<= low octet high)
-            (if (= need 1) 0 (utf8-state (1- need) #x80 #xBF))
-            -1))))
-
-(defun utf8-valid-p (octets &optional (start 0) (end (length octets)))
-  "True when OCTETS[START,END) is whole, valid UTF-8."
-  (let ((state 0))
-    (loop for i from start below end
-          do (setf state (utf8-step state (aref octets i)))
-             (when (minusp state) (return-from utf8-valid-p nil)))
-    (zerop state)))
 
 ;;; The WebSocket
 
@@ -182,94 +74,6 @@ a surrogate, past U+10FFFF)."
 
 (defmethod print-object ((ws websocket) stream)
   (print-unreadable-object (ws stream :type t :identity t)))
-
-(defun env-header (env name)
-  (gethash name (getf env :headers)))
-
-(defun comma-list (value)
-  "The elements of the comma-separated header VALUE, trimmed."
-  (loop for start = 0 then (1+ comma)
-        for comma = (position #\, value :start start)
-        collect (string-trim '(#\Space #\Tab) (subseq value start comma))
-        while comma))
-
-(defun token-in-p (token value)
-  "True when the comma-separated VALUE lists TOKEN (any case)."
-  (and value (member token (comma-list value) :test #'string-equal) t))
-
-(defun websocket-request-env-p (env)
-  "True when ENV is a request for a WebSocket (Upgrade: websocket)."
-  (token-in-p "websocket" (env-header env "upgrade")))
-
-(defun websocket-refusal (env)
-  "NIL when ENV's request is a WebSocket handshake this server accepts (RFC
-6455, 4.2.1), else the HTTP response that refuses it."
-  (flet ((refuse (status text &rest headers)
-           (list status (list* :content-type "text/plain; charset=utf-8" headers)
-                 (list (format nil "~A~%" text)))))
-    (cond ((not (eq (getf env :request-method) :get))
-           (refuse 400 "A WebSocket handshake is a GET."))
-          ((eq (getf env :server-protocol) :http/1.0)
-           (refuse 400 "A WebSocket handshake needs HTTP/1.1."))
-          ((not (websocket-request-env-p env))
-           (refuse 400 "Upgrade: websocket is missing."))
-          ((not (token-in-p "upgrade" (env-header env "connection")))
-           (refuse 400 "Connection: Upgrade is missing."))
-          ((not (equal (env-header env "sec-websocket-version") "13"))
-           (refuse 426 "Only version 13 of the WebSocket protocol is served."
-                   :sec-websocket-version "13"))
-          ((not (websocket-key-p (env-header env "sec-websocket-key")))
-           (refuse 400 "Sec-WebSocket-Key is not 16 octets in base64.")))))
-
-(defun window-bits (value)
-  "The window bits VALUE (a permessage-deflate parameter's value, maybe
-quoted) names: an integer from 8 to 15 written without a leading zero; NIL
-when it is not one."
-  (let ((value (if (and (>= (length value) 2) (char= #\" (char value 0))
-                        (char= #\" (char value (1- (length value)))))
-                   (subseq value 1 (1- (length value)))
-                   value)))
-    (and (member value '("8" "9" "10" "11" "12" "13" "14" "15") :test #'string=)
-         (parse-integer value))))
-
-(defun deflate-agreement (header)
-  "The first permessage-deflate offer in the Sec-WebSocket-Extensions HEADER
-that this server accepts (RFC 7692, 7.1): (values RESPONSE WINDOW), the
-extension to answer with and the window bits to compress with; NIL when it
-accepts none.  An offer with an unknown, repeated or malformed parameter is
-declined, as is one that asks the server for a window of 256 octets (zlib
-compresses with 512 at least).  The answer asks for no context takeover
-either way, so each message is compressed on its own."
-  (dolist (offer (comma-list header))
-    (let ((parts (mapcar (lambda (part) (string-trim '(#\Space #\Tab) part))
-                         (loop for start = 0 then (1+ semicolon)
-                               for semicolon = (position #\; offer :start start)
-                               collect (subseq offer start semicolon)
-                               while semicolon))))
-      (when (string-equal (first parts) "permessage-deflate")
-        (let ((seen '()) (window nil) (ok t))
-          (dolist (parameter (rest parts))
-            (let* ((equals (position #\= parameter))
-                   (name (string-trim '(#\Space #\Tab) (subseq parameter 0 equals)))
-                   (value (and equals (string-trim '(#\Space #\Tab) (subseq parameter (1+ equals))))))
-              (when (member name seen :test #'string-equal)
-                (setf ok nil))
-              (push name seen)
-              (cond ((or (string-equal name "server_no_context_takeover")
-                         (string-equal name "client_no_context_takeover"))
-                     (when value (setf ok nil)))
-                    ((string-equal name "server_max_window_bits")
-                     (let ((bits (and value (window-bits value))))
-                       (if (and bits (>= bits 9)) (setf window bits) (setf ok nil))))
-                    ((string-equal name "client_max_window_bits")
-                     (when (and value (not (window-bits value)))
-                       (setf ok nil)))
-                    (t (setf ok nil)))))
-          (when ok
-            (return (values (format nil "permessage-deflate; server_no_context_takeover; ~
-                                         client_no_context_takeover~@[; server_max_window_bits=~D~]"
-                                    window)
-                            (or window 15)))))))))
 
 (defun accept-websocket (env &key on-open on-message on-close on-pong protocols
                                   (max-message-bytes (* 16 1024 1024)) idle-timeout
@@ -334,23 +138,6 @@ shrink, go uncompressed.  MAX-MESSAGE-BYTES bounds a message inflated."
       (ws-call ws (ws-on-open ws) ws))
     (lambda (responder) (declare (ignore responder)))))
 
-(defun switching-protocols (accept protocol extension)
-  "The 101 answer to a WebSocket handshake."
-  (flet ((line (&rest parts) (format nil "~{~A~}~C~C" parts #\Return #\Newline)))
-    (concatenate 'string
-                 (line "HTTP/1.1 101 Switching Protocols")
-                 (line "Upgrade: websocket")
-                 (line "Connection: Upgrade")
-                 (line "Sec-WebSocket-Accept: " accept)
-                 (if protocol (line "Sec-WebSocket-Protocol: " protocol) "")
-                 (if extension (line "Sec-WebSocket-Extensions: " extension) "")
-                 (line))))
-
-(defun websocket-request-p (env)
-  "True when ENV asks for a WebSocket (its handshake may still be refused:
-ACCEPT-WEBSOCKET says)."
-  (websocket-request-env-p env))
-
 (defun ws-call (ws function &rest args)
   "Call one of WS's callbacks; an error in it is logged and closes WS with 1011."
   (handler-case (apply function args)
@@ -360,22 +147,6 @@ ACCEPT-WEBSOCKET says)."
       (ws-fail ws 1011 "internal error"))))
 
 ;;; Sending, from any thread
-
-(defun frame-octets (opcode payload &optional (start 0) (end (length payload)) compressed)
-  "A final, unmasked frame (as a server sends it) of OPCODE with
-PAYLOAD[START,END); with RSV1 set when COMPRESSED."
-  (declare (type octets payload) (type fixnum start end))
-  (let* ((n (- end start))
-         (head (cond ((< n 126) 2) ((< n 65536) 4) (t 10)))
-         (frame (make-array (+ head n) :element-type '(unsigned-byte 8))))
-    (setf (aref frame 0) (logior #x80 (if compressed #x40 0) opcode))
-    (case head
-      (2 (setf (aref frame 1) n))
-      (4 (setf (aref frame 1) 126 (aref frame 2) (ldb (byte 8 8) n) (aref frame 3) (ldb (byte 8 0) n)))
-      (t (setf (aref frame 1) 127)
-       (dotimes (i 8) (setf (aref frame (+ 2 i)) (ldb (byte 8 (- 56 (* 8 i))) n)))))
-    (replace frame payload :start1 head :start2 start :end2 end)
-    frame))
 
 (defun send-frame (ws opcode payload &optional (start 0) (end (length payload)) compressed)
   (let ((frame (frame-octets opcode payload start end compressed)))
@@ -482,11 +253,6 @@ ping, unless one was sent in this silence already; then the next look."
   "How long a WebSocket whose server sent its close frame waits for the
 client's before the connection is closed anyway.")
 
-(defun close-payload (code reason)
-  (let ((reason (sb-ext:string-to-octets reason :external-format :utf-8)))
-    (concatenate 'octets (vector (ldb (byte 8 8) code) (ldb (byte 8 0) code))
-                 (subseq reason 0 (min (length reason) 123)))))
-
 (defun ws-close (ws &optional (code 1000) (reason ""))
   "Begin the close handshake of WS, from any thread: send a close frame with
 CODE and REASON (cut to fit); the connection closes once the client answers
@@ -565,10 +331,6 @@ later.  The message it was assembling goes when it ends."
 
 ;;; Reading
 
-(defun valid-close-code-p (code)
-  "A close code a peer may send (RFC 6455, 7.4; IANA's registry)."
-  (or (<= 1000 code 1003) (<= 1007 code 1014) (<= 3000 code 4999)))
-
 (defun read-frames (ws octets start end)
   "Read OCTETS[START,END), what the client sent next, into WS's frames."
   (declare (type octets octets) (type fixnum start end))
@@ -576,11 +338,6 @@ later.  The message it was assembling goes when it ends."
         do (if (ws-in-payload ws)
                (setf start (read-payload ws octets start end))
                (setf start (read-head ws octets start end)))))
-
-(defun head-size (head)
-  "The octets of the frame head begun in HEAD, once its first two are in."
-  (+ 2 (case (logand (aref head 1) 127) (126 2) (127 8) (t 0))
-     (if (logbitp 7 (aref head 1)) 4 0)))
 
 (defun read-head (ws octets start end)
   "Take the octets of a frame head from OCTETS[START,END); once it is whole,
@@ -603,46 +360,40 @@ check it.  The index after what was taken."
          (fin (logbitp 7 first))
          (opcode (logand first 15))
          (control (>= opcode 8))
-         (short (logand second 127))
-         (length (case short
-                   (126 (logior (ash (aref head 2) 8) (aref head 3)))
-                   (127 (loop for i from 2 below 10
-                              for n = (aref head i) then (logior (ash n 8) (aref head i))
-                              finally (return n)))
-                   (t short)))
-         (mask-at (case short (126 4) (127 10) (t 2))))
-    (cond ((or (plusp (logand first #x30))
-               ;; RSV1: a compressed message, in its first frame (RFC 7692, 6)
-               (and (logbitp 6 first) (not (and (ws-deflate ws) (member opcode '(1 2))))))
-           (ws-fail ws 1002 "reserved bits set"))
-          ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
-          ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
-          ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
-          ((and control (> length 125)) (ws-fail ws 1002 "a control frame over 125 octets"))
-          ((and (= short 127) (logbitp 63 length)) (ws-fail ws 1002 "a length over 2^63"))
-          ((and (= opcode 0) (null (ws-message-opcode ws)))
-           (ws-fail ws 1002 "a continuation with no message begun"))
-          ((and (member opcode '(1 2)) (ws-message-opcode ws))
-           (ws-fail ws 1002 "a new message before the last one ended"))
-          ((and (not control)
-                (> (+ (if (= opcode 0) (ws-message-fill ws) 0) length) (ws-max-message ws)))
-           (ws-fail ws 1009 "message too big"))
-          (t
-           (replace (ws-mask ws) head :start2 mask-at :end2 (+ mask-at 4))
-           (setf (ws-fin ws) fin
-                 (ws-opcode ws) opcode
-                 (ws-mask-at ws) 0
-                 (ws-left ws) length
-                 (ws-control-fill ws) 0)
-           (unless control
-             (when (member opcode '(1 2))
-               (setf (ws-message-opcode ws) opcode
-                     (ws-compressed ws) (logbitp 6 first)
-                     (ws-message-fill ws) 0
-                     (ws-utf8 ws) 0)))
-           (if (zerop length)
-               (end-frame ws)
-               (setf (ws-in-payload ws) t))))))
+         (short (logand second 127)))
+    (multiple-value-bind (length mask-at) (frame-length head 0 (length head))
+      (cond ((or (plusp (logand first #x30))
+                 ;; RSV1: a compressed message, in its first frame (RFC 7692, 6)
+                 (and (logbitp 6 first) (not (and (ws-deflate ws) (member opcode '(1 2))))))
+             (ws-fail ws 1002 "reserved bits set"))
+            ((not (member opcode '(0 1 2 8 9 10))) (ws-fail ws 1002 "unknown opcode"))
+            ((not (logbitp 7 second)) (ws-fail ws 1002 "a client's frame must be masked"))
+            ((and control (not fin)) (ws-fail ws 1002 "a fragmented control frame"))
+            ((and control (> length 125)) (ws-fail ws 1002 "a control frame over 125 octets"))
+            ((and (= short 127) (logbitp 63 length)) (ws-fail ws 1002 "a length over 2^63"))
+            ((and (= opcode 0) (null (ws-message-opcode ws)))
+             (ws-fail ws 1002 "a continuation with no message begun"))
+            ((and (member opcode '(1 2)) (ws-message-opcode ws))
+             (ws-fail ws 1002 "a new message before the last one ended"))
+            ((and (not control)
+                  (> (+ (if (= opcode 0) (ws-message-fill ws) 0) length) (ws-max-message ws)))
+             (ws-fail ws 1009 "message too big"))
+            (t
+             (replace (ws-mask ws) head :start2 mask-at :end2 (+ mask-at 4))
+             (setf (ws-fin ws) fin
+                   (ws-opcode ws) opcode
+                   (ws-mask-at ws) 0
+                   (ws-left ws) length
+                   (ws-control-fill ws) 0)
+             (unless control
+               (when (member opcode '(1 2))
+                 (setf (ws-message-opcode ws) opcode
+                       (ws-compressed ws) (logbitp 6 first)
+                       (ws-message-fill ws) 0
+                       (ws-utf8 ws) 0)))
+             (if (zerop length)
+                 (end-frame ws)
+                 (setf (ws-in-payload ws) t)))))))
 
 (defun ws-connection (ws) (exchange-connection (ws-socket ws)))
 

@@ -123,6 +123,21 @@ then the connection closes with nothing after the body."
       (is (search (format nil "~%RUN=T~%") (format nil "~%~A" output))
           "~A did not define CLACK.HANDLER.GALLOP:RUN: ~A" name output)))))
 
+(test start-keywords-are-starts-lambda-list
+  "GALLOP::+START-KEYWORDS+, what the Clack handler passes on from clackup,
+is exactly the keywords of GALLOP:START's lambda list, in order."
+  (let ((keywords (loop for parameter in (rest (member '&key (sb-introspect:function-lambda-list
+                                                               #'gallop:start)))
+                        until (member parameter lambda-list-keywords)
+                        collect (let ((name (if (consp parameter) (first parameter) parameter)))
+                                  ;; NAME is VAR or (KEYWORD VAR).
+                                  (if (consp name)
+                                      (first name)
+                                      (intern (symbol-name name) :keyword))))))
+    (is (member :port keywords) "START's lambda list is unreadable: ~S" keywords)
+    (is (equal keywords gallop::+start-keywords+)
+        "START: ~S~%list: ~S" keywords gallop::+start-keywords+)))
+
 (test clack-handler-passes-every-start-option
   ;; The limits reach GALLOP:START.  With :max-head-bytes 10000 a head of
   ;; 12,000 bytes (under the default) gets 431; with :max-request-line-bytes

@@ -234,6 +234,61 @@ says NIL while the length is incomplete."
           (loop for cut from 0 below head
                 do (is (null (gallop::frame-size frame 0 cut)) "~D cut at ~D" n cut)))))))
 
+;;; FRAME-LENGTH (src/native/websocket-frames.lisp) is the one reader of a
+;;; frame head's length, for the socket's whole frames (FRAME-SIZE) and the
+;;; native WebSocket's reader (BEGIN-FRAME).
+
+(defun octet-vector (&rest octets)
+  (coerce octets '(simple-array (unsigned-byte 8) (*))))
+
+(test frame-lengths
+  "FRAME-LENGTH reads the 7-, 16- and 64-bit forms at any START, with where
+the masking key begins, and says NIL while the length is incomplete.  A
+longer form than needed is read as sent, as is a 64-bit length with its
+high bit set (the WebSocket reader refuses that one: *PROTOCOL-ERRORS*)."
+  (flet ((decode (start &rest octets)
+           (let ((v (apply #'octet-vector octets)))
+             (multiple-value-list (gallop::frame-length v start (length v))))))
+    (is (equal '(0 2) (decode 0 #x81 0)))
+    (is (equal '(125 2) (decode 0 #x81 125)))
+    (is (equal '(125 2) (decode 0 #x81 (logior #x80 125))) "the mask bit is not length")
+    (is (equal '(126 4) (decode 0 #x82 126 0 126)))
+    (is (equal '(65535 4) (decode 0 #x82 (logior #x80 126) #xFF #xFF)))
+    (is (equal '(65536 10) (decode 0 #x82 127 0 0 0 0 0 1 0 0)))
+    (is (equal (list (1- (expt 2 63)) 10) (decode 0 #x82 127 #x7F #xFF #xFF #xFF #xFF #xFF #xFF #xFF)))
+    (is (equal '(300 4) (decode 2 9 9 #x82 126 1 44)) "at START")
+    ;; Not the shortest form: read as sent.
+    (is (equal '(5 4) (decode 0 #x82 126 0 5)))
+    (is (equal '(5 10) (decode 0 #x82 127 0 0 0 0 0 0 0 5)))
+    ;; The high bit: read as sent.
+    (is (equal (list (expt 2 63) 10) (decode 0 #x82 (logior #x80 127) #x80 0 0 0 0 0 0 0)))
+    (is (equal (list (1- (expt 2 64)) 10) (decode 0 #x82 127 255 255 255 255 255 255 255 255))))
+  (dolist (head (list (octet-vector #x82 5) (octet-vector #x82 126 1 44)
+                      (octet-vector #x82 127 0 0 0 0 0 0 1 0)))
+    (loop for cut from 0 below (length head)
+          do (is (null (gallop::frame-length head 0 cut)) "~S cut at ~D" head cut))))
+
+(test frame-lengths-as-each-reader-takes-them
+  "Lengths in a longer form than needed are taken by both readers; a length
+with its high bit set is passed on whole by the socket (over its limit) and
+refused by the WebSocket reader (*PROTOCOL-ERRORS*, over a real socket)."
+  ;; A mask of zeros: the payload goes as it is.
+  (let ((text (octet-vector #x81 (logior #x80 126) 0 5 0 0 0 0 104 101 108 108 111))
+        (binary (octet-vector #x82 (logior #x80 127) 0 0 0 0 0 0 0 3 0 0 0 0 1 2 3))
+        (huge (octet-vector #x82 (logior #x80 127) #x80 0 0 0 0 0 0 0 0 0 0 0)))
+    (is (eql 13 (gallop::frame-size text 0 (length text))))
+    (is (eql 17 (gallop::frame-size binary 0 (length binary))))
+    (is (eql (+ 14 (expt 2 63)) (gallop::frame-size huge 0 (length huge))))
+    (is (eql (length huge) (gallop::whole-frames-end huge 0 (length huge))))
+    (let* ((got '())
+           (ws (gallop::%make-websocket :max-message 1000
+                                        :on-message (lambda (ws message)
+                                                      (declare (ignore ws))
+                                                      (push message got)))))
+      (gallop::read-frames ws text 0 (length text))
+      (gallop::read-frames ws binary 0 (length binary))
+      (is (equalp '("hello" #(1 2 3)) (reverse got)) "~S" got))))
+
 (test frame-reader-gives-whole-frames
   "Whatever the reads, the callback is given the same frames whole, in order,
 each exactly once; a close frame is seen before it is given."

@@ -202,6 +202,8 @@ thread arrives; none after the close."
     ("close code 2000" 1002 ,(ws-frame 8 (ws-close-payload 2000)))
     ("a close of one octet" 1002 ,(ws-frame 8 #(3)))
     ("a close reason in bad UTF-8" 1007 ,(ws-frame 8 (concat-octets (ws-close-payload 1000) #(#xFF))))
+    ("a 64-bit length with its high bit set" 1002
+     ,(concatenate '(vector (unsigned-byte 8)) #(#x82 #xFF #x80 0 0 0 0 0 0 0 1 2 3 4)))
     ("a message over the limit" 1009 ,(concatenate '(vector (unsigned-byte 8))
                                                    #(#x82 #xFF 0 0 0 0 1 16 0 1 1 2 3 4))))
   "Frames the server must close on, with the code it must close with.")

@@ -106,6 +106,12 @@ left to the GC (see NOTE-DROPPED)."
 (defconstant +question+ 63)
 (defconstant +backslash+ 92)
 
+(sb-int:defconstant-eqx +crlf-octets+
+    (make-array 2 :element-type '(unsigned-byte 8) :initial-contents (list +cr+ +lf+))
+  #'equalp
+  "CR LF, the end of every line of an HTTP head and of a chunk's framing: the
+one vector every writer sends it from.")
+
 ;;; Scanning octets: typed loops, so no generic sequence function runs on the
 ;;; hot path.
 
