@@ -284,23 +284,7 @@ read requests from and write responses to."))
       (unsent-bytes . fixnum) (out-progress . fixnum) (out-since . fixnum)
       (out-drained . fixnum) (out-acked . fixnum)
       (inbuf . (or null octets)) (outbuf . (or null octets)) (request . request))
-    "Declared types of CONNECTION's typed slots, for CONN-SLOT.")
-
-  (defparameter *request-fields*
-    '((body-length . request-body-length) (chunked . request-chunked)
-      (request-method . request-method) (expect-continue . request-expect-continue)
-      (close-after . request-close-after) (head-left . request-head-left)
-      (body-mode . request-body-mode) (body-left . request-body-left)
-      (chunk-decoder . request-chunk-decoder) (synth . request-synth)
-      (synth-pos . request-synth-pos) (synth-data-left . request-synth-data-left)
-      (synth-done . request-synth-done) (synth-octet . request-synth-octet)
-      (framing-broken . request-framing-broken) (message . request-message)
-      (spool . request-spool) (gathering . request-gathering) (progress . request-progress)
-      (rate-start . request-rate-start) (rate-octets . request-rate-octets)
-      (begun . request-begun) (answered . request-answered))
-    "The names CONN-SLOT reads in the connection's REQUEST record (request.lisp)
-rather than in the connection itself: the request being served, not the
-transport, so that code reading a request's state names it the same way."))
+    "Declared types of CONNECTION's typed slots, for CONN-SLOT."))
 
 (defun connection-slot-location (name)
   (let ((class (find-class 'connection)))
@@ -314,14 +298,24 @@ transport, so that code reading a request's state names it the same way."))
   "The place of slot NAME of the connection C, untyped (for COMPARE-AND-SWAP)."
   `(sb-mop:standard-instance-access ,c (load-time-value (connection-slot-location ',name) t)))
 
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun check-connection-slot-name (name)
+    "Signal an error when NAME is a field of the REQUEST record (request.lisp)
+rather than a slot of CONNECTION: the request's own accessor names it."
+    (when (request-field-name-p name)
+      (error "~S is a field of the connection's REQUEST record, not a slot of ~
+              CONNECTION: use ~S on (CONNECTION-REQUEST C), or WITH-REQUEST-SLOTS."
+             name (request-field-accessor name)))
+    name))
+
 (defmacro conn-slot (c name)
-  "The place of slot NAME of the connection C, or of field NAME of the request
-it serves (see *REQUEST-FIELDS*)."
-  (let ((type (cdr (assoc name *connection-slot-types*)))
-        (field (cdr (assoc name *request-fields*))))
-    (cond (field `(,field (the request (%conn-slot ,c request))))
-          (type `(the ,type (%conn-slot ,c ,name)))
-          (t `(%conn-slot ,c ,name)))))
+  "The place of slot NAME of the connection C (never a field of the request it
+serves: see CONNECTION-REQUEST)."
+  (check-connection-slot-name name)
+  (let ((type (cdr (assoc name *connection-slot-types*))))
+    (if type
+        `(the ,type (%conn-slot ,c ,name))
+        `(%conn-slot ,c ,name))))
 
 (declaim (inline connection-request))
 (defun connection-request (c)
@@ -329,7 +323,9 @@ it serves (see *REQUEST-FIELDS*)."
   (conn-slot c request))
 
 (defmacro with-connection-slots ((&rest names) c &body body)
-  "WITH-SLOTS for a connection, through CONN-SLOT."
+  "WITH-SLOTS for a connection, through CONN-SLOT: slots of the connection
+only (the request's fields: WITH-REQUEST-SLOTS)."
+  (mapc #'check-connection-slot-name names)
   (let ((var (gensym "CONNECTION")))
     `(let ((,var ,c))
        (declare (ignorable ,var))
@@ -450,7 +446,8 @@ RECEIVED-LINE-END), BUFFER NIL when nothing of it came or it is gone.  The
 head is in C's record only while CONNECTION-HEAD-PENDING-P.  LOG-ANSWER
 must not block, nor keep BUFFER: C's buffers go back to the pool next."
   (declare (type octets response) (type fixnum sent))
-  (unless (and (plusp (conn-slot c begun)) (conn-slot c answered))
+  (unless (let ((request (connection-request c)))
+            (and (plusp (request-begun request)) (request-answered request)))
     (let ((status (response-status response))
           (engine (connection-engine c)))
       (connection-count-answer c status)
@@ -483,10 +480,11 @@ epoll rather than closed."
 
 (defun release-spool (c)
   "Give back the body the engine read for C's request, if any (spool.lisp)."
-  (let ((spool (conn-slot c spool)))
+  (let* ((request (connection-request c))
+         (spool (request-spool request)))
     (when spool
-      (setf (conn-slot c spool) nil
-            (conn-slot c gathering) nil)
+      (setf (request-spool request) nil
+            (request-gathering request) nil)
       (free-spool (connection-engine c) spool))))
 
 (declaim (inline ensure-inbuf))
@@ -716,9 +714,10 @@ see BODY-RATE-DEADLINE) (0 once it passed)."
 (defun body-rate-deadline (c)
   "When the body C's handler reads as it arrives falls under the minimum
 data rate (RATE-DEADLINE), or NIL when no rate applies to C now."
-  (let ((start (conn-slot c rate-start)))
+  (let* ((request (connection-request c))
+         (start (request-rate-start request)))
     (and (plusp start)
-         (rate-deadline (connection-engine c) start (conn-slot c rate-octets)))))
+         (rate-deadline (connection-engine c) start (request-rate-octets request)))))
 
 (defun write-wait-ms (c)
   "How long a write on C may wait for the client: the write timeout, or
@@ -955,8 +954,9 @@ timeout) until some arrives.  Returns NIL at end of file."
           (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
           (cond ((plusp n)
                  (incf in-end n)
-                 (when (plusp (conn-slot c rate-start))
-                   (incf (conn-slot c rate-octets) n))
+                 (with-request-slots (rate-start rate-octets) (connection-request c)
+                   (when (plusp rate-start)
+                     (incf rate-octets n)))
                  (return t))
                 ((zerop n) (return nil))
                 ((/= errno +eagain+)
@@ -972,7 +972,7 @@ timeout) until some arrives.  Returns NIL at end of file."
   "How many octets C can read from its TLS stream without waiting for more
 than the client must send: what is left of a Content-Length body or of a
 chunk's data; else 1 (a head, or chunk framing, may end at any octet)."
-  (with-connection-slots (message head-left body-mode body-left chunk-decoder) c
+  (with-request-slots (message head-left body-mode body-left chunk-decoder) (connection-request c)
     (cond ((or (not message) (plusp head-left)) 1)
           ((eq body-mode :length) (max 1 body-left))
           ((and (eq body-mode :chunked) (eq (chunk-decoder-state chunk-decoder) :data))
@@ -1387,7 +1387,8 @@ and of the minimum rate's period (or NIL)."
   "The body the engine reads for C (GATHER-BODY): the end of its read
 timeout from the last octets, and when it falls under the minimum rate (or
 NIL)."
-  (values (+ (conn-slot c progress) (engine-read-timeout-ms (connection-engine c)))
+  (values (+ (request-progress (connection-request c))
+             (engine-read-timeout-ms (connection-engine c)))
           (body-rate-deadline c)))
 
 (defun head-deadlines (c)
@@ -1479,7 +1480,7 @@ bound that."
       ;; close resets it.
       (discard-unsent c)
       (setf (conn-slot c timed-out) t
-            (conn-slot c framing-broken) t
+            (request-framing-broken (connection-request c)) t
             (conn-slot c gone) t)
       (set-reset-on-close (connection-fd c))
       (error 'connection-shed-error :stream c :operation "write"))))
@@ -1657,7 +1658,8 @@ CONSUME-HEAD, CONNECTION-TAKE-HEAD) only the buffer is meant: the record
 (declaim (inline connection-close-after-p))
 (defun connection-close-after-p (c)
   "True when the connection must close after the answer to this request."
-  (or (conn-slot c close-after) (conn-slot c framing-broken)))
+  (let ((request (connection-request c)))
+    (or (request-close-after request) (request-framing-broken request))))
 ;;; The same contract as SEND-ALL's KEEP: a native app's response body is
 ;;; given up by the app (:REFERENCE), a streaming writer's data is copied.
 (defun connection-write-octets (c octets &optional (start 0) (end (length octets)) (keep :copy))

@@ -57,7 +57,7 @@ answers) and make C end after it."
                                     (not (conn-slot c gone)))
                                (length response)
                                0))
-  (setf (conn-slot c close-after) t)
+  (setf (request-close-after (connection-request c)) t)
   nil)
 
 (defun call-with-header-deadline (cipher function)
@@ -87,7 +87,7 @@ complete and checked, then begin its message: true.  NIL when there is none
                   (when refusal
                     (return (answer-through-source c (error-response refusal))))
                   (begin-message c)
-                  (setf (conn-slot c message) t)
+                  (setf (request-message (connection-request c)) t)
                   (return t)))
                (:line-too-long (return (answer-through-source c +response-414+)))
                (:too-large (return (answer-through-source c +response-431+)))

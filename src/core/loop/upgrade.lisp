@@ -49,7 +49,8 @@ thread; both work already while the handler runs."
   (let ((engine (connection-engine c)))
     (when (or (conn-slot c raw) (conn-slot c source))
       (error "~A cannot switch protocols: TLS through a library above the engine." c))
-    (when (or (conn-slot c chunked) (plusp (conn-slot c body-length)))
+    (when (let ((request (connection-request c)))
+            (or (request-chunked request) (plusp (request-body-length request))))
       ;; Its octets after the head would be read as the new protocol's.
       (error "~A cannot switch protocols after a request with a body." c))
     (when (refuses-upgrades-p)
