@@ -79,13 +79,6 @@ serves: record its framing."
   (with-connection-slots (in-start scan) c
     (setf in-start scan (request-head-left (connection-request c)) 0)))
 
-(defun connection-write-continue (c)
-  "Send 100 Continue on C now, as an interim answer: it does not count as
-the start of the response."
-  (connection-write-octets c +response-100+)
-  (flush-output c)
-  (setf (conn-slot c sent) 0))
-
 (defun connection-detach (c)
   "The layer above keeps C's stream for a protocol of its own (Hunchentoot's
 DETACH-SOCKET: a WebSocket, a tunnel): from now on its reads and writes pass

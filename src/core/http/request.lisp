@@ -1,11 +1,12 @@
 ;;;; request.lisp -- the record of the request a connection serves: its head
 ;;;; as PARSE-HEAD read it, once, and the state of reading its body.
 ;;;;
-;;;; The connection (connection.lisp) is the transport: fd, buffers, states,
-;;;; deadlines, output.  A REQUEST is what one request on it is: each
-;;;; connection has one, reused from request to request.  The layers above
-;;;; read the head from here and never scan it again: the native API builds
-;;;; its environment from it (src/native/request.lisp), the Hunchentoot layer
+;;;; The connection (connection.lisp, and the files built on it up to
+;;;; output.lisp) is the transport: fd, buffers, states, deadlines, output.
+;;;; A REQUEST is what one request on it is: each connection has one, made
+;;;; with it and reused from request to request.  The layers above read the
+;;;; head from here and never scan it again: the native API builds its
+;;;; environment from it (src/native/request.lisp), the Hunchentoot layer
 ;;;; Hunchentoot's request data (src/hunchentoot/heads.lisp).
 ;;;;
 ;;;; The head's positions are indexes into the connection's input buffer,

@@ -8,7 +8,7 @@
 ;;;; CONNECTION made by MAKE-PLAIN-CONNECTION, whose SOURCE is the TLS
 ;;;; stream: its input buffer fills from the TLS stream instead of recv(2),
 ;;;; its output goes to the TLS stream instead of send(2) (FILL-FROM-SOURCE
-;;;; and SEND-TO-SOURCE, connection.lisp), and everything else is the plain
+;;;; and SEND-TO-SOURCE, input.lisp), and everything else is the plain
 ;;;; code: SCAN-HEAD with its limits (414, 431), CHECK-HEAD (400, 413, 501,
 ;;;; 505), BEGIN-MESSAGE and the body framing of body.lisp, FINISH-MESSAGE
 ;;;; between requests (PLAIN-LEAVE-BOUNDARY, stream.lisp).  A refused head is answered through

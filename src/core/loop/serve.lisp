@@ -239,7 +239,7 @@ meanwhile: the caller still owns C and goes on serving it."
            nil)))
 
 (defun output-parked-p (c)
-  "C has unsent output (connection.lisp, Output): send what the socket takes
+  "C has unsent output (output-queue.lisp): send what the socket takes
 now, and park C in epoll until it takes more if some is left; a worker then
 comes back to SERVE-CONNECTION.  True when C was parked or closed (the caller
 lets go of C), NIL when all of it is sent and the caller still owns C."

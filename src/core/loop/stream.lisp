@@ -10,7 +10,7 @@
 ;;;; connection goes back to the engine, which parks it, serves its next
 ;;;; buffered request, or closes it.  CLOSE only records that the layer
 ;;;; above is done with the connection, unless it was detached.  The output
-;;;; methods are with the output queue (connection.lisp, Output).
+;;;; methods are with the output queue (output.lisp, output-queue.lisp).
 
 (in-package #:gallop.core)
 

@@ -20,7 +20,7 @@
 ;;;; CONNECTION-CUT-UPGRADED) or at once.  What waits is counted in the
 ;;;; memory account as :OUTPUT; octets sent to many connections at once
 ;;;; (CONNECTION-SEND-SHARED) are counted there once, and in each
-;;;; connection's backlog in full (connection.lisp, Shared octets).
+;;;; connection's backlog in full (output-queue.lisp, Shared octets).
 ;;;;
 ;;;; The UPGRADE record is kept beside the connection that holds it
 ;;;; (connection.lisp), and closing a connection ends it (NOTE-UPGRADE-ENDED,
