@@ -23,10 +23,11 @@
 ;;;; CONN-SLOT; the request it serves is a record of its own, request.lisp),
 ;;;; its counts in its engine's stripe, its buffers and the head budget they
 ;;;; are charged to, and the wait for its socket.  The files built on it do
-;;;; the I/O, none of them HTTP/1.1 but the last: tls-io.lisp (the engine's
-;;;; TLS, and the three calls every read and send goes through), input.lisp
-;;;; (reads bounded by timeouts), output-queue.lisp and output.lisp (writes),
-;;;; http1.lisp (HTTP/1.1's syntax on the connection).
+;;;; the I/O, with no HTTP/1.1 syntax but in the last: tls-io.lisp (the
+;;;; engine's TLS, and the three calls every read and send goes through),
+;;;; input.lisp (reads bounded by timeouts), output-queue.lisp and
+;;;; output.lisp (writes), http1.lisp (HTTP/1.1's syntax on the connection).
+;;;;
 ;;;; While :ACTIVE, reads block the worker with poll(2) bounded by the
 ;;;; engine's read timeout; writes do not wait for the client: what the socket
 ;;;; does not take stays in the connection's output queue, and after the
