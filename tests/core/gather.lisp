@@ -370,20 +370,21 @@ lower case, one with an extension), then the last chunk and a trailer."
                                               (subseq body 0 4500)))
              (let ((c (find-connection server
                                        (lambda (c)
-                                         (and (plusp (gallop.core::conn-slot c gallop.core::rate-start))
-                                              (if streamed
-                                                  (= 4500 (gallop.core::conn-slot c gallop.core::rate-octets))
-                                                  ;; Parked with all 4,500 in its spool.
-                                                  (and (gallop.core::conn-slot c gallop.core::gathering)
-                                                       (eq :parked (gallop.core::connection-state c))
-                                                       (= 4500 (gallop.core::spool-fill
-                                                                (gallop.core::conn-slot
-                                                                 c gallop.core::spool))))))))))
+                                         (let ((r (gallop.core::connection-request c)))
+                                           (and (plusp (gallop.core::request-rate-start r))
+                                                (if streamed
+                                                    (= 4500 (gallop.core::request-rate-octets r))
+                                                    ;; Parked with all 4,500 in its spool.
+                                                    (and (gallop.core::request-gathering r)
+                                                         (eq :parked (gallop.core::connection-state c))
+                                                         (= 4500 (gallop.core::spool-fill
+                                                                  (gallop.core::request-spool r)))))))))))
                (if (null c)
                    (fail "~A: no connection reading the body: ~S" what (gallop:stats server))
-                   (let ((start (gallop.core::conn-slot c gallop.core::rate-start)))
-                     (is (= 4500 (gallop.core::conn-slot c gallop.core::rate-octets)) "~A: ~D octets counted"
-                         what (gallop.core::conn-slot c gallop.core::rate-octets))
+                   (let* ((r (gallop.core::connection-request c))
+                          (start (gallop.core::request-rate-start r)))
+                     (is (= 4500 (gallop.core::request-rate-octets r)) "~A: ~D octets counted"
+                         what (gallop.core::request-rate-octets r))
                      (is (eql (+ start 18750) (gallop.core::body-rate-deadline c))
                          "~A: rate deadline ~D ms after the body began" what
                          (- (gallop.core::body-rate-deadline c) start))

@@ -50,38 +50,34 @@
   #'equalp)
 
 (defun connection-decoder (c)
-  (or (conn-slot c chunk-decoder)
-      (setf (conn-slot c chunk-decoder) (make-chunk-decoder))))
+  (let ((request (connection-request c)))
+    (or (request-chunk-decoder request)
+        (setf (request-chunk-decoder request) (make-chunk-decoder)))))
 
 (defun begin-message (c)
   "The head just checked on C (CHECK-HEAD) is the request a handler now
 serves: record its framing."
-  (with-connection-slots (in-start scan head-left body-mode body-left body-length chunked
-                          synth synth-pos synth-data-left synth-done framing-broken engine) c
-    (setf head-left (- scan in-start)
-          (conn-slot c blank-lines) 0
-          (conn-slot c line-checked) nil
-          framing-broken nil
-          synth nil synth-pos 0 synth-data-left 0 synth-done nil
-          (conn-slot c rate-start) 0)
-    (cond (chunked
-           (setf body-mode :chunked)
-           (reset-chunk-decoder (connection-decoder c) (engine-max-body-bytes engine)))
-          ((plusp body-length)
-           (setf body-mode :length body-left body-length))
-          (t (setf body-mode nil)))))
+  (with-connection-slots (in-start scan engine) c
+    (with-request-slots (head-left body-mode body-left body-length chunked synth synth-pos
+                         synth-data-left synth-done framing-broken rate-start)
+        (connection-request c)
+      (setf head-left (- scan in-start)
+            (conn-slot c blank-lines) 0
+            (conn-slot c line-checked) nil
+            framing-broken nil
+            synth nil synth-pos 0 synth-data-left 0 synth-done nil
+            rate-start 0)
+      (cond (chunked
+             (setf body-mode :chunked)
+             (reset-chunk-decoder (connection-decoder c) (engine-max-body-bytes engine)))
+            ((plusp body-length)
+             (setf body-mode :length body-left body-length))
+            (t (setf body-mode nil))))))
 
 (defun connection-consume-head (c)
   "Drop the request head from the input: what follows is the body."
-  (with-connection-slots (in-start scan head-left) c
-    (setf in-start scan head-left 0)))
-
-(defun connection-write-continue (c)
-  "Send 100 Continue on C now, as an interim answer: it does not count as
-the start of the response."
-  (connection-write-octets c +response-100+)
-  (flush-output c)
-  (setf (conn-slot c sent) 0))
+  (with-connection-slots (in-start scan) c
+    (setf in-start scan (request-head-left (connection-request c)) 0)))
 
 (defun connection-detach (c)
   "The layer above keeps C's stream for a protocol of its own (Hunchentoot's
@@ -99,20 +95,21 @@ writes are blocking sends, from the first; on the engine's TLS, every SSL
 call holds C's SSL-LOCK (WITH-SSL).  The change of state is whole or not at
 all: a stop's interrupt (INTERRUPT-HANDLER) finds C either served or
 detached, never between."
-  (with-connection-slots (in-start head-left body-mode boundary raw) c
-    (sb-sys:without-interrupts
-      (incf in-start head-left)
-      (setf head-left 0
-            body-mode nil
-            boundary nil
-            raw t
-            (conn-slot c rate-start) 0
-            (conn-slot c detaching) t)
-      (when (and (plusp (the fixnum (conn-slot c tls))) (null (conn-slot c ssl-lock)))
-        (setf (conn-slot c ssl-lock) (sb-thread:make-mutex :name "SSL")))
-      (release-request-fields (conn-slot c request))
-      (release-spool c)
-      (uncharge-head c))
+  (with-connection-slots (in-start boundary raw) c
+    (with-request-slots (head-left body-mode rate-start) (connection-request c)
+      (sb-sys:without-interrupts
+        (incf in-start head-left)
+        (setf head-left 0
+              body-mode nil
+              boundary nil
+              raw t
+              rate-start 0
+              (conn-slot c detaching) t)
+        (when (and (plusp (the fixnum (conn-slot c tls))) (null (conn-slot c ssl-lock)))
+          (setf (conn-slot c ssl-lock) (sb-thread:make-mutex :name "SSL")))
+        (release-request-fields (conn-slot c request))
+        (release-spool c)
+        (uncharge-head c)))
     (handler-case (progn (when (conn-slot c unsent) (finish-unsent c))
                          (flush-output c))
       (connection-error ()
@@ -126,15 +123,15 @@ detached, never between."
 
 (defun connection-head-pending-p (c)
   "True if the layer above has not read the checked request head yet."
-  (plusp (the fixnum (conn-slot c head-left))))
+  (plusp (the fixnum (request-head-left (connection-request c)))))
 
 (defun connection-body-pending-p (c)
   "True if the request being served has a body (not all of it read yet)."
-  (and (conn-slot c body-mode) t))
+  (and (request-body-mode (connection-request c)) t))
 
 (defun body-broken (c condition)
   "Note that C's body framing failed, then signal CONDITION."
-  (setf (conn-slot c framing-broken) t)
+  (setf (request-framing-broken (connection-request c)) t)
   (error condition))
 
 (defun ensure-input (c)
@@ -156,7 +153,7 @@ The request is not over, so end of file here means the client went away."
       ;; The client ended its side in the middle of a request: there is no
       ;; request to answer (as nginx, nothing is sent; later sends are
       ;; dropped), and the connection closes.
-      (setf (conn-slot c framing-broken) t
+      (setf (request-framing-broken (connection-request c)) t
             (conn-slot c gone) t)
       (error 'connection-error :stream c :operation "read body"))))
 
@@ -176,27 +173,28 @@ the last octet copied."
   "Decoded octets of C's chunked body into VECTOR[START,END); returns the
 index after the last octet, less than END only at the end of the body."
   (declare (type fixnum start end))
-  (when (eq (conn-slot c body-mode) :spool)
+  (when (eq (request-body-mode (connection-request c)) :spool)
     ;; Re-chunking a body the engine read before the handler: its data.
     (return-from read-chunked-data (read-spooled c vector start end)))
-  (let ((d (conn-slot c chunk-decoder)))
-    (with-connection-slots (inbuf in-start in-end body-mode) c
-      (loop while (< start end)
-            do (case (chunk-decoder-state d)
-                 ((nil) (setf body-mode nil) (return))
-                 (:data
-                  (let ((k (take-input c vector start
-                                       (+ start (min (- end start) (chunk-decoder-left d))))))
-                    (chunk-decoder-take d (- k start))
-                    (setf start k)))
-                 (t
-                  (ensure-input c)
-                  (setf in-start (handler-bind ((request-body-error
-                                                  (lambda (e) (body-broken c e))))
-                                   (chunk-decoder-step d inbuf in-start in-end))))))
-      (when (null (chunk-decoder-state d))
-        (setf body-mode nil))
-      start)))
+  (let ((d (request-chunk-decoder (connection-request c))))
+    (with-connection-slots (inbuf in-start in-end) c
+      (with-request-slots (body-mode) (connection-request c)
+        (loop while (< start end)
+              do (case (chunk-decoder-state d)
+                   ((nil) (setf body-mode nil) (return))
+                   (:data
+                    (let ((k (take-input c vector start
+                                         (+ start (min (- end start) (chunk-decoder-left d))))))
+                      (chunk-decoder-take d (- k start))
+                      (setf start k)))
+                   (t
+                    (ensure-input c)
+                    (setf in-start (handler-bind ((request-body-error
+                                                    (lambda (e) (body-broken c e))))
+                                     (chunk-decoder-step d inbuf in-start in-end))))))
+        (when (null (chunk-decoder-state d))
+          (setf body-mode nil))
+        start))))
 
 (defun connection-read-body (c vector &optional (start 0) (end (length vector)))
   "Read the decoded body of the request C serves into VECTOR[START,END),
@@ -204,7 +202,7 @@ blocking (bounded by the read timeout) until it is full or the body ended.
 Returns the index after the last octet read.  Signals REQUEST-BODY-ERROR for
 a malformed chunked body or one over the limit."
   (declare (type fixnum start end))
-  (with-connection-slots (body-mode body-left framing-broken) c
+  (with-request-slots (body-mode body-left framing-broken) (connection-request c)
     (loop while (and (< start end) (not framing-broken)) ; a broken body has no more octets
           do (case body-mode
                ((nil) (return))
@@ -226,20 +224,20 @@ a malformed chunked body or one over the limit."
   "The next octets of the body the engine read for C (GATHER-BODY) into
 VECTOR[START,END): the index after the last one, START at its end."
   (declare (type fixnum start end))
-  (let ((spool (conn-slot c spool)))
-    (if (or (null spool) (<= (conn-slot c body-left) 0))
+  (with-request-slots (spool body-left) (connection-request c)
+    (if (or (null spool) (<= body-left 0))
         start
-        (let ((k (spool-read spool vector start
-                             (+ start (min (- end start) (conn-slot c body-left))))))
-          (decf (conn-slot c body-left) (- k start))
+        (let ((k (spool-read spool vector start (+ start (min (- end start) body-left)))))
+          (decf body-left (- k start))
           k))))
 
 (defun next-chunk-size (c)
   "Decode C's chunked body up to the data of its next chunk: that chunk's
 data octets not yet read, or 0 at the end of the body."
-  (when (eq (conn-slot c body-mode) :spool)
-    (return-from next-chunk-size (max 0 (conn-slot c body-left))))
-  (let ((d (conn-slot c chunk-decoder)))
+  (let ((request (connection-request c)))
+    (when (eq (request-body-mode request) :spool)
+      (return-from next-chunk-size (max 0 (request-body-left request)))))
+  (let ((d (request-chunk-decoder (connection-request c))))
     (with-connection-slots (inbuf in-start in-end) c
       (loop
         (case (chunk-decoder-state d)
@@ -254,7 +252,7 @@ data octets not yet read, or 0 at the end of the body."
   "C's chunked body re-chunked (see the header) into VECTOR[START,END);
 returns the index after the last octet, less than END only at its end."
   (declare (type fixnum start end))
-  (with-connection-slots (synth synth-pos synth-data-left synth-done body-mode) c
+  (with-request-slots (synth synth-pos synth-data-left synth-done body-mode) (connection-request c)
     (loop while (< start end)
           do (cond (synth
                     (let* ((octets synth)
@@ -289,21 +287,22 @@ returns the index after the last octet, less than END only at its end."
 rest of its head, then its body (chunked bodies re-chunked), then nothing.
 Returns the index after the last octet read into VECTOR[START,END)."
   (declare (type fixnum start end))
-  (with-connection-slots (inbuf in-start head-left body-mode) c
-    (when (and (plusp head-left) (< start end))
-      ;; The head is all buffered: CHECK-HEAD saw it.
-      (let ((n (min head-left (- end start))))
-        (replace vector (the octets inbuf) :start1 start :end1 (+ start n) :start2 in-start)
-        (incf in-start n)
-        (decf head-left n)
-        (incf start n)))
-    (if (and (< start end) (zerop head-left) body-mode
-             (not (conn-slot c framing-broken))) ; a broken body has no more octets
-        (if (or (eq body-mode :chunked)
-                (and (eq body-mode :spool) (conn-slot c chunked)))
-            (read-rechunked c vector start end)
-            (connection-read-body c vector start end))
-        start)))
+  (with-connection-slots (inbuf in-start) c
+    (with-request-slots (head-left body-mode framing-broken chunked) (connection-request c)
+      (when (and (plusp head-left) (< start end))
+        ;; The head is all buffered: CHECK-HEAD saw it.
+        (let ((n (min head-left (- end start))))
+          (replace vector (the octets inbuf) :start1 start :end1 (+ start n) :start2 in-start)
+          (incf in-start n)
+          (decf head-left n)
+          (incf start n)))
+      (if (and (< start end) (zerop head-left) body-mode
+               (not framing-broken))    ; a broken body has no more octets
+          (if (or (eq body-mode :chunked)
+                  (and (eq body-mode :spool) chunked))
+              (read-rechunked c vector start end)
+              (connection-read-body c vector start end))
+          start))))
 
 (defun read-available-now (c)
   "Read whatever input C has now, without waiting: true if some came."
@@ -332,51 +331,53 @@ an unread body, before it gives up and lets the connection close.")
 body) in the input that is here.  True when the next request starts at
 IN-START; NIL when the rest has not all arrived, or the framing is broken:
 then the connection must close after the answer."
-  (with-connection-slots (inbuf in-start in-end head-left body-mode body-left framing-broken raw
-                          request) c
-    (incf in-start head-left)
-    (setf head-left 0
-          (conn-slot c rate-start) 0
-          ;; For the metrics: what C reads next is not this request.
-          (request-begun request) 0)
-    (release-request-fields request)
-    (when (conn-slot c spool)
-      ;; The engine read the whole body: what the handler left of it goes.
-      (release-spool c)
-      (when (eq body-mode :spool)
-        (setf body-mode nil)))
-    (cond
-      ((or raw (null body-mode))        ; TLS reads its requests itself; or no body left
-       (not framing-broken))
-      (framing-broken nil)
-      (t
-       (let ((reads 0))
-         (declare (type fixnum reads))
-         (handler-case
-             (loop
-               (let ((available (- in-end in-start)))
-                 (case body-mode
-                   ((nil) (return t))
-                   (:length
-                    (let ((n (min body-left available)))
-                      (incf in-start n)
-                      (when (zerop (decf body-left n))
-                        (setf body-mode nil))))
-                   (:chunked
-                    (let ((d (conn-slot c chunk-decoder)))
-                      (case (chunk-decoder-state d)
-                        ((nil) (setf body-mode nil))
-                        (:data (let ((n (min (chunk-decoder-left d) available)))
-                                 (incf in-start n)
-                                 (chunk-decoder-take d n)))
-                        (t (setf in-start (chunk-decoder-step d inbuf in-start in-end))))))))
-               (when (and body-mode (= in-start in-end)
-                          (or (>= (incf reads) +max-skip-reads+)
-                              (not (read-available-now c))))
-                 (return nil)))
-           (request-body-error ()
-             (setf framing-broken t)
-             nil)))))))
+  (with-connection-slots (inbuf in-start in-end raw request) c
+    (with-request-slots (head-left body-mode body-left framing-broken rate-start begun spool
+                         chunk-decoder)
+        request
+      (incf in-start head-left)
+      (setf head-left 0
+            rate-start 0
+            ;; For the metrics: what C reads next is not this request.
+            begun 0)
+      (release-request-fields request)
+      (when spool
+        ;; The engine read the whole body: what the handler left of it goes.
+        (release-spool c)
+        (when (eq body-mode :spool)
+          (setf body-mode nil)))
+      (cond
+        ((or raw (null body-mode))        ; TLS reads its requests itself; or no body left
+         (not framing-broken))
+        (framing-broken nil)
+        (t
+         (let ((reads 0))
+           (declare (type fixnum reads))
+           (handler-case
+               (loop
+                 (let ((available (- in-end in-start)))
+                   (case body-mode
+                     ((nil) (return t))
+                     (:length
+                      (let ((n (min body-left available)))
+                        (incf in-start n)
+                        (when (zerop (decf body-left n))
+                          (setf body-mode nil))))
+                     (:chunked
+                      (let ((d chunk-decoder))
+                        (case (chunk-decoder-state d)
+                          ((nil) (setf body-mode nil))
+                          (:data (let ((n (min (chunk-decoder-left d) available)))
+                                   (incf in-start n)
+                                   (chunk-decoder-take d n)))
+                          (t (setf in-start (chunk-decoder-step d inbuf in-start in-end))))))))
+                 (when (and body-mode (= in-start in-end)
+                            (or (>= (incf reads) +max-skip-reads+)
+                                (not (read-available-now c))))
+                   (return nil)))
+             (request-body-error ()
+               (setf framing-broken t)
+               nil))))))))
 
 ;;; The native layer's view of a body: a binary input stream.
 
@@ -423,8 +424,8 @@ sends 100 Continue first (RFC 9110, 10.1.1: only once the body is wanted)."
 (defmethod sb-gray:stream-listen ((s body-stream))
   (let ((c (slot-value s 'connection)))
     (and (connection-body-pending-p c)
-         (if (eq (conn-slot c body-mode) :spool)
-             (plusp (conn-slot c body-left))
+         (if (eq (request-body-mode (connection-request c)) :spool)
+             (plusp (request-body-left (connection-request c)))
              (< (conn-slot c in-start) (conn-slot c in-end))))))
 
 ;;; Reading a body before the handler.  The engine reads a request's body as
@@ -472,14 +473,16 @@ before the handler runs (GATHER-BODY).  Not when there is none, or all of it
 is buffered already, or the engine does not read C's requests itself (RAW),
 or the application streams it (STREAMED-BODIES): then the minimum data rate
 bounds the handler's reads of it."
-  (with-connection-slots (body-mode body-left in-start in-end head-left raw) c
-    (cond ((or (null body-mode) raw) nil)
-          ((and (eq body-mode :length) (<= body-left (- in-end in-start head-left))) nil)
-          ((streamed-body-p c)
-           (setf (conn-slot c rate-start) (now-ms)
-                 (conn-slot c rate-octets) (- in-end in-start head-left))
-           nil)
-          (t t))))
+  (with-connection-slots (in-start in-end raw) c
+    (with-request-slots (body-mode body-left head-left rate-start rate-octets)
+        (connection-request c)
+      (cond ((or (null body-mode) raw) nil)
+            ((and (eq body-mode :length) (<= body-left (- in-end in-start head-left))) nil)
+            ((streamed-body-p c)
+             (setf rate-start (now-ms)
+                   rate-octets (- in-end in-start head-left))
+             nil)
+            (t t)))))
 
 (defun begin-gathering (c)
   "Start reading C's request body before the handler (GATHER-BODY).  A
@@ -489,23 +492,26 @@ every octet of the body, those that came in the reads of its head too
 \(buffered after it), as GATHER-BODY-P does for a streamed body: where the
 client's writes split head and body must not move its deadline."
   (let ((now (now-ms)))
-    (setf (conn-slot c spool) (make-spool)
-          (conn-slot c gathering) t
-          (conn-slot c progress) now
-          (conn-slot c rate-start) now
-          (conn-slot c rate-octets) (- (conn-slot c in-end) (conn-slot c in-start)
-                                       (conn-slot c head-left)))
-    (when (conn-slot c expect-continue)
-      (setf (conn-slot c expect-continue) nil)
-      ;; A client gone already is found by the next read.
-      (handler-case (connection-write-continue c)
-        (connection-error () nil)))))
+    (with-request-slots (spool gathering progress rate-start rate-octets head-left
+                         expect-continue)
+        (connection-request c)
+      (setf spool (make-spool)
+            gathering t
+            progress now
+            rate-start now
+            rate-octets (- (conn-slot c in-end) (conn-slot c in-start) head-left))
+      (when expect-continue
+        (setf expect-continue nil)
+        ;; A client gone already is found by the next read.
+        (handler-case (connection-write-continue c)
+          (connection-error () nil))))))
 
 (defun body-gathered-p (c)
-  (case (conn-slot c body-mode)
-    (:length (zerop (conn-slot c body-left)))
-    (:chunked (null (chunk-decoder-state (conn-slot c chunk-decoder))))
-    (t t)))
+  (with-request-slots (body-mode body-left chunk-decoder) (connection-request c)
+    (case body-mode
+      (:length (zerop body-left))
+      (:chunked (null (chunk-decoder-state chunk-decoder)))
+      (t t))))
 
 (defun spool-input (c start end)
   "Move the body octets of C's input buffer from START (before END) to its
@@ -513,26 +519,27 @@ spool: the index after the last one taken (less than END only at the end of
 the body), or NIL when the spool could not hold them.  Signals
 REQUEST-BODY-ERROR for a malformed chunked body, or one over the limit."
   (declare (type fixnum start end))
-  (with-connection-slots (inbuf body-mode body-left spool engine) c
-    (ecase body-mode
-      (:length
-       (let ((n (min body-left (- end start))))
-         (and (spool-append engine spool inbuf start (+ start n))
-              (progn (decf body-left n)
-                     (+ start n)))))
-      (:chunked
-       (let ((d (conn-slot c chunk-decoder)))
-         (loop while (< start end)
-               do (case (chunk-decoder-state d)
-                    ((nil) (return))
-                    (:data
-                     (let ((n (min (chunk-decoder-left d) (- end start))))
-                       (unless (spool-append engine spool inbuf start (+ start n))
-                         (return-from spool-input nil))
-                       (chunk-decoder-take d n)
-                       (incf start n)))
-                    (t (setf start (chunk-decoder-step d inbuf start end)))))
-         start)))))
+  (with-connection-slots (inbuf engine) c
+    (with-request-slots (body-mode body-left spool chunk-decoder) (connection-request c)
+      (ecase body-mode
+        (:length
+         (let ((n (min body-left (- end start))))
+           (and (spool-append engine spool inbuf start (+ start n))
+                (progn (decf body-left n)
+                       (+ start n)))))
+        (:chunked
+         (let ((d chunk-decoder))
+           (loop while (< start end)
+                 do (case (chunk-decoder-state d)
+                      ((nil) (return))
+                      (:data
+                       (let ((n (min (chunk-decoder-left d) (- end start))))
+                         (unless (spool-append engine spool inbuf start (+ start n))
+                           (return-from spool-input nil))
+                         (chunk-decoder-take d n)
+                         (incf start n)))
+                      (t (setf start (chunk-decoder-step d inbuf start end)))))
+           start))))))
 
 (defun room-after-head (c)
   "Make room after IN-END in C's input buffer to read body octets into: move

@@ -1,11 +1,12 @@
 ;;;; request.lisp -- the record of the request a connection serves: its head
 ;;;; as PARSE-HEAD read it, once, and the state of reading its body.
 ;;;;
-;;;; The connection (connection.lisp) is the transport: fd, buffers, states,
-;;;; deadlines, output.  A REQUEST is what one request on it is: each
-;;;; connection has one, reused from request to request.  The layers above
-;;;; read the head from here and never scan it again: the native API builds
-;;;; its environment from it (src/native/request.lisp), the Hunchentoot layer
+;;;; The connection (connection.lisp, and the files built on it up to
+;;;; output.lisp) is the transport: fd, buffers, states, deadlines, output.
+;;;; A REQUEST is what one request on it is: each connection has one, made
+;;;; with it and reused from request to request.  The layers above read the
+;;;; head from here and never scan it again: the native API builds its
+;;;; environment from it (src/native/request.lisp), the Hunchentoot layer
 ;;;; Hunchentoot's request data (src/hunchentoot/heads.lisp).
 ;;;;
 ;;;; The head's positions are indexes into the connection's input buffer,
@@ -94,6 +95,41 @@ that needed more, the index is dropped (see RELEASE-REQUEST-FIELDS).")
 
 (defmethod print-object ((request request) stream)
   (print-unreadable-object (request stream :type t :identity t)))
+
+;;; Naming a field.  A request's fields are read through the struct's own
+;;; accessors, (REQUEST-BODY-MODE R), never as slots of the connection
+;;; (CONN-SLOT refuses them); a function touching several names them with
+;;; WITH-REQUEST-SLOTS.
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defun request-field-name-p (name)
+    "True when NAME names a field of REQUEST: a slot of the struct, or
+REQUEST-METHOD (its slot METHOD is a COMMON-LISP symbol)."
+    (and (symbolp name)
+         (or (eq name 'request-method)
+             (and (find name (sb-mop:class-slots (find-class 'request))
+                        :key #'sb-mop:slot-definition-name)
+                  t))))
+
+  (defun request-field-accessor (name)
+    "The accessor of REQUEST's field NAME (see REQUEST-FIELD-NAME-P)."
+    (if (eq name 'request-method)
+        'request-method
+        (intern (concatenate 'string (symbol-name 'request-) (symbol-name name))
+                (symbol-package 'request)))))
+
+(defmacro with-request-slots ((&rest names) request &body body)
+  "WITH-SLOTS for the REQUEST record REQUEST, through its accessors: each of
+NAMES, a field (REQUEST-FIELD-NAME-P), is the place (REQUEST-NAME R)."
+  (dolist (name names)
+    (unless (request-field-name-p name)
+      (error "~S is not a field of REQUEST." name)))
+  (let ((var (gensym "REQUEST")))
+    `(let ((,var ,request))
+       (declare (type request ,var) (ignorable ,var))
+       (symbol-macrolet ,(loop for name in names
+                               collect `(,name (,(request-field-accessor name) ,var)))
+         ,@body))))
 
 ;; Inline: once per header field, and its full call cost more than its work.
 (declaim (inline request-field-slot))

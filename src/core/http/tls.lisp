@@ -8,7 +8,7 @@
 ;;;; CONNECTION made by MAKE-PLAIN-CONNECTION, whose SOURCE is the TLS
 ;;;; stream: its input buffer fills from the TLS stream instead of recv(2),
 ;;;; its output goes to the TLS stream instead of send(2) (FILL-FROM-SOURCE
-;;;; and SEND-TO-SOURCE, connection.lisp), and everything else is the plain
+;;;; and SEND-TO-SOURCE, input.lisp), and everything else is the plain
 ;;;; code: SCAN-HEAD with its limits (414, 431), CHECK-HEAD (400, 413, 501,
 ;;;; 505), BEGIN-MESSAGE and the body framing of body.lisp, FINISH-MESSAGE
 ;;;; between requests (PLAIN-LEAVE-BOUNDARY, stream.lisp).  A refused head is answered through
@@ -57,7 +57,7 @@ answers) and make C end after it."
                                     (not (conn-slot c gone)))
                                (length response)
                                0))
-  (setf (conn-slot c close-after) t)
+  (setf (request-close-after (connection-request c)) t)
   nil)
 
 (defun call-with-header-deadline (cipher function)
@@ -87,7 +87,7 @@ complete and checked, then begin its message: true.  NIL when there is none
                   (when refusal
                     (return (answer-through-source c (error-response refusal))))
                   (begin-message c)
-                  (setf (conn-slot c message) t)
+                  (setf (request-message (connection-request c)) t)
                   (return t)))
                (:line-too-long (return (answer-through-source c +response-414+)))
                (:too-large (return (answer-through-source c +response-431+)))

@@ -114,7 +114,7 @@ out yet.  Over TLS the engine can't write for the handler: its layer answers."
                              (not (conn-slot c gone)))
                         (length response)
                         0)
-                    :line (plusp (the fixnum (conn-slot c head-left)))
+                    :line (plusp (the fixnum (request-head-left (connection-request c))))
                     ;; A stop's cut the layer above reported: it logged
                     ;; this 503 (STOP-CUT-MESSAGE).
                     :log (not (eq (conn-slot c stop-cut) :reported))))))

@@ -65,7 +65,7 @@ when part of a request head had arrived), else schedule it again."
                        (multiple-value-call #'note-if-slow engine (output-deadlines c)))
                      (set-reset-on-close (connection-fd c))
                      (close-connection c))
-                    ((conn-slot c gathering)
+                    ((request-gathering (connection-request c))
                      ;; Its body came too slowly (GATHER-BODY).
                      (sb-ext:atomic-incf (engine-timeouts engine))
                      (multiple-value-call #'note-if-slow engine (body-deadlines c))
@@ -151,7 +151,8 @@ without once it has exited."
                            (or (conn-slot c unsent) ; an answer the client is still reading
                                (conn-slot c suspended) ; a request still to be answered
                                (conn-slot c waiting-turn) ; a request it sent, not served yet
-                               (conn-slot c gathering) ; a request whose body is arriving
+                               ;; a request whose body is arriving
+                               (request-gathering (connection-request c))
                                (conn-slot c head-started) ; a request whose head is arriving
                                (eq :ready (poll-fds (connection-fd c) +pollin+ -1 0))))
                       (incf left)

@@ -192,7 +192,7 @@ caller still owns C and must read (or send) again."
                ;; The write timeout, from the last time the client read, or
                ;; sooner when it reads under the minimum rate.
                (schedule c (output-deadline c)))
-              ((conn-slot c gathering)
+              ((request-gathering (connection-request c))
                ;; Reading a body (GATHER-BODY): the read timeout from the
                ;; last octets, or sooner under the minimum rate.
                (schedule c (multiple-value-call #'earliest (body-deadlines c))))

@@ -52,7 +52,7 @@ thread stacks): its input buffer while charged as a partial head, its body
 in memory, its unsent output, and once upgraded what its layer assembles
 and what waits in its mailbox.  Read from any thread: approximate while
 its owner works."
-  (let ((spool (conn-slot c spool))
+  (let ((spool (request-spool (connection-request c)))
         (u (conn-slot c upgrade)))
     (+ (conn-slot c budgeted)
        (if spool (spool-charged spool) 0)
@@ -115,8 +115,9 @@ client had sent, so that it reads what waits in its socket."
   "True when the body C's request announces is refused now: level 2 or
 more, and chunked or longer than the engine keeps in memory."
   (and (>= (overload-level) 2)
-       (or (conn-slot c chunked)
-           (> (conn-slot c body-left) (engine-body-buffer-bytes (connection-engine c))))
+       (let ((request (connection-request c)))
+         (or (request-chunked request)
+             (> (request-body-left request) (engine-body-buffer-bytes (connection-engine c)))))
        (progn (note-overload-refusal) t)))
 
 (define-condition overloaded (error)

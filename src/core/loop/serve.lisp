@@ -76,7 +76,7 @@ buffered (pipelining) waits its turn behind other ready connections
       (loop
         (let ((ready (cond (raw (< (conn-slot c in-start) in-end))
                            ;; Back for more of a body (GATHER-BODY).
-                           ((conn-slot c gathering) :body)
+                           ((request-gathering (connection-request c)) :body)
                            (t (head-ready-p)))))
           (unless ready
             (unless (make-room c (engine-max-head-bytes engine))
@@ -120,7 +120,7 @@ buffered (pipelining) waits its turn behind other ready connections
                   (sb-ext:atomic-incf (engine-shed engine))
                   (return (reject-connection c (response-503 engine))))
                 (begin-gathering c)))
-            (when (and (conn-slot c gathering) (not (gather-body c)))
+            (when (and (request-gathering (connection-request c)) (not (gather-body c)))
               (return))
             (ecase (run-handler engine c)
               (:park
@@ -131,7 +131,7 @@ buffered (pipelining) waits its turn behind other ready connections
                ;; engine began stopping meanwhile: a close now would meet
                ;; the client's next request.  A soft stop answers that one
                ;; with Connection: close; any stop closes C if idle.
-               (unless (and (not (conn-slot c close-after)) (finish-message c))
+               (unless (and (not (request-close-after (connection-request c))) (finish-message c))
                  (return (close-after-answer c)))
                (when (conn-slot c unsent)
                  ;; The client has not read this answer yet: no further
@@ -160,54 +160,57 @@ may run.  NIL when C was parked to wait for more (its deadline set by PARK),
 or rejected (400 or 413 for the body, 503 when it cannot be held) or closed
 \(the client went away): the caller lets go of C."
   (let ((engine (connection-engine c)))
-    (with-connection-slots (inbuf in-start in-end head-left body-mode body-left spool) c
-      (handler-case
-          (loop
-            (let ((base (+ in-start head-left)))
-              (declare (type fixnum base))
-              (when (< base in-end)
-                (let ((used (spool-input c base in-end)))
-                  (unless used
-                    (sb-ext:atomic-incf (engine-shed engine))
-                    (reject-connection c (response-503 engine))
-                    (return nil))
-                  ;; What follows the body (a next request) stays after the head.
-                  (replace inbuf inbuf :start1 base :start2 used :end2 in-end)
-                  (setf in-end (+ base (- in-end used)))))
-              (when (body-gathered-p c)
-                (setf (conn-slot c gathering) nil
-                      (conn-slot c rate-start) 0
-                      body-mode :spool
-                      body-left (spool-fill spool))
-                (return t))
-              (unless (room-after-head c)
-                (sb-ext:atomic-incf (engine-shed engine))
-                (reject-connection c (response-503 engine))
-                (return nil))
-              (let ((buffer inbuf))
-                (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
-                  (declare (type fixnum n))
-                  (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
-                  (cond ((plusp n)
-                         (incf in-end n)
-                         (incf (conn-slot c rate-octets) n)
-                         (setf (conn-slot c progress) (now-ms)))
-                        ((zerop n)
-                         ;; The client ended its side in the middle of its
-                         ;; request: there is nothing to answer.
-                         (close-connection c)
-                         (return nil))
-                        ((= errno +eagain+)
-                         (when (park c)
-                           (return nil)))
-                        (t (close-connection c)
-                           (return nil)))))))
-        (request-body-error (e)
-          (reject c (error-response (request-body-error-status e)))
-          nil)
-        (connection-error ()
-          (close-connection c)
-          nil)))))
+    (with-connection-slots (inbuf in-start in-end) c
+      (with-request-slots (head-left body-mode body-left spool gathering rate-start rate-octets
+                           progress)
+          (connection-request c)
+        (handler-case
+            (loop
+              (let ((base (+ in-start head-left)))
+                (declare (type fixnum base))
+                (when (< base in-end)
+                  (let ((used (spool-input c base in-end)))
+                    (unless used
+                      (sb-ext:atomic-incf (engine-shed engine))
+                      (reject-connection c (response-503 engine))
+                      (return nil))
+                    ;; What follows the body (a next request) stays after the head.
+                    (replace inbuf inbuf :start1 base :start2 used :end2 in-end)
+                    (setf in-end (+ base (- in-end used)))))
+                (when (body-gathered-p c)
+                  (setf gathering nil
+                        rate-start 0
+                        body-mode :spool
+                        body-left (spool-fill spool))
+                  (return t))
+                (unless (room-after-head c)
+                  (sb-ext:atomic-incf (engine-shed engine))
+                  (reject-connection c (response-503 engine))
+                  (return nil))
+                (let ((buffer inbuf))
+                  (multiple-value-bind (n errno) (connection-recv c buffer in-end (length buffer))
+                    (declare (type fixnum n))
+                    (setf (conn-slot c drained) (< n (- (length buffer) in-end)))
+                    (cond ((plusp n)
+                           (incf in-end n)
+                           (incf rate-octets n)
+                           (setf progress (now-ms)))
+                          ((zerop n)
+                           ;; The client ended its side in the middle of its
+                           ;; request: there is nothing to answer.
+                           (close-connection c)
+                           (return nil))
+                          ((= errno +eagain+)
+                           (when (park c)
+                             (return nil)))
+                          (t (close-connection c)
+                             (return nil)))))))
+          (request-body-error (e)
+            (reject c (error-response (request-body-error-status e)))
+            nil)
+          (connection-error ()
+            (close-connection c)
+            nil))))))
 
 (defun park-if-quiet (c)
   "After an answer, with nothing buffered: park C without trying another read,
@@ -236,7 +239,7 @@ meanwhile: the caller still owns C and goes on serving it."
            nil)))
 
 (defun output-parked-p (c)
-  "C has unsent output (connection.lisp, Output): send what the socket takes
+  "C has unsent output (output-queue.lisp): send what the socket takes
 now, and park C in epoll until it takes more if some is left; a worker then
 comes back to SERVE-CONNECTION.  True when C was parked or closed (the caller
 lets go of C), NIL when all of it is sent and the caller still owns C."
@@ -389,7 +392,8 @@ timer or broadcaster), else close it (after the client read the answer)."
       (return-from connection-resume))
     (setf (conn-slot c suspended) nil
           (conn-slot c out-parked) nil)
-    (if (and keep-alive (engine-running-p engine) (not (conn-slot c close-after))
+    (if (and keep-alive (engine-running-p engine)
+             (not (request-close-after (connection-request c)))
              (finish-message c))
         (handler-case (if (conn-slot c unsent)
                           ;; Parks C until the client read it (or sends it).

@@ -20,7 +20,7 @@ marked."
            t)
           ((eq (connection-state c) :parked)
            (when (eq :parked (sb-ext:compare-and-swap (%conn-slot c state) :parked :active))
-             (cond ((conn-slot c gathering)
+             (cond ((request-gathering (connection-request c))
                     (reject-connection c (response-503 (connection-engine c))))
                    (t
                     (when (conn-slot c unsent)

@@ -10,7 +10,7 @@
 ;;;; connection goes back to the engine, which parks it, serves its next
 ;;;; buffered request, or closes it.  CLOSE only records that the layer
 ;;;; above is done with the connection, unless it was detached.  The output
-;;;; methods are with the output queue (connection.lisp, Output).
+;;;; methods are with the output queue (output.lisp, output-queue.lisp).
 
 (in-package #:gallop.core)
 
@@ -38,11 +38,11 @@ its request, then wait for the next one (bounded by the idle timeout, and
 given up when the engine stops).  True when a request may be read now."
   (let* ((cipher (conn-slot c cipher))
          (engine (connection-engine c)))
-    (setf (conn-slot c message) nil
+    (setf (request-message (connection-request c)) nil
           (conn-slot c boundary) nil)
     (release-buffers c)                 ; an empty (grown) input buffer, and its budget
     (when (or (not (finish-message c))
-              (conn-slot c close-after)
+              (request-close-after (connection-request c))
               (conn-slot cipher interrupted) ; the handler ran past its deadline
               (not (engine-running-p engine)))
       (return-from plain-leave-boundary nil))
@@ -75,17 +75,18 @@ now reads the body), when the next read would start a checked head.  :EOF
 when that read would answer end of file instead (no further request now:
 the same steps as a read, see LEAVE-BOUNDARY).  NIL when the head can only
 be read through the stream (part of it was read already, or C is raw)."
-  (with-connection-slots (boundary raw head-left in-start request) c
-    (cond ((or raw (conn-slot c detaching)) nil)
-          ((and boundary (not (leave-boundary c))) :eof)
-          ((and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c))) :eof)
-          ((and (plusp head-left)
-                (= in-start (request-start request))
-                (= head-left (- (request-end request) (request-start request))))
-           (setf in-start (request-end request)
-                 head-left 0)
-           request)
-          (t nil))))
+  (with-connection-slots (boundary raw in-start request) c
+    (with-request-slots (head-left message) request
+      (cond ((or raw (conn-slot c detaching)) nil)
+            ((and boundary (not (leave-boundary c))) :eof)
+            ((and (conn-slot c source) (not message) (not (read-next-head c))) :eof)
+            ((and (plusp head-left)
+                  (= in-start (request-start request))
+                  (= head-left (- (request-end request) (request-start request))))
+             (setf in-start (request-end request)
+                   head-left 0)
+             request)
+            (t nil)))))
 
 ;;; Gray stream methods
 
@@ -102,29 +103,31 @@ be read through the stream (part of it was read already, or C is raw)."
       (return-from sb-gray:stream-read-byte :eof))
     (cond ((not raw)
            ;; The request being served, and no further (body.lisp).
-           (when (and (conn-slot c source) (not (conn-slot c message)) (not (read-next-head c)))
-             (return-from sb-gray:stream-read-byte :eof))
-           (if (and (plusp (conn-slot c head-left)) (< in-start in-end))
-               (prog1 (aref (the octets inbuf) in-start) ; the head: in the buffer
-                 (incf in-start)
-                 (decf (conn-slot c head-left)))
-               (let ((octet (or (conn-slot c synth-octet)
-                                (setf (conn-slot c synth-octet)
-                                      (make-array 1 :element-type '(unsigned-byte 8))))))
-                 (if (= 1 (read-message c octet 0 1))
-                     (aref (the octets octet) 0)
-                     :eof))))
+           (with-request-slots (message head-left synth-octet) (connection-request c)
+             (when (and (conn-slot c source) (not message) (not (read-next-head c)))
+               (return-from sb-gray:stream-read-byte :eof))
+             (if (and (plusp head-left) (< in-start in-end))
+                 (prog1 (aref (the octets inbuf) in-start) ; the head: in the buffer
+                   (incf in-start)
+                   (decf head-left))
+                 (let ((octet (or synth-octet
+                                  (setf synth-octet
+                                        (make-array 1 :element-type '(unsigned-byte 8))))))
+                   (if (= 1 (read-message c octet 0 1))
+                       (aref (the octets octet) 0)
+                       :eof)))))
           ((or (< in-start in-end) (fill-input c))
            (prog1 (aref (the octets inbuf) in-start)
              (incf in-start)))
           (t :eof))))
 
 (defmethod sb-gray:stream-listen ((c connection))
-  (with-connection-slots (in-start in-end head-left body-mode raw) c
-    (if (and (eq body-mode :spool) (zerop head-left))
-        (plusp (conn-slot c body-left))
-        (and (< in-start in-end)
-             (or raw (plusp head-left) (and body-mode t))))))
+  (with-connection-slots (in-start in-end raw) c
+    (with-request-slots (head-left body-mode body-left) (connection-request c)
+      (if (and (eq body-mode :spool) (zerop head-left))
+          (plusp body-left)
+          (and (< in-start in-end)
+               (or raw (plusp head-left) (and body-mode t)))))))
 
 (defmethod sb-gray:stream-read-sequence ((c connection) sequence &optional (start 0) end)
   (with-connection-slots (inbuf in-start in-end boundary raw) c
@@ -133,8 +136,8 @@ be read through the stream (part of it was read already, or C is raw)."
         (return-from sb-gray:stream-read-sequence start))
       (unless raw
         (return-from sb-gray:stream-read-sequence
-          (if (and (conn-slot c source) (not (conn-slot c message)) (< start end)
-                   (not (read-next-head c)))
+          (if (and (conn-slot c source) (not (request-message (connection-request c)))
+                   (< start end) (not (read-next-head c)))
               start
               (read-message c sequence start end))))
       (loop while (< start end)

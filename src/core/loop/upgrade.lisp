@@ -20,7 +20,7 @@
 ;;;; CONNECTION-CUT-UPGRADED) or at once.  What waits is counted in the
 ;;;; memory account as :OUTPUT; octets sent to many connections at once
 ;;;; (CONNECTION-SEND-SHARED) are counted there once, and in each
-;;;; connection's backlog in full (connection.lisp, Shared octets).
+;;;; connection's backlog in full (output-queue.lisp, Shared octets).
 ;;;;
 ;;;; The UPGRADE record is kept beside the connection that holds it
 ;;;; (connection.lisp), and closing a connection ends it (NOTE-UPGRADE-ENDED,
@@ -49,7 +49,8 @@ thread; both work already while the handler runs."
   (let ((engine (connection-engine c)))
     (when (or (conn-slot c raw) (conn-slot c source))
       (error "~A cannot switch protocols: TLS through a library above the engine." c))
-    (when (or (conn-slot c chunked) (plusp (conn-slot c body-length)))
+    (when (let ((request (connection-request c)))
+            (or (request-chunked request) (plusp (request-body-length request))))
       ;; Its octets after the head would be read as the new protocol's.
       (error "~A cannot switch protocols after a request with a body." c))
     (when (refuses-upgrades-p)
