@@ -138,6 +138,7 @@
                (:file "core/cpus")
                (:file "core/sizing")
                (:file "core/settings")
+               (:file "core/contract")
                (:file "core/answers")
                (:file "core/gather")
                (:file "core/epoll-close")

@@ -1,5 +1,12 @@
 ;;;; util.lisp -- what the tests share: starting servers on 127.0.0.1, a raw
 ;;;; HTTP client over real sockets, and counting this process's threads and fds.
+;;;;
+;;;; It is also where the tests of the front ends (tests/native, hunchentoot,
+;;;; clack, production, stress) reach into the core when no export says
+;;;; what they need: the memory account (account.lisp), the fd limit, the
+;;;; core's clocks and a connection's socket.  Each such helper names the
+;;;; core internal it reads and why; the front ends themselves may name only
+;;;; GALLOP.CORE's exports (tests/core/contract.lisp).
 
 (in-package #:gallop-tests)
 
@@ -172,8 +179,8 @@ no further bytes."
   "Run BODY with the account's limit OCTETS (NIL: the default), and with
 STACKS the stacks' own; the limits as they were after."
   (let ((old (gensym "OLD")) (old-stacks (gensym "OLD-STACKS")))
-    `(let ((,old (gallop.core:account-limit))
-           (,old-stacks (gallop.core:account-limit :stacks)))
+    `(let ((,old (gallop.core::account-limit))
+           (,old-stacks (gallop.core::account-limit :stacks)))
        (unwind-protect (progn (gallop.core:set-memory-limit ,octets
                                                             ,@(and stacks-p `(:stacks ,stacks)))
                               ,@body)
@@ -185,11 +192,11 @@ limit by a charge of the test's own (as :INFLATE, which these tests' clients
 do not use), given back after.  The charge is what is missing when BODY
 begins: clients' octets counted then stay theirs."
   (let ((charged (gensym "CHARGED")))
-    `(let ((,charged (max 0 (- (floor (* ,percent (gallop.core:account-limit)) 100)
+    `(let ((,charged (max 0 (- (floor (* ,percent (gallop.core::account-limit)) 100)
                                (gallop.core::heap-used)))))
-       (gallop.core:account-add :inflate ,charged)
+       (gallop.core::account-add :inflate ,charged)
        (unwind-protect (progn ,@body)
-         (gallop.core:account-add :inflate (- ,charged))))))
+         (gallop.core::account-add :inflate (- ,charged))))))
 
 (defmacro with-app ((server app &rest options) &body body)
   "Serve APP with GALLOP:START on 127.0.0.1 and a free port, run BODY, and
@@ -233,6 +240,35 @@ thread closing a connection meanwhile)."
                count (not (member (sb-posix:dirent-name entry) '("." "..") :test #'string=)))
       (sb-posix:closedir dir))))
 
+(defun raise-fd-limit (&optional (wanted most-positive-fixnum))
+  "The core's RAISE-FD-LIMIT (os/syscalls.lisp): the soft RLIMIT_NOFILE raised
+towards WANTED.  A test that opens thousands of sockets needs it; no front
+end does, so the core does not export it."
+  (gallop.core::raise-fd-limit wanted))
+
+(defun memory-used (&optional kind)
+  "Octets the process's memory account (the core's account.lisp) counts of
+KIND, or of all kinds: what GALLOP:STATS gives as :MEMORY-BYTES and :MEMORY,
+read without a server, as the tests of what the account is charged need."
+  (gallop.core::account-used kind))
+
+(defun overload-level-now ()
+  "The overload manager's level now, 0 to 3 (the core's OVERLOAD-LEVEL,
+account.lisp): GALLOP:STATS' :OVERLOAD-LEVEL, read without a server."
+  (gallop.core::overload-level))
+
+(defun core-now-ms ()
+  "The core's own monotonic clock in milliseconds (NOW-MS, os/syscalls.lisp,
+coarse: one kernel tick): a test that counts what the core does per second
+must read the seconds the core reads."
+  (gallop.core::now-ms))
+
+(defun core-now-us ()
+  "The core's precise monotonic clock in microseconds (NOW-US,
+os/syscalls.lisp): GET-INTERNAL-REAL-TIME may be the coarse one, a few ms
+behind."
+  (gallop.core::now-us))
+
 (defun thread-switches (thread)
   "The context switches THREAD made so far, voluntary or not, from the kernel."
   (with-open-file (in (format nil "/proc/self/task/~D/status" (sb-thread:thread-os-tid thread)))
@@ -263,15 +299,17 @@ begins to wait, or NIL.")
   "A semaphore the test signals once its client sent the octets a handler
 waits for (WAIT-FOR-CLIENT-OCTETS); NIL: handlers do not wait.")
 
-(defun wait-for-client-octets (fd)
+(defun wait-for-client-octets (c)
   "In a handler, when a test asks for it (*CLIENT-OCTETS-SENT*): wait until
-the client sent its next octets and they are in the socket FD, not yet
-read by the engine, whose event for them comes while the handler runs."
+the client sent its next octets and they are in the socket of the core's
+connection C, not yet read by the engine, whose event for them comes while
+the handler runs.  The wait is on the socket itself (the core's POLL-FDS on
+its fd): no exported function waits for octets the engine has not read."
   (let ((sent *client-octets-sent*))
     (when sent
       (sb-thread:signal-semaphore *handler-waiting*)
       (sb-thread:wait-on-semaphore sent :timeout 10)
-      (gallop.core::poll-fds fd gallop.core::+pollin+ -1 5000))))
+      (gallop.core::poll-fds (gallop.core::connection-fd c) gallop.core::+pollin+ -1 5000))))
 
 (defun send-while-handler-waits (socket string)
   "Send STRING on SOCKET once the handler waits for it (WAIT-FOR-CLIENT-OCTETS),

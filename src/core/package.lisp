@@ -1,80 +1,98 @@
-;;;; package.lisp -- the GALLOP.CORE package.
+;;;; package.lisp -- the GALLOP.CORE package: the core's contract with its
+;;;; front ends.
 ;;;;
 ;;;; The core knows nothing about Hunchentoot: it accepts connections, holds
 ;;;; them in epoll while they are idle or while a request head is still
 ;;;; arriving, and hands a worker from an elastic pool a connection whose
-;;;; request head is complete.  Layers above it (the Hunchentoot adapter, later
-;;;; the native app API) supply the function that serves a request.
+;;;; request head is complete.  The front ends (src/native/, src/clack/,
+;;;; src/hunchentoot/, src/package.lisp) supply the function that serves a
+;;;; request.
+;;;;
+;;;; The exports below are all a front end may name, grouped by the core
+;;;; folder that defines them; every other symbol of the package is the
+;;;; core's own, free to change.  tests/core/contract.lisp reads every
+;;;; front-end file and fails when one names a core symbol not exported here,
+;;;; and when an export here is named by no front end (bar its commented
+;;;; allow-list).
 
 (defpackage #:gallop.core
   (:use #:common-lisp)
   (:export
-   ;; pool
-   #:pool #:make-pool #:pool-start #:pool-stop #:pool-submit
-   #:pool-thread-count #:pool-idle-count #:pool-threads
-   #:pool-standby-threads #:pool-max-threads
-   ;; connections (a binary Gray stream)
-   #:connection #:connection-fd #:connection-engine
+   ;; os/: the clock, octet scanning, TLS contexts and listening sockets
+   ;; (bound here, or passed by a supervisor).
+   #:unix-seconds #:listen-socket-fd
+   #:octet-position #:octets-case #:+crlf-octets+
+   #:make-tls-context #:free-tls-context
+   #:open-listen-socket #:claim-activated-socket #:release-activated-socket
+   #:socket-of-fd
+
+   ;; pool/: work run on an engine's workers; a worker's own pool and its
+   ;; thread-local values.
+   #:pool-submit #:pool-thread-count #:*worker-pool* #:*worker-locals*
+
+   ;; account: the limit of the process's memory account.
+   #:set-memory-limit
+
+   ;; engine, settings: an engine's pool, TLS and answer delay; its own
+   ;; answers' octets and reason phrases; rate-limited, cut log lines; every
+   ;; user setting, its default and a function taking them all.
+   #:engine-running-p #:engine-pool #:engine-tls #:engine-retry-after
+   #:error-body-bytes #:reason-phrase
+   #:+backtraces-per-second+ #:backtrace-due-p #:timeout-line-due
+   #:note-client-abort #:cut-log-line #:format-log-line #:+max-log-line+
+   #:define-settings-function #:setting-arguments #:setting-default
+   #:setting-slot-definitions
+
+   ;; http/: a connection (a binary Gray stream): its ends, the record of its
+   ;; request's head, its body, the output it writes and its errors.
+   #:connection #:connection-engine
    #:connection-remote-address #:connection-remote-port
    #:connection-local-address #:connection-local-port
-   #:connection-user-data #:connection-mark-boundary
-   #:connection-owner-stream #:make-plain-connection #:call-with-header-deadline
-   #:connection-head #:connection-consume-head #:connection-close-after-p
-   ;; the record of a request's head (request.lisp)
-   #:request #:connection-request #:request-start #:request-end #:request-method
-   #:request-minor #:request-target-start #:request-target-end #:request-query-start
-   #:request-field-count #:request-field #:do-request-fields
-   #:request-host-start #:request-host-end #:request-content-length #:request-chunked
-   #:request-expect-continue #:request-keep-alive #:parse-head #:make-request
-   #:connection-take-head #:connection-write-continue
-   #:connection-read-body #:connection-body-pending-p #:connection-head-pending-p #:connection-detach #:connection-detached-p
-   #:make-body-stream #:body-stream
-   #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
-   #:connection-write-decimal #:connection-reserve-output #:connection-commit-output
-   #:put-latin1 #:put-decimal
-   #:connection-flush #:connection-send-file
-   #:connection-suspend #:connection-unsuspend
-   #:connection-resume #:connection-error
-   #:connection-timeout-error #:connection-shed-error #:handler-timeout #:handler-timeout-seconds
-   #:stop-cut-message #:error-body-bytes
+   #:connection-user-data #:connection-owner-stream #:connection-mark-boundary
+   #:connection-tls-p #:make-plain-connection #:call-with-header-deadline
+   #:connection-request #:connection-head #:connection-consume-head
+   #:connection-close-after-p
+   #:request-method #:request-minor #:request-target-start #:request-target-end
+   #:request-query-start #:request-content-length #:request-expect-continue
+   #:request-keep-alive #:do-request-fields
+   #:connection-write-continue #:connection-body-pending-p
+   #:connection-head-pending-p #:make-body-stream #:connection-give-body
    #:request-body-error #:request-body-error-status
-   #:chunk-decoder #:make-chunk-decoder #:reset-chunk-decoder #:chunk-decoder-step
-   #:chunk-decoder-take #:chunk-decoder-state #:chunk-decoder-left
-   #:+default-max-head-bytes+ #:+default-max-request-line-bytes+ #:+default-max-body-bytes+
-   #:+default-max-unsent-bytes+ #:connection-acquire #:connection-release
-   #:connection-unsent-bytes #:connection-give-body
-   ;; connections that switched protocols (upgrade.lisp)
-   #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
-   #:connection-close-upgraded #:connection-upgraded-pending
-   #:connection-set-upgraded-idle-timeout #:connection-charge-upgraded
-   #:connection-upgraded-idle-timeout #:connection-upgraded-silence
-   #:connection-set-upgraded-on-shed
-   #:connection-send-shared #:make-shared-octets #:release-shared-octets
-   #:connection-set-upgraded-on-limit #:connection-cut-upgraded
-   ;; the memory account (account.lisp) and the overload manager (overload.lisp)
-   #:account-charge #:account-add #:account-used #:account-limit #:set-memory-limit
-   #:overload-level #:overloaded
-   #:connection-switch #:connection-switched-p #:connection-may-switch-p #:pool-step-out
-   ;; engine
-   #:engine #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p
-   ;; TLS on the event loop (openssl.lisp)
-   #:make-tls-context #:free-tls-context #:tls-context #:engine-tls #:connection-tls-p
-   ;; application timers (timers.lisp)
-   #:schedule-timer #:cancel-timer #:timer #:*worker-pool* #:*worker-locals*
-   ;; settings (settings.lisp)
-   #:+settings+ #:define-settings-function #:setting-arguments #:setting-slot-definitions
-   #:setting-default
+   #:connection-detach #:connection-detached-p
+   #:connection-write-octets #:connection-write-latin1 #:connection-write-ascii
+   #:connection-write-decimal #:connection-reserve-output
+   #:connection-commit-output #:put-latin1 #:put-decimal
+   #:connection-flush #:connection-send-file
+   #:make-shared-octets #:release-shared-octets
+   #:connection-count-answer
+   #:connection-error #:connection-timeout-error
+   #:handler-timeout #:handler-timeout-seconds
+
+   ;; timers/: a thunk run on a worker once its time comes.
+   #:schedule-timer #:cancel-timer
+
+   ;; loop/: a connection's turns on a worker (taken, given back, suspended
+   ;; and resumed); connections adopted or shed; the overload manager's
+   ;; refusal; connections that switched protocols, in epoll or under a
+   ;; handler's thread.
+   #:connection-take-head #:connection-acquire #:connection-release
+   #:connection-suspend #:connection-unsuspend #:connection-resume
+   #:stop-cut-message
    #:engine-adopt-fd #:engine-shed-fd #:engine-overloaded-p
-   #:engine-running-p #:engine-pool #:engine-stats
-   ;; metrics (metrics.lisp): counted per answer, written in Prometheus' format
-   #:connection-count-answer #:engine-metrics #:+metrics-content-type+
-   #:reason-phrase #:+response-100+
-   #:engine-listen-fd #:engine-max-body-bytes #:log-engine-error #:note-client-abort
-   #:timeout-line-due #:backtrace-due-p #:+backtraces-per-second+ #:+max-log-line+ #:cut-log-line
-   #:format-log-line
-   ;; utilities used by the layers above
-   #:octet-position #:octets-case #:octets-match-p #:unix-seconds
-   #:+crlf-octets+
-   #:set-nonblocking #:raise-fd-limit #:fd-limit
-   #:listen-socket-fd #:open-listen-socket #:claim-activated-socket
-   #:release-activated-socket #:socket-of-fd))
+   #:overloaded
+   #:connection-upgrade #:connection-upgraded-p #:connection-send-upgraded
+   #:connection-send-shared #:connection-close-upgraded #:connection-cut-upgraded
+   #:connection-upgraded-pending #:connection-charge-upgraded
+   #:connection-set-upgraded-idle-timeout #:connection-upgraded-idle-timeout
+   #:connection-upgraded-silence
+   #:connection-set-upgraded-on-shed #:connection-set-upgraded-on-limit
+   #:connection-switch #:connection-switched-p #:connection-may-switch-p
+
+   ;; server: an engine made, started, drained, stopped; its readiness and
+   ;; its stats.
+   #:make-engine #:engine-start #:engine-stop #:engine-drain #:engine-ready-p
+   #:engine-stats
+
+   ;; metrics: an engine's stats and answer counts in Prometheus' text
+   ;; format, and that format's content type.
+   #:engine-metrics #:+metrics-content-type+))

@@ -136,13 +136,13 @@ makes it (an error when ACCEPTOR takes no chunked input)."
                 (close-stream %hunchentoot-stream))
               (close-stream socket-stream))))))))
 
-;;; A request a stop cuts (GALLOP.CORE:CUT-REQUESTS) gets HANDLER-TIMEOUT
+;;; A request a stop cuts (the core's CUT-REQUESTS) gets HANDLER-TIMEOUT
 ;;; with no deadline in its worker.  Gallop's HANDLE-REQUEST (acceptor.lisp)
 ;;; catches it in the handler, the method below anywhere else in the
 ;;; request (a stock acceptor served by GALLOP:TASKMASTER has no such
 ;;; HANDLE-REQUEST; Hunchentoot's PROCESS-REQUEST wraps it in a
 ;;; USOCKET:UNKNOWN-ERROR); either logs the request once and leaves its 503
-;;; to the engine (GALLOP.CORE:RUN-HANDLER), which writes the same octets on
+;;; to the engine (the core's RUN-HANDLER), which writes the same octets on
 ;;; both front ends.
 
 (defun stop-cut-condition-p (object)
@@ -171,7 +171,7 @@ answer is left to Hunchentoot."
           (hunchentoot:acceptor-log-message acceptor :warning "~A" line)))
       (when (and (eq (request-connection) *connection*)
                  ;; A detached stream is its owner's: the engine writes
-                 ;; nothing there (GALLOP.CORE:INTERRUPT-HANDLER).
+                 ;; nothing there (the core's INTERRUPT-HANDLER).
                  (not (gallop.core:connection-detached-p *connection*))
                  (boundp 'hunchentoot:*reply*) hunchentoot:*reply*
                  (not (hunchentoot-headers-sent-p)))

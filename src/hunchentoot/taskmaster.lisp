@@ -30,7 +30,7 @@ an acceptor to its taskmaster.")
   (values (gethash acceptor *taskmasters*)))
 
 (macrolet ((define-taskmaster-class (slots &rest options)
-             ;; One slot per setting (GALLOP.CORE:+SETTINGS+), then SLOTS.
+             ;; One slot per setting (+SETTINGS+, src/core/settings.lisp), then SLOTS.
              `(defclass taskmaster (hunchentoot:taskmaster)
                 (,@(gallop.core:setting-slot-definitions
                     :readers '(:max-thread-count hunchentoot:taskmaster-max-thread-count
@@ -49,7 +49,7 @@ this many (being served or waiting) get 503.  Gallop counts only connections
 that wait for their first request to be served, so this sets
 MAX-QUEUE-LENGTH to MAX-ACCEPT-COUNT - MAX-THREAD-COUNT.")
        (engine :initform nil :reader taskmaster-engine
-               :documentation "The running GALLOP.CORE:ENGINE, or NIL.")
+               :documentation "The running engine of the core (src/core/engine.lisp), or NIL.")
        (listener :initform nil
                  :documentation "The thread running the acceptor's ACCEPT-CONNECTIONS,
 when the acceptor is not a GALLOP:ACCEPTOR.")
@@ -66,7 +66,7 @@ it with any Hunchentoot acceptor:
                  :taskmaster (make-instance 'gallop:taskmaster :max-thread-count 8))
 
 Its initargs are the settings every Gallop server takes, with the same
-defaults (GALLOP.CORE:+SETTINGS+, src/core/settings.lisp), except that the
+defaults (the table +SETTINGS+ of src/core/settings.lisp), except that the
 timeouts default to the acceptor's: HEADER-TIMEOUT, IDLE-TIMEOUT and
 READ-TIMEOUT to its read timeout, WRITE-TIMEOUT to its write timeout; and
 MAX-QUEUE-LENGTH, when not given, follows MAX-ACCEPT-COUNT.")))

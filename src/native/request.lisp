@@ -165,8 +165,8 @@ its user data."
 
 (defun make-env (server c)
   "The environment property list of the request C serves, built from its
-record (GALLOP.CORE:REQUEST, read once by the core, never scanned again
-here), and whether the client wants the connection kept alive, and whether
+record (the core's REQUEST, src/core/http/request.lisp, read once by the
+core, never scanned again here), and whether the client wants the connection kept alive, and whether
 it is HTTP/1.0, and whether it expects 100-continue, and its User-Agent,
 Referer and Authorization (or NIL), for the access log."
   (let ((buffer (gallop.core:connection-head c)))

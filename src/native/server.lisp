@@ -244,8 +244,8 @@ log line, and nobody to answer."
 
 (defun note-exchange-cut (server ex env)
   "A stop cut the request of EX, whose environment is ENV (its handler was
-interrupted, see GALLOP.CORE:CUT-REQUESTS): log its line, once; and unless
-the app answered, the 503 the engine writes for it (GALLOP.CORE:RUN-HANDLER)
+interrupted, see the core's CUT-REQUESTS): log its line, once; and unless
+the app answered, the 503 the engine writes for it (the core's RUN-HANDLER)
 in the access log."
   (let* ((uri (getf env :request-uri))
          (line (gallop.core:stop-cut-message
@@ -282,7 +282,7 @@ octets on both front ends."
         (ignore-errors
          (respond ex 503 (list :content-type "text/plain; charset=utf-8"
                                :retry-after (princ-to-string
-                                             (gallop.core::engine-retry-after
+                                             (gallop.core:engine-retry-after
                                               (gallop.core:connection-engine
                                                (exchange-connection ex)))))
                   (list (format nil "503 Service Unavailable~%")))))
@@ -429,7 +429,7 @@ this list with START's lambda list.")
   "Serve APP, a function of a Clack environment, on ADDRESS:PORT (port 0: any
 free port, see SERVER-PORT).  Returns the running server; GALLOP:STOP stops
 it.  The other keywords are the settings every Gallop server takes, with
-their defaults (GALLOP.CORE:+SETTINGS+, src/core/settings.lisp): APP runs in
+their defaults (the table +SETTINGS+ of src/core/settings.lisp): APP runs in
 an elastic pool of MAX-THREAD-COUNT workers, keeping STANDBY-THREAD-COUNT
 when idle; timeouts are in seconds.  Errors in APP are logged to LOG and answered with
 500 (with the error text when DEBUG is true).  HANDLER-TIMEOUT (seconds, none

@@ -16,7 +16,7 @@
   (address "127.0.0.1" :type string)
   (port 0 :type fixnum)
   (max-body-bytes 0 :type fixnum)
-  (tls nil)                             ; its GALLOP.CORE::TLS-CONTEXT, when HTTPS
+  (tls nil)                             ; its TLS context (GALLOP.CORE:MAKE-TLS-CONTEXT), when HTTPS
   (url-scheme "http" :type string)
   (debug nil)
   (log nil)

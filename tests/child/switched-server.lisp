@@ -153,7 +153,10 @@ unmasked."
                                           :separator " ")))
           (return (+ (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields)))))))))
 
-(gallop.core:raise-fd-limit)
+;; RAISE-FD-LIMIT (os/syscalls.lisp, internal): thousands of switched
+;; connections need more fds than the default soft limit; no front end
+;; raises it, so the core does not export it.
+(gallop.core::raise-fd-limit)
 (reply "READY ~D" (hunchentoot:acceptor-port *acceptor*))
 
 (loop for line = (read-line *standard-input* nil)

@@ -2,6 +2,11 @@
 ;;;; request head hold their input buffers, and clients choose how many there
 ;;;; are; past the engine's HEAD-BUDGET a new one gets 503 (never a heap
 ;;;; exhaustion), and the budget comes back as heads complete.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the buffer pool
+;;;; (os/buffers.lisp: *BUFFER-POOL*, ACQUIRE-BUFFER, RELEASE-BUFFER, BUFFER-
+;;;; POOL-DROPPED), to hold the budget's buffers by hand and see them given
+;;;; back, which no client can observe.
 
 (in-package #:gallop-tests)
 

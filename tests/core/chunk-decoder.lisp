@@ -2,6 +2,10 @@
 ;;;; sockets, milliseconds.  Each body is decoded whole and split at every
 ;;;; octet; both must give the same data (or the same refusal), and the
 ;;;; decoder must stop exactly at the end of the body.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the chunk decoder itself
+;;;; (http/chunks.lisp: MAKE-CHUNK-DECODER, CHUNK-DECODER-STEP, -TAKE,
+;;;; -STATE, -LEFT, RESET-CHUNK-DECODER), the thing tested, on byte vectors.
 
 (in-package #:gallop-tests)
 
@@ -11,28 +15,28 @@
   "Decode OCTETS as a chunked body, fed in PIECES parts (1: whole; :EVERY:
 one octet at a time).  Returns the data octets and the number of octets the
 body took, or :ERROR and the REQUEST-BODY-ERROR's status."
-  (let ((d (gallop.core:reset-chunk-decoder (gallop.core:make-chunk-decoder) max))
+  (let ((d (gallop.core::reset-chunk-decoder (gallop.core::make-chunk-decoder) max))
         (data (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0))
         (n (length octets)))
     (handler-case
         (flet ((feed (start end)
                  ;; Everything of OCTETS[START,END) that belongs to the body.
-                 (loop while (and (< start end) (gallop.core:chunk-decoder-state d))
-                       do (if (eq (gallop.core:chunk-decoder-state d) :data)
-                              (let ((k (min (gallop.core:chunk-decoder-left d) (- end start))))
+                 (loop while (and (< start end) (gallop.core::chunk-decoder-state d))
+                       do (if (eq (gallop.core::chunk-decoder-state d) :data)
+                              (let ((k (min (gallop.core::chunk-decoder-left d) (- end start))))
                                 (loop for i from start below (+ start k)
                                       do (vector-push-extend (aref octets i) data))
-                                (gallop.core:chunk-decoder-take d k)
+                                (gallop.core::chunk-decoder-take d k)
                                 (incf start k))
-                              (setf start (gallop.core:chunk-decoder-step d octets start end))))
+                              (setf start (gallop.core::chunk-decoder-step d octets start end))))
                  start))
           (let ((used (if (eq pieces :every)
                           (loop for i from 0 below n
                                 for next = (feed i (1+ i))
-                                when (null (gallop.core:chunk-decoder-state d)) return next
+                                when (null (gallop.core::chunk-decoder-state d)) return next
                                 finally (return n))
                           (feed 0 n))))
-            (if (gallop.core:chunk-decoder-state d)
+            (if (gallop.core::chunk-decoder-state d)
                 (values :incomplete used)
                 (values (coerce data '(simple-array (unsigned-byte 8) (*))) used))))
       (gallop.core:request-body-error (e)

@@ -3,6 +3,11 @@
 ;;;; the runnable state of real threads, the idle time of the CPUs, and the
 ;;;; maker's rules on recorded inputs.  (A server saturated under a cgroup
 ;;;; quota: tests/stress/pool.lisp.)
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the readers of
+;;;; os/cpus.lisp and the pool's groups, workers and load history
+;;;; (pool/pool.lisp): pure functions and the records the maker reads, driven
+;;;; with sample inputs.
 
 (in-package #:gallop-tests)
 

@@ -1,5 +1,11 @@
 ;;;; engine.lisp -- GALLOP.CORE's engine with a minimal handler: limits,
 ;;;; timeouts and parking, as a raw-socket client sees them.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the engine's connection
+;;;; table, tallies and wheel, the buffer pool, the pool's groups and timers,
+;;;; the pre-encoded error answers (engine.lisp, os/buffers.lisp,
+;;;; pool/pool.lisp, timers/): that limits, timeouts and parking leave no
+;;;; state behind, which a client cannot see.
 
 (in-package #:gallop-tests)
 
@@ -257,7 +263,7 @@ its 408 after the header timeout.  (How rarely it switches while resting:
            (progn
              (send socket (crlf "GET /a HTTP/1.1" "Host: x"))
              (read-response socket)
-             (let* ((pool (gallop.core::engine-pool engine))
+             (let* ((pool (gallop.core:engine-pool engine))
                     (connection (find-if #'identity (gallop.core::engine-table engine)))
                     (objects (list engine pool
                                    (svref (gallop.core::pool-groups pool) 0)
@@ -267,7 +273,7 @@ its 408 after the header timeout.  (How rarely it switches while resting:
                                    (svref (gallop.core::engine-tallies engine) 0)
                                    gallop.core::*buffer-pool*
                                    connection
-                                   (gallop.core::connection-request connection)
+                                   (gallop.core:connection-request connection)
                                    (gallop.core::make-chunk-decoder)
                                    (gallop.core::make-idle-meter)
                                    (gallop.core::make-load-history 0 0))))

@@ -17,6 +17,11 @@
 ;;;; the engine's close(2) exactly as the polling worker's reference does.
 ;;;; With it held, the engine must already have taken the socket out of the
 ;;;; epoll set, so that no worker can be left holding it.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: a connection's fd, group
+;;;; and token, the engine's table and a group's epoll fd
+;;;; (http/connection.lisp, pool/pool.lisp): the epoll set itself is what is
+;;;; checked.
 
 (in-package #:gallop-tests)
 
@@ -36,7 +41,7 @@ is TOKEN (read from /proc/self/fdinfo, one \"tfd:\" line per entry)."
 
 (defun engine-connection-from (engine client-port)
   "The engine's connection whose peer is the local port CLIENT-PORT, or NIL."
-  (find-if (lambda (c) (and c (eql client-port (gallop.core::connection-remote-port c))))
+  (find-if (lambda (c) (and c (eql client-port (gallop.core:connection-remote-port c))))
            (gallop.core::engine-table engine)))
 
 (test a-closed-connection-is-out-of-the-epoll-set-before-its-fd-closes

@@ -6,6 +6,11 @@
 ;;;; Nothing here measures time or counts threads: the blocked handlers wait
 ;;;; on a gate that only opens once the other clients got their answers.  The
 ;;;; pool's size meanwhile, and beside a CPU hog: tests/stress/pool.lisp.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: *GROUP-COUNT*, the pool's
+;;;; groups, workers, lock and nudges, the engine's tallies, the epoll events
+;;;; queued and the threads' wait kinds (pool/pool.lisp, os/syscalls.lisp,
+;;;; os/cpus.lisp): the groups are the thing tested.
 
 (in-package #:gallop-tests)
 

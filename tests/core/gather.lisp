@@ -10,6 +10,11 @@
 ;;;; the engine; a head or body under the minimum rate gets 408 long before
 ;;;; the timeouts; a body past the disk budget gets 503; an answer nobody
 ;;;; reads is closed by the rate, not the write timeout.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the spool on its own
+;;;; (http/spool.lisp), the data-rate deadlines, a connection's state and the
+;;;; engine's body counters (http/, loop/serve.lisp): what is gathered before
+;;;; a handler runs is not visible from a handler.
 
 (in-package #:gallop-tests)
 

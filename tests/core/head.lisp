@@ -1,5 +1,9 @@
 ;;;; head.lisp -- malformed and dangerous request heads get a clear error
 ;;;; before any handler runs, and the server keeps serving.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: ERROR-RESPONSE and METHOD-
+;;;; SYMBOL (engine.lisp, http/head.lisp): the answers expected are the
+;;;; core's pre-encoded ones, octet for octet.
 
 (in-package #:gallop-tests)
 

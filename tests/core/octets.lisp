@@ -3,6 +3,10 @@
 ;;;; OCTET-POSITION), on byte vectors: no sockets, milliseconds.  Each name
 ;;;; is tried in place of every octet value at every position, alone and
 ;;;; inside a larger buffer.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: LINE-END and OCTETS-
+;;;; MATCH-P (os/buffers.lisp), scans under test beside the exported OCTETS-
+;;;; CASE and OCTET-POSITION.
 
 (in-package #:gallop-tests)
 
@@ -114,7 +118,7 @@ the start and end of STRING in it."
                                          (gallop.core:octets-case (b 0 4 :ignore-case t)
                                            ("Host" 1))))))
            "an upper-case name compiled with :IGNORE-CASE")
-  (signals error (macroexpand-1 '(gallop.core:octets-match-p b 0 1 "Host" :ignore-case t))))
+  (signals error (macroexpand-1 '(gallop.core::octets-match-p b 0 1 "Host" :ignore-case t))))
 
 (test octets-case-evaluates-its-arguments-once
   (let ((evaluations '()))
@@ -126,7 +130,7 @@ the start and end of STRING in it."
                         (t :other))))
       (is (equal '(:end :start :buffer) evaluations))
       (setf evaluations '())
-      (is-true (gallop.core:octets-match-p (progn (push :buffer evaluations) buffer)
+      (is-true (gallop.core::octets-match-p (progn (push :buffer evaluations) buffer)
                                            (progn (push :start evaluations) start)
                                            (progn (push :end evaluations) end)
                                            "delete" :ignore-case t))
@@ -136,25 +140,25 @@ the start and end of STRING in it."
   (let ((empty (octets-from '()))
         (buffer (octets-in "xhostile host HOST te")))
     ;; empty ranges: at 0 of an empty buffer, inside and at the end of one
-    (is-true (gallop.core:octets-match-p empty 0 0 ""))
-    (is-false (gallop.core:octets-match-p empty 0 0 "a"))
-    (is-true (gallop.core:octets-match-p buffer 3 3 ""))
-    (is-true (gallop.core:octets-match-p buffer (length buffer) (length buffer) "" :ignore-case t))
-    (is-false (gallop.core:octets-match-p buffer 3 3 "h" :ignore-case t))
+    (is-true (gallop.core::octets-match-p empty 0 0 ""))
+    (is-false (gallop.core::octets-match-p empty 0 0 "a"))
+    (is-true (gallop.core::octets-match-p buffer 3 3 ""))
+    (is-true (gallop.core::octets-match-p buffer (length buffer) (length buffer) "" :ignore-case t))
+    (is-false (gallop.core::octets-match-p buffer 3 3 "h" :ignore-case t))
     (is (eq :empty (field-name-kind empty 0 0)))
     (is (eq :empty (field-name-kind buffer 5 5)))
     (is (eq :other (method-kind empty 0 0)))
     ;; sub-ranges: only BUFFER[START,END) counts
-    (is-true (gallop.core:octets-match-p buffer 1 5 "host"))
-    (is-false (gallop.core:octets-match-p buffer 0 5 "host"))
-    (is-false (gallop.core:octets-match-p buffer 1 6 "host"))
-    (is-false (gallop.core:octets-match-p buffer 1 4 "host"))
-    (is-false (gallop.core:octets-match-p buffer 2 6 "host"))
-    (is-true (gallop.core:octets-match-p buffer 1 8 "hostile"))
-    (is-true (gallop.core:octets-match-p buffer 9 13 "host"))
-    (is-false (gallop.core:octets-match-p buffer 14 18 "host"))
-    (is-true (gallop.core:octets-match-p buffer 14 18 "HOST"))
-    (is-true (gallop.core:octets-match-p buffer 14 18 "host" :ignore-case t))
+    (is-true (gallop.core::octets-match-p buffer 1 5 "host"))
+    (is-false (gallop.core::octets-match-p buffer 0 5 "host"))
+    (is-false (gallop.core::octets-match-p buffer 1 6 "host"))
+    (is-false (gallop.core::octets-match-p buffer 1 4 "host"))
+    (is-false (gallop.core::octets-match-p buffer 2 6 "host"))
+    (is-true (gallop.core::octets-match-p buffer 1 8 "hostile"))
+    (is-true (gallop.core::octets-match-p buffer 9 13 "host"))
+    (is-false (gallop.core::octets-match-p buffer 14 18 "host"))
+    (is-true (gallop.core::octets-match-p buffer 14 18 "HOST"))
+    (is-true (gallop.core::octets-match-p buffer 14 18 "host" :ignore-case t))
     (is (eq :host (field-name-kind buffer 1 5)))
     (is (eq :hos (field-name-kind buffer 1 4)))
     (is (eq :other (field-name-kind buffer 0 5)))
@@ -192,7 +196,7 @@ octet is NAME's, or, with IGNORE-CASE, the other case of an ASCII letter."
                `(let ((failures (substitution-failures
                                  ,name
                                  (lambda (buffer start end)
-                                   (gallop.core:octets-match-p buffer start end ,name
+                                   (gallop.core::octets-match-p buffer start end ,name
                                                                :ignore-case ,ignore-case))
                                  ,ignore-case)))
                   (is (null failures) "~S~:[~; ignoring case~]: ~D wrong, e.g. ~S"
@@ -234,8 +238,8 @@ octet is NAME's, or, with IGNORE-CASE, the other case of an ASCII letter."
   ;; Latin-1 upper-case letters (#xC8 #xC9 #xCA) are the ASCII ones (#x48
   ;; #x49 #x4A) plus #x80: they are no case of "hij".
   (let ((latin1 (octets-from (list 200 201 202))))
-    (is-false (gallop.core:octets-match-p latin1 0 3 "hij" :ignore-case t))
-    (is-true (gallop.core:octets-match-p (octets-from (list 72 73 74)) 0 3 "hij" :ignore-case t))))
+    (is-false (gallop.core::octets-match-p latin1 0 3 "hij" :ignore-case t))
+    (is-true (gallop.core::octets-match-p (octets-from (list 72 73 74)) 0 3 "hij" :ignore-case t))))
 
 (test line-end-and-octet-position
   (let ((buffer (octets-from '(13 10 65 66 13 67 10 10 0 255 10)))

@@ -1,8 +1,12 @@
-;;;; parse-head.lisp -- GALLOP.CORE:PARSE-HEAD on byte vectors: no sockets,
+;;;; parse-head.lisp -- GALLOP.CORE::PARSE-HEAD on byte vectors: no sockets,
 ;;;; milliseconds.  What an accepted head leaves in its REQUEST record (method,
 ;;;; version, target, the bounds of every field, Host, framing, Expect,
 ;;;; keep-alive), heads inside a larger buffer and records reused, and the
 ;;;; exact status of every refusal head.lisp's header lists.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: PARSE-HEAD and the REQUEST
+;;;; record's fields (http/head.lisp, http/request.lisp): the parser is the
+;;;; thing tested, on byte vectors.
 
 (in-package #:gallop-tests)
 
@@ -32,11 +36,11 @@ written out (bare ones included)."
                          ((eql :crlf) (list 13 10))))
           '(simple-array (unsigned-byte 8) (*))))
 
-(defun ph-parse (octets &key (start 0) end (request (gallop.core:make-request))
+(defun ph-parse (octets &key (start 0) end (request (gallop.core::make-request))
                              methods (max-body-bytes most-positive-fixnum))
   "PARSE-HEAD of OCTETS[START,END) (END: the end of OCTETS) into REQUEST (a
 new record by default).  Returns its status and the record."
-  (values (gallop.core:parse-head octets start (or end (length octets)) request
+  (values (gallop.core::parse-head octets start (or end (length octets)) request
                                   :methods methods :max-body-bytes max-body-bytes)
           request))
 
@@ -52,7 +56,7 @@ new record by default).  Returns its status and the record."
 
 (defun ph-host (buffer r)
   "The Host value by its bounds, or :NONE when they are -1."
-  (let ((s (gallop.core:request-host-start r)) (e (gallop.core:request-host-end r)))
+  (let ((s (gallop.core::request-host-start r)) (e (gallop.core::request-host-end r)))
     (if (and (= s -1) (= e -1)) :none (ph-string buffer s e))))
 
 (defun ph-fields (buffer r)
@@ -65,13 +69,13 @@ DO-REQUEST-FIELDS."
 
 (defun ph-field-bounds (r)
   "The bounds of R's fields, through REQUEST-FIELD: a list of 4-lists."
-  (loop for i below (gallop.core:request-field-count r)
-        collect (multiple-value-list (gallop.core:request-field r i))))
+  (loop for i below (gallop.core::request-field-count r)
+        collect (multiple-value-list (gallop.core::request-field r i))))
 
 (defun ph-invariants (buffer r)
   "NIL when R keeps the invariants of request.lisp's header over BUFFER,
 else a description of the first one broken."
-  (let ((start (gallop.core:request-start r)) (end (gallop.core:request-end r))
+  (let ((start (gallop.core::request-start r)) (end (gallop.core::request-end r))
         (ts (gallop.core:request-target-start r)) (qs (gallop.core:request-query-start r))
         (te (gallop.core:request-target-end r)) (previous-end nil))
     (unless (and (<= start ts) (< ts qs) (<= qs te) (< te end))
@@ -114,8 +118,8 @@ accepted with its invariants kept, then run BODY."
   (ph-accepts (b r) (ph-head "GET /path/to?x=1&y=%41 HTTP/1.1" "Host: example.com")
     (is (eq :get (gallop.core:request-method r)))
     (is (= 1 (gallop.core:request-minor r)))
-    (is (= 0 (gallop.core:request-start r)))
-    (is (= (length b) (gallop.core:request-end r)))
+    (is (= 0 (gallop.core::request-start r)))
+    (is (= (length b) (gallop.core::request-end r)))
     (is (= 4 (gallop.core:request-target-start r)))
     (is (string= "/path/to?x=1&y=%41" (ph-target b r)))
     (is (= (+ 4 (length "/path/to")) (gallop.core:request-query-start r)))
@@ -204,7 +208,7 @@ accepted with its invariants kept, then run BODY."
                              "X-Colons: a:b: c"
                              (format nil "X-Obs: caf~C" (code-char 233))
                              "Accept: */*")
-    (is (= 9 (gallop.core:request-field-count r)))
+    (is (= 9 (gallop.core::request-field-count r)))
     (is (equal `(("Host" "example.com")
                  ("X-Spaces" "a  b")
                  ("X-Tabs" "v")
@@ -233,7 +237,7 @@ accepted with its invariants kept, then run BODY."
     (is (string= "example.com" (ph-host b r))))
   ;; no fields at all
   (ph-accepts (b r) (ph-head "GET / HTTP/1.0")
-    (is (= 0 (gallop.core:request-field-count r)))
+    (is (= 0 (gallop.core::request-field-count r)))
     (is (null (ph-fields b r)))))
 
 (test parse-head-host
@@ -254,7 +258,7 @@ accepted with its invariants kept, then run BODY."
   (flet ((framing (&rest lines)
            (multiple-value-bind (status r) (ph-parse (apply #'ph-head lines))
              (list status (gallop.core:request-content-length r)
-                   (gallop.core::request-body-length r) (gallop.core:request-chunked r)
+                   (gallop.core::request-body-length r) (gallop.core::request-chunked r)
                    (gallop.core::request-close-after r)))))
     ;;                    status CL  body-length chunked close-after
     (is (equal '(nil nil 0 nil nil) (framing "GET / HTTP/1.1" "Host: h")))
@@ -338,8 +342,8 @@ accepted with its invariants kept, then run BODY."
     (multiple-value-bind (status r) (ph-parse buffer :start start :end end)
       (is (null status))
       (is (null (ph-invariants buffer r)) "~A" (ph-invariants buffer r))
-      (is (= start (gallop.core:request-start r)))
-      (is (= end (gallop.core:request-end r)))
+      (is (= start (gallop.core::request-start r)))
+      (is (= end (gallop.core::request-end r)))
       (is (eq :post (gallop.core:request-method r)))
       (is (string= "/up?z=9" (ph-target buffer r)))
       (is (string= "?z=9" (ph-query buffer r)))
@@ -355,20 +359,20 @@ accepted with its invariants kept, then run BODY."
                  (list* (- (gallop.core:request-target-start r) offset)
                         (- (gallop.core:request-query-start r) offset)
                         (- (gallop.core:request-target-end r) offset)
-                        (- (gallop.core:request-host-start r) offset)
-                        (- (gallop.core:request-host-end r) offset)
+                        (- (gallop.core::request-host-start r) offset)
+                        (- (gallop.core::request-host-end r) offset)
                         (loop for bounds in (ph-field-bounds r)
                               collect (mapcar (lambda (p) (- p offset)) bounds)))))
           (is (equal (positions r0 0) (positions r start))))))))
 
 (test parse-head-reused-record
   ;; One record, heads one after the other: nothing of an earlier head stays.
-  (let ((r (gallop.core:make-request)))
+  (let ((r (gallop.core::make-request)))
     (let ((b (apply #'ph-head "POST /first?q HTTP/1.1" "Host: one.example" "Content-Length: 10"
                     "Expect: 100-continue"
                     (loop for i below 40 collect (format nil "X-Field-~D: value ~D" i i)))))
       (is (null (ph-parse b :request r)))
-      (is (= 43 (gallop.core:request-field-count r)))
+      (is (= 43 (gallop.core::request-field-count r)))
       (is (eql 10 (gallop.core:request-content-length r)))
       (is-true (gallop.core:request-expect-continue r))
       (is-true (gallop.core:request-keep-alive r)))
@@ -377,22 +381,22 @@ accepted with its invariants kept, then run BODY."
       (is (null (ph-invariants b r)))
       (is (eq :get (gallop.core:request-method r)))
       (is (= 0 (gallop.core:request-minor r)))
-      (is (= 0 (gallop.core:request-start r)))
-      (is (= (length b) (gallop.core:request-end r)))
+      (is (= 0 (gallop.core::request-start r)))
+      (is (= (length b) (gallop.core::request-end r)))
       (is (string= "/" (ph-target b r)))
       (is (string= "" (ph-query b r)))
-      (is (= 0 (gallop.core:request-field-count r)))
+      (is (= 0 (gallop.core::request-field-count r)))
       (is (null (ph-fields b r)))
       (is (eq :none (ph-host b r)))
       (is (null (gallop.core:request-content-length r)))
       (is (= 0 (gallop.core::request-body-length r)))
-      (is-false (gallop.core:request-chunked r))
+      (is-false (gallop.core::request-chunked r))
       (is-false (gallop.core:request-expect-continue r))
       (is-false (gallop.core:request-keep-alive r))
       (is-false (gallop.core::request-close-after r)))
     (let ((b (ph-head "PUT /c HTTP/1.0" "Transfer-Encoding: chunked" "Connection: keep-alive")))
       (is (null (ph-parse b :request r)))
-      (is-true (gallop.core:request-chunked r))
+      (is-true (gallop.core::request-chunked r))
       (is-true (gallop.core::request-close-after r))
       (is-true (gallop.core:request-keep-alive r)))
     (let ((b (ph-head "GET /d HTTP/1.1" "Host: two" "Connection: close")))
@@ -401,7 +405,7 @@ accepted with its invariants kept, then run BODY."
       (is (= 1 (gallop.core:request-minor r)))
       (is (equal '(("Host" "two") ("Connection" "close")) (ph-fields b r)))
       (is (string= "two" (ph-host b r)))
-      (is-false (gallop.core:request-chunked r))
+      (is-false (gallop.core::request-chunked r))
       (is-false (gallop.core::request-close-after r))
       (is-false (gallop.core:request-keep-alive r))
       (is (null (gallop.core:request-content-length r))))
@@ -418,11 +422,11 @@ accepted with its invariants kept, then run BODY."
   (let* ((n 100)
          (b (apply #'ph-head "GET /many HTTP/1.1" "Host: h"
                    (loop for i from 1 below n collect (format nil "X-F~D:  v~D " i (* i i)))))
-         (r (gallop.core:make-request)))
+         (r (gallop.core::make-request)))
     (is (< gallop.core::+initial-fields+ n))
     (is (null (ph-parse b :request r)))
     (is (null (ph-invariants b r)) "~A" (ph-invariants b r))
-    (is (= n (gallop.core:request-field-count r)))
+    (is (= n (gallop.core::request-field-count r)))
     (is (<= (* 4 n) (length (gallop.core::request-fields r))))
     (is (equal (cons '("Host" "h") (loop for i from 1 below n
                                          collect (list (format nil "X-F~D" i) (format nil "v~D" (* i i)))))
@@ -430,7 +434,7 @@ accepted with its invariants kept, then run BODY."
     ;; and the bounds themselves, against where each line is
     (let ((line (search (ph-octets "X-F57:") b)))
       (is (equal (list line (+ line 5) (+ line 8) (+ line 8 (length "v3249")))
-                 (multiple-value-list (gallop.core:request-field r 57)))))
+                 (multiple-value-list (gallop.core::request-field r 57)))))
     (is (string= "h" (ph-host b r)))))
 
 
@@ -574,7 +578,7 @@ PARSE-HEAD's keys.")
       (let ((b (head-of max)))
         (multiple-value-bind (status r) (ph-parse b)
           (is (null status))
-          (is (= max (gallop.core:request-field-count r)))
+          (is (= max (gallop.core::request-field-count r)))
           (is (equal (list (format nil "X-F~D" (1- max)) (format nil "~D" (1- max)))
                      (car (last (ph-fields b r)))))))
       (is (eql 431 (ph-parse (head-of (1+ max)))))

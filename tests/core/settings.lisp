@@ -2,6 +2,10 @@
 ;;;; front ends built from it: every setting is a keyword of MAKE-ENGINE and
 ;;;; GALLOP:START with the table's default, and an initarg of
 ;;;; GALLOP:TASKMASTER.  Pure: no server, no socket.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: +SETTINGS+
+;;;; (settings.lisp): the table the front ends' keywords and initargs are
+;;;; checked against.
 
 (in-package #:gallop-tests)
 
@@ -28,9 +32,9 @@
   "Each setting once, documented, with a default that is NIL (off, or worked
 out when the server starts) or a positive number; the standby count within
 the maximum."
-  (let ((names (mapcar (lambda (entry) (symbol-name (first entry))) gallop.core:+settings+)))
+  (let ((names (mapcar (lambda (entry) (symbol-name (first entry))) gallop.core::+settings+)))
     (is (= (length names) (length (remove-duplicates names :test #'string=))) "~S" names)
-    (dolist (entry gallop.core:+settings+)
+    (dolist (entry gallop.core::+settings+)
       (destructuring-bind (name default documentation) entry
         (is (and (stringp documentation) (< 20 (length documentation))) "~S's documentation" name)
         (let ((value (eval default)))
@@ -45,7 +49,7 @@ GALLOP:TASKMASTER takes each as an initarg."
   (let ((engine (key-parameters #'gallop.core:make-engine))
         (start (key-parameters #'gallop:start))
         (taskmaster (class-initargs 'gallop:taskmaster)))
-    (dolist (entry gallop.core:+settings+)
+    (dolist (entry gallop.core::+settings+)
       (destructuring-bind (name default &rest documentation) entry
         (declare (ignore documentation))
         (let ((key (intern (symbol-name name) :keyword)))
@@ -68,7 +72,7 @@ setting that does not exist."
                              when (uiop:string-prefix-p "| `:" line)
                                collect (subseq line 4 (position #\` line :start 4))))))
          (settings (mapcar (lambda (entry) (string-downcase (symbol-name (first entry))))
-                           gallop.core:+settings+)))
+                           gallop.core::+settings+)))
     (dolist (setting settings)
       (is (member setting table :test #'string=) "README.md's table lacks :~A" setting))
     (dolist (row table)

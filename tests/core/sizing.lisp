@@ -3,6 +3,10 @@
 ;;;; real loads (bench/record-sizing.lisp: beside a CPU hog, handlers that
 ;;;; block 1 ms then an idle pool, bursts) replayed, decision by decision.
 ;;;; No load here.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the sizing policy
+;;;; (pool/sizing.lisp: DECIDE-SIZE, its samples, state and constants), the
+;;;; pure function under test.
 
 (in-package #:gallop-tests)
 

@@ -8,6 +8,10 @@
 ;;;; :WRITING connections parked until their client reads, pool threads).
 ;;;; Timing is never asserted: the waits are bounded only so that a broken
 ;;;; server fails instead of hanging.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the memory account
+;;;; (account.lisp: ACCOUNT-USED, OVERLOAD-LEVEL): that unsent output is
+;;;; charged to it and given back.
 
 (in-package #:gallop-tests)
 
@@ -538,7 +542,7 @@ writing, every write taken, while the client has read nothing; the
 connection then waits in epoll with no worker, holding the answer in the
 account's :OUTPUT; the client reads the whole answer, exactly (FRAMING),
 and the account is back to what it was."
-  (let ((before (gallop.core:account-used :output)))
+  (let ((before (gallop.core::account-used :output)))
     (with-slow-readers (readers)
       (let ((socket (slow-reader port)))
         (push socket readers)
@@ -550,14 +554,14 @@ and the account is back to what it was."
                                              (zerop (stat server :active))))
                              :timeout 10)
                  "the answer does not wait in epoll: ~S" (gallop:stats server))
-        (is (< before (gallop.core:account-used :output)))
+        (is (< before (gallop.core::account-used :output)))
         (let ((source (stream-source (slow-reader-stream socket))))
           (expect-answer source body :framing framing)
           (close-slow-readers readers)
           (setf readers '()))))
     (is-true (wait-until (lambda () (and (zerop (stat server :open))
-                                         (= before (gallop.core:account-used :output)))))
-             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+                                         (= before (gallop.core::account-used :output)))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core::account-used :output) before)))
 
 (test native-streaming-writer-does-not-wait-for-its-reader
   "A native handler streams 4 MiB, in large and small pieces, from its
@@ -586,7 +590,7 @@ the connection closes, the timeout is counted, and the account's :OUTPUT is
 back where it was."
   (let* ((piece (pattern-octets (* 64 1024) 9))
          (finished (list '()))
-         (before (gallop.core:account-used :output)))
+         (before (gallop.core::account-used :output)))
     (flet ((app (env)
              (declare (ignore env))
              (lambda (respond)
@@ -604,8 +608,8 @@ back where it was."
             (is (equal '(nil) (car finished)) "the writer was never stopped")
             (is (= 1 (stat server :write-timeouts)))
             (is-true (wait-until (lambda () (zerop (stat server :open)))))))))
-    (is-true (wait-until (lambda () (= before (gallop.core:account-used :output))))
-             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+    (is-true (wait-until (lambda () (= before (gallop.core::account-used :output))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core::account-used :output) before)))
 
 (test native-writer-past-its-spill-limit-waits-for-its-reader
   "One connection holds at most a 64th of the account's limit of its
@@ -623,7 +627,7 @@ exactly."
             (slow-reader-send socket (get-line "/pieces"))
             (is-true (wait-until (lambda () (= 1 (stat server :waiting-writers))))
                      "the writer does not wait: ~S" (gallop:stats server))
-            (is (<= (gallop.core:account-used :output) (* 1024 1024)))
+            (is (<= (gallop.core::account-used :output) (* 1024 1024)))
             (is (null (car finished)))
             (expect-answer (stream-source (slow-reader-stream socket)) (joined-octets pieces)
                            :framing :chunked)
@@ -649,7 +653,7 @@ asks and reads nothing, and its writer waits for it (:WAITING-WRITERS 1);
 client B asks and reads nothing, and its writer may not wait too: B's
 connection is closed before the whole answer (:WRITERS-SHED 1).  Then the
 account has room again and A reads the whole answer, exactly (FRAMING)."
-  (let ((before (gallop.core:account-used :output)))
+  (let ((before (gallop.core::account-used :output)))
     (with-slow-readers (readers)
       (let ((a (slow-reader port))
             (b (slow-reader port)))
@@ -668,8 +672,8 @@ account has room again and A reads the whole answer, exactly (FRAMING)."
         (is (= 1 (stat server :writers-shed)))))
     (is-true (wait-until (lambda () (and (zerop (stat server :open))
                                          (zerop (stat server :waiting-writers))
-                                         (= before (gallop.core:account-used :output)))))
-             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+                                         (= before (gallop.core::account-used :output)))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core::account-used :output) before)))
 
 (test native-waiting-writers-are-bounded
   "With the memory account full, one writer waits for its client (the bound
@@ -712,7 +716,7 @@ its whole answer, exactly."
             (slow-reader-send b (get-line "/pieces"))
             (is-true (wait-until (lambda () (= 2 (stat server :waiting-writers))))
                      "both writers do not wait: ~S" (gallop:stats server))
-            (is (zerop (gallop.core:overload-level)))
+            (is (zerop (gallop.core::overload-level)))
             (dolist (socket (list a b))
               (expect-answer (stream-source (slow-reader-stream socket)) (joined-octets pieces)
                              :framing :chunked))

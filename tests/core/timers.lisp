@@ -1,6 +1,9 @@
 ;;;; timers.lisp -- the application timers' heap
 ;;;; (src/core/timers/timers.lisp), on its own: due timers come out in
 ;;;; deadline order, each once; cancelled ones never.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the application timers'
+;;;; heap (timers/timers.lisp), tested on its own.
 
 (in-package #:gallop-tests)
 

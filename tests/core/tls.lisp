@@ -13,6 +13,10 @@
 ;;;;   - a stalled handshake is closed at the header timeout, without a
 ;;;;     plaintext 408; a dribbled head after a handshake gets 408 over TLS;
 ;;;;   - TLS clients that hang up anywhere cost no log line and no fd.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the memory account and the
+;;;; engine's TLS counters and trim threshold (account.lisp, engine.lisp,
+;;;; os/openssl.lisp): that closed TLS connections give their memory back.
 
 (in-package #:gallop-tests)
 
@@ -168,7 +172,7 @@ retried writes lose and repeat no octet), and the account's :OUTPUT is back
 where it was."
   (let* ((pieces (streamed-pieces 50))
          (finished (list '()))
-         (before (gallop.core:account-used :output)))
+         (before (gallop.core::account-used :output)))
     (with-tls-app (server (piece-streaming-app pieces finished))
       (let ((client (tls-connect-slow-reader (native-port server))))
         (unwind-protect
@@ -184,8 +188,8 @@ where it was."
                                        :framing :chunked))
           (tls-close client)))
       (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open))))))
-    (is-true (wait-until (lambda () (= before (gallop.core:account-used :output))))
-             ":OUTPUT is ~D, was ~D before" (gallop.core:account-used :output) before)))
+    (is-true (wait-until (lambda () (= before (gallop.core::account-used :output))))
+             ":OUTPUT is ~D, was ~D before" (gallop.core::account-used :output) before)))
 
 ;;; The client's close_notify
 

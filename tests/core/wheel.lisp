@@ -10,6 +10,11 @@
 ;;;; brought up before its deadline is scheduled again, else it expires.
 ;;;; The connections are bare CONNECTION objects: no fd, no engine; the wheel
 ;;;; touches only their WHEEL-TICK, WHEEL-ENTRY and (here) DEADLINE slots.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the timing wheel
+;;;; (timers/wheel.lisp), its connections' deadline slots, and the eventfd
+;;;; and timerfd calls it wakes with (os/syscalls.lisp): the wheel is the
+;;;; thing tested, with explicit times.
 
 (in-package #:gallop-tests)
 

@@ -9,7 +9,7 @@
 (in-suite connections)
 
 (defun raise-test-fd-limit ()
-  (gallop.core:raise-fd-limit))
+  (raise-fd-limit))
 
 (test a-client-that-stops-reading-does-not-pin-a-worker
   (with-server (server 'gallop:easy-acceptor :read-timeout 1 :write-timeout 1)

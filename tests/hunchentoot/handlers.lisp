@@ -111,7 +111,7 @@
 (hunchentoot:define-easy-handler (handle-detach-echo :uri "/detach-echo") ()
   ;; As a WebSocket-style handler: answer, keep the socket, then read what
   ;; the client sends next (a line) and write it back.
-  (wait-for-client-octets (gallop.core:connection-fd gallop::*connection*))
+  (wait-for-client-octets gallop::*connection*)
   (setf (hunchentoot:content-type*) "text/plain")
   (let ((stream (hunchentoot:send-headers)))
     (hunchentoot:detach-socket hunchentoot:*acceptor*)
@@ -175,7 +175,7 @@ that a piece repeated, dropped or moved shows.")
   ;; As a WebSocket library on Hunchentoot does (hunchensocket): a 101, then
   ;; the new protocol on the same stream, in the handler's thread: a line
   ;; echoed.  (On an acceptor without output chunking: a 101 has no body.)
-  (wait-for-client-octets (gallop.core:connection-fd gallop::*connection*))
+  (wait-for-client-octets gallop::*connection*)
   (setf (hunchentoot:return-code*) 101
         (hunchentoot:header-out :upgrade) "echo"
         (hunchentoot:header-out :connection) "Upgrade"

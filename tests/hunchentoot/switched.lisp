@@ -141,19 +141,21 @@ the account cannot take is answered 503 with Retry-After, and the
 connection's client reads that whole answer."
   (with-server (server 'frame-easy-acceptor)
     (let* ((port (port-of server))
+           ;; THREAD-OCTETS (account.lisp, internal): what the account
+           ;; charges for a thread's stacks, the charge under test.
            (cost (gallop.core::thread-octets))
-           (before (gallop.core:account-used :stacks))
+           (before (memory-used :stacks))
            (one (open-ws port "/fury" "User-Agent: one")))
       (unwind-protect
            (progn
              (expect-octets one (server-frame 1 (octets "one has joined /fury")) "one joins")
-             (is (= (+ before cost) (gallop.core:account-used :stacks))
+             (is (= (+ before cost) (memory-used :stacks))
                  "charged ~D octets for one switched thread, not ~D"
-                 (- (gallop.core:account-used :stacks) before) cost)
+                 (- (memory-used :stacks) before) cost)
              ;; Room for this one, not for a second: the stacks' limit is
              ;; under twice what they count now.
-             (with-memory-limit (nil :stacks (+ (gallop.core:account-used :stacks) cost -1))
-               (is (< (gallop.core:overload-level) 2))
+             (with-memory-limit (nil :stacks (+ (memory-used :stacks) cost -1))
+               (is (< (overload-level-now) 2))
                (let ((two (connect port)))
                  (unwind-protect
                       (progn
@@ -164,15 +166,15 @@ connection's client reads that whole answer."
                           (is (equal (format nil "503 Service Unavailable~%")
                                      (and response (body-string response))))))
                    (usocket:socket-close two)))
-               (is (= (+ before cost) (gallop.core:account-used :stacks))
+               (is (= (+ before cost) (memory-used :stacks))
                    "the refused one left ~D octets charged"
-                   (- (gallop.core:account-used :stacks) before cost)))
+                   (- (memory-used :stacks) before cost)))
              (ws-send one (ws-frame 8 (ws-close-payload 1000)))
              (expect-octets one (server-frame 8 (ws-close-payload 1000)) "one's close")
              (is (closed-by-peer-p one))
-             (is (wait-until (lambda () (= before (gallop.core:account-used :stacks))))
+             (is (wait-until (lambda () (= before (memory-used :stacks))))
                  "~D octets still charged once the switched connection ended"
-                 (- (gallop.core:account-used :stacks) before)))
+                 (- (memory-used :stacks) before)))
         (usocket:socket-close one)))))
 
 (defun check-silent-switched-closed (server)

@@ -544,7 +544,9 @@ it never took back: closed before the second answer.)"
                     (send socket (crlf "GET /later HTTP/1.1" "Host: x"))
                     ;; The worker, back from the app, would now hand the
                     ;; connection over to the engine (parked in epoll): let
-                    ;; it get there, if it does (it must wait instead).
+                    ;; it get there, if it does (it must wait instead).  The
+                    ;; connection's state is the core's (engine.lisp's table,
+                    ;; CONNECTION-STATE): no export tells :PARKED apart.
                     (wait-until (lambda ()
                                   (let ((table (gallop.core::engine-table
                                                 (gallop::server-engine server))))

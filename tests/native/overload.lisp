@@ -3,6 +3,13 @@
 ;;;; arithmetic on its own, then each of the manager's actions on a real
 ;;;; server, its level set by a small limit and octets charged by the test
 ;;;; itself, so that what the clients hold decides whom it acts on.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the account's own
+;;;; arithmetic (ACCOUNT-ADD, ACCOUNT-CHARGE, HEAP-USED, LEVEL-OF and its
+;;;; thresholds), the manager's counts and its shedding of one connection
+;;;; (OVERLOAD-COUNTS, SHED-CONNECTION), and WRITE-METRICS with a made-up
+;;;; account: the account and the manager are the things tested, and no front
+;;;; end drives them.
 
 (in-package #:gallop-tests)
 
@@ -11,35 +18,35 @@
 (test the-account-counts-kinds-and-refuses-past-its-limit
   (with-memory-limit ((* 1024 1024))
     (let ((before (gallop.core::heap-used))
-          (messages (gallop.core:account-used :messages)))
-      (is (gallop.core:account-charge :output 1000))
-      (is (gallop.core:account-charge :messages 2000))
+          (messages (memory-used :messages)))
+      (is (gallop.core::account-charge :output 1000))
+      (is (gallop.core::account-charge :messages 2000))
       (is (= (+ before 3000) (gallop.core::heap-used)))
-      (is (= (+ messages 2000) (gallop.core:account-used :messages)))
+      (is (= (+ messages 2000) (memory-used :messages)))
       ;; Past the limit nothing is counted.  (Stacks have a limit of their own.)
       (let ((used (gallop.core::heap-used)))
-        (is (not (gallop.core:account-charge :bodies (- (* 1024 1024) used -1))))
+        (is (not (gallop.core::account-charge :bodies (- (* 1024 1024) used -1))))
         (is (= used (gallop.core::heap-used))))
       ;; Up to it, it is.
       (let ((room (- (* 1024 1024) (gallop.core::heap-used))))
-        (is (gallop.core:account-charge :bodies room))
-        (gallop.core:account-add :bodies (- room)))
-      (gallop.core:account-add :output -1000)
-      (gallop.core:account-add :messages -2000)
+        (is (gallop.core::account-charge :bodies room))
+        (gallop.core::account-add :bodies (- room)))
+      (gallop.core::account-add :output -1000)
+      (gallop.core::account-add :messages -2000)
       (is (= before (gallop.core::heap-used))))))
 
 (test stacks-count-under-their-own-limit-and-set-no-level
   (with-memory-limit ((* 1024 1024) :stacks (* 10 1024 1024))
-    (let ((stacks (gallop.core:account-used :stacks))
-          (room (- (* 10 1024 1024) (gallop.core:account-used :stacks))))
-      (is (gallop.core:account-charge :stacks (- room 100)))
-      (is (not (gallop.core:account-charge :stacks 200)))
+    (let ((stacks (memory-used :stacks))
+          (room (- (* 10 1024 1024) (memory-used :stacks))))
+      (is (gallop.core::account-charge :stacks (- room 100)))
+      (is (not (gallop.core::account-charge :stacks 200)))
       ;; The heap's kinds are not crowded out, and the level is the heap's.
-      (is (gallop.core:account-charge :output 1000))
-      (is (= 0 (gallop.core:overload-level)))
-      (gallop.core:account-add :output -1000)
-      (gallop.core:account-add :stacks (- 100 room))
-      (is (= stacks (gallop.core:account-used :stacks))))))
+      (is (gallop.core::account-charge :output 1000))
+      (is (= 0 (overload-level-now)))
+      (gallop.core::account-add :output -1000)
+      (gallop.core::account-add :stacks (- 100 room))
+      (is (= stacks (memory-used :stacks))))))
 
 (test the-overload-level-follows-the-account-s-thresholds
   (is (equalp #(0 0 1 1 2 2 3 3)
@@ -47,10 +54,10 @@
                              (gallop.core::level-of percent 100 gallop.core::+account-thresholds+))
                    '(0 49 50 69 70 84 85 100))))
   (with-memory-limit ((* 8 1024 1024))
-    (with-charged (51) (is (= 1 (gallop.core:overload-level))))
-    (with-charged (71) (is (= 2 (gallop.core:overload-level))))
-    (with-charged (86) (is (= 3 (gallop.core:overload-level))))
-    (is (= 0 (gallop.core:overload-level)))))
+    (with-charged (51) (is (= 1 (overload-level-now))))
+    (with-charged (71) (is (= 2 (overload-level-now))))
+    (with-charged (86) (is (= 3 (overload-level-now))))
+    (is (= 0 (overload-level-now)))))
 
 (test the-metrics-show-the-account-by-kind
   (let ((text (with-output-to-string (out)
@@ -82,7 +89,7 @@
     (with-native-ws (port)
       (let ((refused (nth-value 1 (gallop.core::overload-counts))))
         (with-charged (71)
-          (is (= 2 (gallop.core:overload-level)))
+          (is (= 2 (overload-level-now)))
           ;; A body larger than BODY-BUFFER-BYTES: 503 before any of it is read.
           (let ((socket (connect port)))
             (unwind-protect
@@ -122,13 +129,13 @@
               (first (make-array (* 200 1024) :element-type '(unsigned-byte 8)
                                               :initial-element (char-code #\a))))
           (with-charged (51)
-            (is (= 1 (gallop.core:overload-level)))
+            (is (= 1 (overload-level-now)))
             (ws-partial-message s first)
             (ws-send s (ws-frame 0 (octets "bcd")))
             ;; It holds 64 KiB or more of its message: not read further.
             (is (wait-until (lambda () (> (gallop.core::overload-counts) paused))))
             (sleep 0.3)
-            (is (> (* 200 1024) (gallop.core:account-used :messages)))
+            (is (> (* 200 1024) (memory-used :messages)))
             (is (null *ws-closes*)))
           ;; Back to level 0: read again, and the message arrives whole.
           (expect-octets s (server-frame 1 (concatenate 'octets-vector first (octets "bcd")))
@@ -144,7 +151,7 @@
                                                               :initial-element 97))
             (ws-partial-message small (make-array (* 40 1024) :element-type '(unsigned-byte 8)
                                                              :initial-element 98))
-            (is (wait-until (lambda () (>= (gallop.core:account-used :messages)
+            (is (wait-until (lambda () (>= (memory-used :messages)
                                            (+ (* 1536 1024) (* 40 1024))))))
             (with-charged (86)
               ;; The largest is closed, with 1013 (try again later) ...
@@ -176,7 +183,7 @@ while a small request is served."
           (let ((reader (slow-reader port)))
             (push reader readers)
             (slow-reader-send reader (get-line "/big"))
-            (is (wait-until (lambda () (> (gallop.core:account-used :output) (* 3 1024 1024)))))
+            (is (wait-until (lambda () (> (memory-used :output) (* 3 1024 1024)))))
             (with-charged (86)
               (is (wait-until (lambda () (= (1+ shed) (nth-value 2 (gallop.core::overload-counts))))))
               (is (wait-until (lambda () (zerop (stat server :unsent-bytes)))))
@@ -201,12 +208,12 @@ holds among the most, and gets the engine's 503, exactly, then the close."
                (send socket (format nil "~A~A"
                                     (crlf "POST /x HTTP/1.1" "Host: x" "Content-Length: 60000")
                                     (make-string 40000 :initial-element #\a)))
-               (is (wait-until (lambda () (>= (gallop.core:account-used :bodies) 40000))))
+               (is (wait-until (lambda () (>= (memory-used :bodies) 40000))))
                (with-charged (86)
                  (expect-octets socket *response-503* "the 503")
                  (is (closed-by-peer-p socket))))
           (usocket:socket-close socket))
-        (is (wait-until (lambda () (zerop (gallop.core:account-used :bodies)))))))))
+        (is (wait-until (lambda () (zerop (memory-used :bodies)))))))))
 
 (test a-mark-of-the-overload-manager-is-for-one-request
   "The manager marks a connection a worker owns (its next queued write

@@ -41,7 +41,7 @@ Anything else: 200 \"plain\"."
                       (gallop:socket-write socket (subseq octets start end))))))
         (gallop:socket-write socket *switching*)
         (when (string= (getf env :path-info) "/echo-waits")
-          (wait-for-client-octets (gallop.core:connection-fd (gallop::exchange-connection socket))))
+          (wait-for-client-octets (gallop::exchange-connection socket)))
         (lambda (responder) (declare (ignore responder))))
       '(200 (:content-type "text/plain") ("plain"))))
 

@@ -14,7 +14,7 @@
 (defun check-sse-clients (clients)
   "CLIENTS connections to examples/sse.lisp's /events each receive all
 *SSE-EVENTS* events, in order, in a well-formed chunked answer."
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 clients)))
+  (raise-fd-limit (+ 1000 (* 3 clients)))
   (gallop-example-sse:forget-clients)
   (with-app (server #'gallop-example-sse:events-app :standby-thread-count 4)
     (let ((sockets '())

@@ -56,12 +56,12 @@ PING-INTERVAL; each one opened and each close noted."
 
 (defun account-messages ()
   "The WebSocket messages in the memory account (src/core/account.lisp)."
-  (gallop.core:account-used :messages))
+  (memory-used :messages))
 
 (defun engine-settled-p (engine)
   "True when ENGINE holds no WebSocket and no octet of a message."
-  (and (zerop (gallop.core::engine-body-bytes engine))
-       (zerop (gallop.core::engine-upgraded engine))
+  (and (zerop (getf (gallop.core:engine-stats engine) :body-bytes))
+       (zerop (getf (gallop.core:engine-stats engine) :upgraded))
        (zerop (account-messages))))
 
 (defun expect-close-then-eof (socket code reason what)
@@ -114,8 +114,9 @@ exactly what the server sends."
               (send-fragments s (/ held 65536))
               (ws-send s (ws-frame 9 (octets "read?")))
               (expect-octets s (server-frame 10 (octets "read?")) "the pong after the fragments"))
-            (is (wait-until (lambda () (>= (gallop.core::engine-body-bytes
-                                           (gallop::server-engine server))
+            (is (wait-until (lambda () (>= (getf (gallop.core:engine-stats
+                                                 (gallop::server-engine server))
+                                                :body-bytes)
                                           (* held *ends-sockets*))))
                 "~A: the messages were never all held" path)
             (ecase path
@@ -166,7 +167,8 @@ exactly afterwards."
     (flet ((settled (engine)
              (is (wait-until (lambda () (engine-settled-p engine)))
                  "~A: still counted: ~D octets, ~D WebSockets, ~D in the account" path
-                 (gallop.core::engine-body-bytes engine) (gallop.core::engine-upgraded engine)
+                 (getf (gallop.core:engine-stats engine) :body-bytes)
+                 (getf (gallop.core:engine-stats engine) :upgraded)
                  (account-messages)))
            (heap-checked ()
              (let ((grown (- (heap-octets) start)))

@@ -1,6 +1,11 @@
 ;;;; listen.lisp -- listening sockets shared with other processes: several
 ;;;; servers on one port (SO_REUSEPORT), and sockets a supervisor passes
 ;;;; (systemd's socket activation), on both front ends.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: PARSE-LISTEN-ENVIRONMENT,
+;;;; the pure reading of LISTEN_FDS, and the registry of passed sockets
+;;;; (*ACTIVATED-SOCKETS*, os/listen.lisp), saved and restored around a test
+;;;; that fakes a supervisor's sockets.
 
 (in-package #:gallop-tests)
 

@@ -5,6 +5,11 @@
 ;;;; counters must move by exactly the requests, and the octets, a real
 ;;;; client sent over real sockets.  The format itself (GALLOP.CORE::WRITE-
 ;;;; METRICS) and the bucket of a duration are tested without a server.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the per-answer counts'
+;;;; layout and WRITE-METRICS (metrics.lisp), DURATION-BUCKET, METHOD-INDEX
+;;;; and STATUS-CLASS: the format is tested on made-up counts, without a
+;;;; server.
 
 (in-package #:gallop-tests)
 

@@ -2,6 +2,13 @@
 ;;;; is served before the socket is shut, requests on idle keep-alive
 ;;;; connections are answered with Connection: close, the readiness URL
 ;;;; fails while it drains, and STOP-TIMEOUT bounds it; on both front ends.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the housekeeper's epoll
+;;;; set and the listen fd (EPOLL-CTL, ENGINE-HOUSEKEEPER-EPFD, ENGINE-
+;;;; LISTEN-FD) to pause accepting as a busy housekeeper does; ENGINE-
+;;;; ACCEPTING-ENDED, the moment a soft stop shut the listen socket;
+;;;; RESPONSE-503, the engine's own pre-encoded answer a stop's cut must send
+;;;; octet for octet.
 
 (in-package #:gallop-tests)
 
@@ -385,7 +392,7 @@ that reads nothing yet: the soft stop waits for the client to read it all
                (is (wait-until (lambda ()
                                  (let ((engine (gallop::server-engine-of server)))
                                    (and engine
-                                        (zerop (gallop.core::engine-in-flight engine)))))
+                                        (zerop (getf (gallop.core:engine-stats engine) :in-flight)))))
                                :timeout 30))
                (sleep 0.2)
                (let ((answer (read-wire-or-error client :close t)))
@@ -542,7 +549,7 @@ to cut the handler, it would do so 2 s before the handler returns.)"
              (progn
                (send client (crlf "GET /detach-outlast HTTP/1.1" "Host: x"))
                (is (sb-thread:wait-on-semaphore *stop-entered* :timeout 30))
-               (is (wait-until (lambda () (zerop (gallop.core::engine-in-flight engine)))
+               (is (wait-until (lambda () (zerop (getf (gallop.core:engine-stats engine) :in-flight)))
                                :timeout 30))
                (send client (format nil "hello~C" #\Linefeed))
                (let* ((stream *stop-detached*)

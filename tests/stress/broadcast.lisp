@@ -78,7 +78,7 @@ and whether the server closed them all."
     (values statuses done)))
 
 (defun broadcast-to-non-readers (mode)
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 *non-readers*)))
+  (raise-fd-limit (+ 1000 (* 3 *non-readers*)))
   (multiple-value-bind (process port) (start-broadcast-child mode)
     (unwind-protect
          (progn

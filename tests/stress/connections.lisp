@@ -140,7 +140,7 @@ Then they go away and every one is closed."
         "left open: ~S" (funcall stats))))
 
 (test idle-tls-connections-hold-no-thread
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 *idle-tls-connections*)))
+  (raise-fd-limit (+ 1000 (* 3 *idle-tls-connections*)))
   (flet ((yo-app (env) (declare (ignore env)) '(200 (:content-type "text/plain") ("Hey!"))))
     (with-tls-app (server #'yo-app :standby-thread-count 2)
       (check-idle-tls-connections (native-port server) (lambda () (gallop:stats server)) 2)))
@@ -155,7 +155,7 @@ Then they go away and every one is closed."
 ;;; Pending requests (answered later by timers, or deferred) hold no thread
 
 (test pending-requests-answered-by-timers-hold-no-thread
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 *pending-requests*)))
+  (raise-fd-limit (+ 1000 (* 3 *pending-requests*)))
   (with-app (server #'delayed-app :standby-thread-count 4)
     (let ((sockets '()))
       (unwind-protect
@@ -178,7 +178,7 @@ Then they go away and every one is closed."
     (is (wait-until (lambda () (zerop (getf (gallop:stats server) :open)))))))
 
 (test deferred-hunchentoot-requests-hold-no-thread
-  (gallop.core:raise-fd-limit (+ 1000 (* 3 *pending-requests*)))
+  (raise-fd-limit (+ 1000 (* 3 *pending-requests*)))
   (with-server (server 'gallop:easy-acceptor)
     (let ((sockets '()))
       (unwind-protect

@@ -1,6 +1,11 @@
 ;;;; pool.lisp -- the pool's size under load: beside a CPU hog, under a CPU
 ;;;; quota, with blocked handlers, growing for 200 concurrent sleepers and
 ;;;; shrinking back; threads that rest switch rarely.
+;;;;
+;;;; Internals of GALLOP.CORE reached on purpose: the pool's maker thread
+;;;; and its rest, the wheel's rest and the housekeeper thread
+;;;; (pool/pool.lisp, timers/wheel.lisp, engine.lisp): that the core's own
+;;;; threads rest when the server is idle is what is tested.
 
 (in-package #:gallop-tests)
 
@@ -212,7 +217,7 @@ Sampling, the maker would switch about 200 times a second; ticking, the
 housekeeper about 10: resting, each switches a few times at most."
   (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 1)
     (let* ((engine (gallop::server-engine server))
-           (pool (gallop.core::engine-pool engine)))
+           (pool (gallop.core:engine-pool engine)))
       (is (exact-answer-p (strict-get (native-port server) "/yo") "Hey!"))
       (is-true (wait-until (lambda () (and (gallop.core::pool-maker-resting pool)
                                            (gallop.core::wheel-resting
@@ -232,7 +237,7 @@ wakes about once a second instead of every 5 ms.  Work wakes it: handlers
 that block, more than there are CPUs, are still served, and it rests again
 after.  (How rarely it switches while resting: RESTING-THREADS-SWITCH-RARELY.)"
   (with-app (server #'gate-app :standby-thread-count 2 :thread-idle-timeout 1)
-    (let ((pool (gallop.core::engine-pool (gallop::server-engine server))))
+    (let ((pool (gallop.core:engine-pool (gallop::server-engine server))))
       (is (exact-answer-p (strict-get (native-port server) "/yo") "Hey!"))
       (is-true (wait-until (lambda () (gallop.core::pool-maker-resting pool)) :timeout 10)
                "the maker never rested")

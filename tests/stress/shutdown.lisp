@@ -116,7 +116,7 @@ finished."
 (defun stop-with-idle-connections (kind count)
   "Open COUNT keep-alive connections to a KIND child server, one request
 each, stop the server, and check that every connection was closed."
-  (gallop.core:raise-fd-limit)
+  (raise-fd-limit)
   (multiple-value-bind (process port) (start-child-server kind)
     (let ((sockets '()))
       (unwind-protect

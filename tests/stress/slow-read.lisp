@@ -127,6 +127,8 @@ seconds; check what the header says."
                (setf done t)
                (sb-thread:join-thread sampler)
                (let ((stats (child-stats process))
+                     ;; USABLE-CPUS (os/cpus.lisp, internal): the CPUs the
+                     ;; pool sizes itself by, which the bound follows.
                      (bound (max (+ (ceiling (gallop.core::usable-cpus)) 2)
                                  (eval (gallop.core:setting-default standby-thread-count)))))
                  (format t "~&    slow read, ~(~A~): ~D probes, ~D failed, median ~D ms, max ~D ms; ~

@@ -67,7 +67,7 @@ shaped WebSockets as the memory account lets switch (the next is refused
 with 503), then one first message on each at the same moment: the process
 lives and every one is echoed.  Each first message is the handler's first
 call of a constructor and of generic functions in that thread."
-  (gallop.core:raise-fd-limit)
+  (raise-fd-limit)
   (multiple-value-bind (process port) (start-switched-child)
     (let ((sockets '()))
       (unwind-protect
@@ -115,7 +115,7 @@ Under the same light load, its CPU time with 2,000 idle switched WebSockets
 \(2,000 more threads) is within twice, and two ticks, of what it is without
 them, in the same process (the control).  At rest, it rests with them as
 without."
-  (gallop.core:raise-fd-limit)
+  (raise-fd-limit)
   ;; Room in the memory account for 2,000 switched threads' stacks: a heap
   ;; (reserved, not used) that large.
   (multiple-value-bind (process port) (start-switched-child :heap "32GB")

@@ -62,7 +62,8 @@ within 32 MiB of where it began, and a fresh WebSocket is served exactly."
                              results))
             (is (wait-until (lambda () (engine-settled-p engine)))
                 "round ~D: still counted: ~D octets, ~D WebSockets" round
-                (gallop.core::engine-body-bytes engine) (gallop.core::engine-upgraded engine))
+                (getf (gallop.core:engine-stats engine) :body-bytes)
+                (getf (gallop.core:engine-stats engine) :upgraded))
             (format t "~&    round ~D: heap ~,1F MiB (began at ~,1F)~%" round
                     (/ (heap-octets) 1048576.0) (/ start 1048576.0))))
         (let ((grown (- (heap-octets) start)))

@@ -42,9 +42,6 @@
 (defconstant +rechunk-size+ 65536
   "The largest chunk handed to the layer above when re-chunking.")
 
-(sb-int:defconstant-eqx +crlf-octets+
-    (encode-ascii (coerce '(#\Return #\Linefeed) 'string))
-  #'equalp)
 (sb-int:defconstant-eqx +last-chunk-octets+
     (encode-ascii (coerce '(#\0 #\Return #\Linefeed #\Return #\Linefeed) 'string))
   #'equalp)
