@@ -41,7 +41,7 @@
    #:+backtraces-per-second+ #:backtrace-due-p #:timeout-line-due
    #:note-client-abort #:cut-log-line #:format-log-line #:+max-log-line+
    #:define-settings-function #:setting-arguments #:setting-default
-   #:setting-slot-definitions
+   #:setting-slot-definitions #:+settings+
 
    ;; http/: a connection (a binary Gray stream): its ends, the record of its
    ;; request's head, its body, the output it writes and its errors.

@@ -32,11 +32,6 @@
     (values process (and (uiop:string-prefix-p "READY " line)
                          (parse-integer line :start 6)))))
 
-(defun child-stats (process)
-  (let ((answer (child-command process "stats")))
-    (and (uiop:string-prefix-p "STATS " answer)
-         (read-from-string answer t nil :start 6))))
-
 (defun child-heap (process)
   (let ((answer (child-command process "gc")))
     (and (uiop:string-prefix-p "HEAP " answer)

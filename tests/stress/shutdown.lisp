@@ -107,6 +107,13 @@ finished."
   (finish-output (sb-ext:process-input process))
   (read-line (sb-ext:process-output process) nil ""))
 
+(defun child-stats (process)
+  "The child server's GALLOP:STATS, read from its answer to \"stats\"."
+  (let ((line (child-command process "stats")))
+    (and (uiop:string-prefix-p "STATS " line)
+         (let ((*read-eval* nil) (*package* (find-package :keyword)))
+           (ignore-errors (read-from-string line t nil :start 6))))))
+
 (defun end-child-server (process)
   (ignore-errors (write-line "quit" (sb-ext:process-input process))
                  (finish-output (sb-ext:process-input process)))

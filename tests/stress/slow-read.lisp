@@ -42,13 +42,6 @@ STREAM-SERVER-LOG; return the process, its port and its pid."
             (and (uiop:string-prefix-p "READY " line) (parse-integer line :start 6))
             (sb-ext:process-pid process))))
 
-(defun child-stats (process)
-  "The child server's GALLOP:STATS, read from its answer to \"stats\"."
-  (let ((line (child-command process "stats")))
-    (and (uiop:string-prefix-p "STATS " line)
-         (let ((*read-eval* nil) (*package* (find-package :keyword)))
-           (ignore-errors (read-from-string line t nil :start 6))))))
-
 (defun process-threads (pid)
   "The threads of the process PID, from /proc."
   (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
