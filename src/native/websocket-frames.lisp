@@ -66,10 +66,15 @@ PAYLOAD[START,END); with RSV1 set when COMPRESSED."
 
 (defun close-payload (code reason)
   "The payload of a close frame: CODE in two octets, then REASON in UTF-8,
-cut to the 123 octets a control frame has room for."
-  (let ((reason (sb-ext:string-to-octets reason :external-format :utf-8)))
+cut to the 123 octets a control frame has room for, before a character
+that would not fit whole (a peer closes on a reason that is not UTF-8)."
+  (let* ((reason (sb-ext:string-to-octets reason :external-format :utf-8))
+         (end (min (length reason) 123)))
+    ;; A cut before a continuation octet (10xxxxxx) would split a character.
+    (loop while (and (< end (length reason)) (= #b10 (ldb (byte 2 6) (aref reason end))))
+          do (decf end))
     (concatenate 'octets (vector (ldb (byte 8 8) code) (ldb (byte 8 0) code))
-                 (subseq reason 0 (min (length reason) 123)))))
+                 (subseq reason 0 end))))
 
 ;;; What a client's payload must be
 

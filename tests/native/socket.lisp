@@ -268,6 +268,25 @@ high bit set (the WebSocket reader refuses that one: *PROTOCOL-ERRORS*)."
     (loop for cut from 0 below (length head)
           do (is (null (gallop::frame-length head 0 cut)) "~S cut at ~D" head cut))))
 
+(test close-payload-cuts-between-characters
+  "A close frame's reason is cut to 123 octets before a character that would
+not fit whole, so the peer always gets UTF-8."
+  (flet ((payload (reason) (gallop::close-payload 1011 reason)))
+    (is (equalp (octet-vector 3 243 104 105) (payload "hi")))
+    (is (= 125 (length (payload (make-string 200 :initial-element #\a)))))
+    ;; 122 ASCII, then a 2-octet character: octets 123 and 124 of the reason.
+    (let ((p (payload (concatenate 'string (make-string 122 :initial-element #\a)
+                                   (string (code-char #xE9)) "z"))))
+      (is (= 124 (length p)) "~D" (length p))
+      (is (every (lambda (o) (= o 97)) (subseq p 2))))
+    ;; Three-octet characters: 41 fill 123 octets exactly; of 45, 41 fit.
+    (dolist (n '(41 45))
+      (let* ((p (payload (make-string n :initial-element (code-char #x20AC))))
+             (reason (subseq p 2)))
+        (is (= (* 3 (min n 41)) (length reason)) "~D: ~D" n (length reason))
+        (is (string= (make-string (min n 41) :initial-element (code-char #x20AC))
+                     (sb-ext:octets-to-string reason :external-format :utf-8)))))))
+
 (test frame-lengths-as-each-reader-takes-them
   "Lengths in a longer form than needed are taken by both readers; a length
 with its high bit set is passed on whole by the socket (over its limit) and
