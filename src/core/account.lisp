@@ -8,7 +8,7 @@
 ;;;; when it lets go: partial request heads (connection.lisp, the head
 ;;;; budget), bodies gathered in memory (spool.lisp), WebSocket messages being
 ;;;; assembled and what inflating them makes (upgrade.lisp), output the
-;;;; client has not taken (connection.lisp, Output; upgrade.lisp's mailbox),
+;;;; client has not taken (output-queue.lisp; upgrade.lisp's mailbox),
 ;;;; and the stacks of threads that switched protocols under their handler.
 ;;;; The engines' own budgets (HEAD-BUDGET, BODY-BUDGET) stay limits of their
 ;;;; kinds inside it.  Threads' stacks are mapped outside the heap, whole

@@ -44,14 +44,14 @@ in its epoll set.")
   "Request lines over this get 414.")
 (defconstant +default-max-unsent-bytes+ (* 64 1024)
   "Octets a streaming writer may leave unsent on one connection before what
-it writes on is charged to the memory account (connection.lisp, Output).")
+it writes on is charged to the memory account (output-queue.lisp).")
 (defconstant +kernel-unsent-bytes+ (* 16 1024)
   "Octets of a connection's output the kernel may hold not yet sent
 (TCP_NOTSENT_LOWAT, set on the listen socket and inherited).  Without it
 Linux grows a socket's send buffer up to tcp_wmem's maximum (4 MiB by
 default), so a client that never reads would have the server answer
 thousands of pipelined requests before a send found the socket full and the
-backpressure in connection.lisp (Output) began.  16 KiB is what Apple's and
+backpressure in output-queue.lisp began.  16 KiB is what Apple's and
 Cloudflare's servers use; only data not yet sent is limited, not what is in
 flight, so a fast client's downloads keep their speed.")
 (defconstant +default-max-body-bytes+ (* 64 1024 1024)
@@ -180,7 +180,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (max-body-bytes 0 :type fixnum)
   (max-request-line-bytes 0 :type fixnum)
   (max-unsent-bytes 0 :type fixnum)
-  (max-waiting-writers 1 :type fixnum) ; see WAIT-FOR-ROOM (connection.lisp)
+  (max-waiting-writers 1 :type fixnum) ; see WAIT-FOR-ROOM (output-queue.lisp)
   (upgraded-idle-ms 0 :type fixnum)  ; 0: an upgraded connection may stay silent
   (upgraded-send-limit 0 :type fixnum)
   (max-switched 0 :type fixnum)      ; MOST-POSITIVE-FIXNUM: as memory allows
@@ -228,7 +228,7 @@ counts outlive a restart of the pool; groups beyond share them in turn."
   (idle-queue (sb-thread:make-waitqueue :name "gallop in-flight"))
   (log-error nil :type (or null function))
   ;; The layer above's access log of the answers the engine writes itself
-  ;; (NOTE-REFUSAL, connection.lisp), or NIL.
+  ;; (NOTE-REFUSAL, http1.lisp), or NIL.
   (log-answer nil :type (or null function))
   (last-emfile-ms 0 :type fixnum)
   (timeout-line-ms 0 :type fixnum) ; see TIMEOUT-LINE-DUE

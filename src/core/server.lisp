@@ -5,7 +5,7 @@
 ;;;;    accepts and calls ENGINE-ADOPT-FD, accept.lisp), writes 503 when the
 ;;;;    queue is full, drains rejected connections, and closes parked
 ;;;;    connections whose deadline passed;
-;;;;  - a worker of the pool (pool.lisp) that takes a connection's event
+;;;;  - a worker of the pool (pool/worker.lisp) that takes a connection's event
 ;;;;    serves it (serve.lisp), running the engine's handler (handler.lisp);
 ;;;;  - a connection's states: lifecycle.lisp; the head budget:
 ;;;;    connection.lisp.
@@ -37,7 +37,7 @@ MAX-BODY-BYTES bounds a declared Content-Length (413) and a chunked body.
 Output the client does not read yet waits with its connection in epoll, not
 in a worker; past MAX-UNSENT-BYTES, what a streaming writer leaves there is
 charged to the memory account, and when the account refuses, at most
-MAX-WAITING-WRITERS writers wait for their clients (see connection.lisp).  METHODS, when
+MAX-WAITING-WRITERS writers wait for their clients (see output-queue.lisp).  METHODS, when
 given, lists the request methods (keywords, exact case) the handler serves:
 others get 501 before it sees them.  MAX-QUEUE-LENGTH bounds the
 accepted connections no worker has served yet; beyond it (and the workers
@@ -361,7 +361,7 @@ overload manager's actions, in all); and
 the pool's :THREADS,
 :IDLE-THREADS, :RUN-PERMITS (how many workers may serve at once), :EPOLL-SETS
 \(its groups of workers, see *GROUP-COUNT*) and :MOVED (events a group's workers
-served for another group whose workers were all busy), see pool.lisp."
+served for another group whose workers were all busy), see pool/groups.lisp."
   (let ((open 0) (idle 0) (active 0) (writing 0) (unsent 0)
         (table (engine-table engine)))
     (loop for c across table

@@ -6,7 +6,7 @@
 ;;;;
 ;;;; Internals of GALLOP.CORE reached on purpose: the readers of
 ;;;; os/cpus.lisp and the pool's groups, workers and load history
-;;;; (pool/pool.lisp): pure functions and the records the maker reads, driven
+;;;; (pool/maker.lisp): pure functions and the records the maker reads, driven
 ;;;; with sample inputs.
 
 (in-package #:gallop-tests)

@@ -1,5 +1,5 @@
 ;;;; epoll-close.lisp -- a connection the engine closes leaves the worker
-;;;; group's epoll set (pool.lisp) before its fd is closed.
+;;;; group's epoll set (pool/) before its fd is closed.
 ;;;;
 ;;;; Why it matters (the fuzz test's rare 10 s hang): since Linux 6.10,
 ;;;; epoll_wait holds a reference to each ready file for the instant it polls

@@ -9,7 +9,7 @@
 ;;;;
 ;;;; Internals of GALLOP.CORE reached on purpose: *GROUP-COUNT*, the pool's
 ;;;; groups, workers, lock and nudges, the engine's tallies, the epoll events
-;;;; queued and the threads' wait kinds (pool/pool.lisp, os/syscalls.lisp,
+;;;; queued and the threads' wait kinds (pool/, os/syscalls.lisp,
 ;;;; os/cpus.lisp): the groups are the thing tested.
 
 (in-package #:gallop-tests)
@@ -114,7 +114,7 @@ shrank back after."
 (test waiting-workers-take-a-burst-of-requests-one-event-each
   "One group (epoll set) whose pool grew for blocked handlers: once they are
 let go, several of its workers wait in epoll_wait together, and each takes
-one event, not a batch (pool.lisp, the header: the kernel wakes one waiter
+one event, not a batch (pool/worker.lisp, the header: the kernel wakes one waiter
 per event, and the next when one takes fewer than are ready).  Bursts of
 requests on 16 keep-alive connections, all sent before any is read, are
 then each answered exactly, in five rounds: none taken and left unserved,
@@ -163,7 +163,7 @@ none left waiting in the set."
   "Two groups of one worker each, and a pool that may not grow
 \(MAX-THREAD-COUNT 2): one worker blocks in a handler, and the connections
 of its group, every other new one, are served by the other group's worker
-\(the maker moves their events, or the other worker steals them: pool.lisp's
+\(the maker moves their events, or the other worker steals them: pool/groups.lisp's
 STEALING): every answer exact, each move or theft counted in :MOVED or
 :STOLEN."
   (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
@@ -299,7 +299,7 @@ first octets (accept.lisp's WAKE-SILENT)."
   "True when the worker of the group of SERVER's pool that has an idle worker
 sleeps inside a system call (THREAD-WAIT-KIND :CALL): for a worker with
 nothing to do that is its blocking epoll_wait, so the looks at the other
-group's queue and set before it (pool.lisp's STEALING) are over.  A group's
+group's queue and set before it (pool/groups.lisp's STEALING) are over.  A group's
 IDLE counts its worker before those looks, so it alone does not say this."
   (let* ((pool (gallop:server-pool server))
          (buffer (make-array 64 :element-type '(unsigned-byte 8)))
@@ -315,7 +315,7 @@ IDLE counts its worker before those looks, so it alone does not say this."
   "Two groups of one worker each, the maker's help off: one epoll_wait gives
 a worker three connections' requests, the first of which blocks at the
 gate; the other two, on its group's queue, are taken by the other group's
-idle worker (nudged: pool.lisp's STEALING), each answered exactly, and
+idle worker (nudged: pool/groups.lisp's STEALING), each answered exactly, and
 counted in :STOLEN.  Without that, they would wait for the gate."
   (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
         *gate-entered* (list 0)
@@ -410,7 +410,7 @@ and that x1 is answered once the gate opens."
 the gate, and a request comes on another of X's connections, waiting in X's
 epoll set where no worker of X looks.  A request to Y wakes Y's worker,
 which answers it and then, before it waits again, takes the event from X's
-set (pool.lisp's STEALING): both answered exactly, counted in :STOLEN."
+set (pool/groups.lisp's STEALING): both answered exactly, counted in :STOLEN."
   (steal-from-a-blocked-group))
 
 (test a-nudge-in-a-busy-groups-set-hides-no-event-from-a-stealing-worker

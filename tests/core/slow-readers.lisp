@@ -483,7 +483,7 @@ accepts, the engine adopts each socket): the same bound."
 
 ;;; Streaming writers: past MAX-UNSENT-BYTES what they write is charged to
 ;;; the memory account and waits with the connection, not in the writer
-;;; (connection.lisp, Output).  Only when the account refuses does a writer
+;;; (http/output-queue.lisp).  Only when the account refuses does a writer
 ;;; wait for its client, and only MAX-WAITING-WRITERS of them at once.
 
 (defun streamed-pieces (seed)

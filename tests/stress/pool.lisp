@@ -211,7 +211,7 @@ CPUs, back to one per CPU and to the standby threads after."
 ;;; Threads that rest switch rarely
 
 (test resting-threads-switch-rarely
-  "With nothing to do, the pool's maker stops sampling (pool.lisp, RESTING)
+  "With nothing to do, the pool's maker stops sampling (pool/maker.lisp, RESTING)
 and the housekeeper stops ticking ten times a second (wheel.lisp, RESTING).
 Sampling, the maker would switch about 200 times a second; ticking, the
 housekeeper about 10: resting, each switches a few times at most."
@@ -232,7 +232,7 @@ housekeeper about 10: resting, each switches a few times at most."
 ;;; A pool with nothing to do: the maker rests
 
 (test a-resting-maker-sleeps-and-wakes-for-blocked-handlers
-  "With no work, the pool's maker stops sampling (pool.lisp, RESTING): it
+  "With no work, the pool's maker stops sampling (pool/maker.lisp, RESTING): it
 wakes about once a second instead of every 5 ms.  Work wakes it: handlers
 that block, more than there are CPUs, are still served, and it rests again
 after.  (How rarely it switches while resting: RESTING-THREADS-SWITCH-RARELY.)"

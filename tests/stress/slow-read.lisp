@@ -2,7 +2,7 @@
 ;;;; streams a 1 MiB answer, on both front ends, each in a child process with
 ;;;; default settings (tests/child/stream-server.lisp), beside a fresh client
 ;;;; that asks GET /yo twice a second.  A handler streaming to a slow reader
-;;;; finishes while the rest of its answer waits in epoll (connection.lisp,
+;;;; finishes while the rest of its answer waits in epoll (http/output-queue.lisp,
 ;;;; Output), so however many readers there are: every fresh client is
 ;;;; answered, exactly, their median within 50 ms; the pool grows no larger
 ;;;; than the CPUs + 2 (or its standby count, under which it never goes);

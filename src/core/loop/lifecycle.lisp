@@ -24,7 +24,7 @@ kept).")
 
 
 (defun next-token (engine fd)
-  ;; 30 bits of generation keep the token a fixnum (see pool.lisp's queue).
+  ;; 30 bits of generation keep the token a fixnum (see pool/groups.lisp's queue).
   (logior (ash (logand (sb-ext:atomic-incf (engine-generation engine)) #x3fffffff) 32)
           fd))
 

@@ -1,7 +1,7 @@
 ;;;; cpus.lisp -- how much CPU this process may use.
 ;;;;
 ;;;; The pool sizes its run permits by the CPUs it may use, and grows only
-;;;; while the process uses less than that (pool.lisp).  Two limits apply:
+;;;; while the process uses less than that (pool/maker.lisp).  Two limits apply:
 ;;;; the affinity mask (taskset, cpusets) and the CPU quota of the process's
 ;;;; cgroup (a container started with --cpus=0.5, systemd's CPUQuota=).  With
 ;;;; only the first, a server limited to half a core would see itself at

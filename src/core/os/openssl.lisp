@@ -3,7 +3,7 @@
 ;;;;
 ;;;; These are the few calls the engine makes, on SSL objects known by their
 ;;;; address (an integer, so a connection slot holds it without boxing); the
-;;;; connection's state machine is in connection.lisp, which reads and sends
+;;;; connection's state machine is in http/connection.lisp; tls-io.lisp reads and sends
 ;;;; through SSL-RECV and SSL-SEND when the connection is TLS.  They answer
 ;;;; like recv(2) and send(2): a count, 0 at the end of the stream, or -1 and
 ;;;; an errno, SSL_ERROR_WANT_READ and WANT_WRITE being EAGAIN.  So a TLS
@@ -25,7 +25,7 @@
 ;;;;    octets it returns.
 ;;;;  - A write that OpenSSL could not finish must be retried with the same
 ;;;;    octets.  The engine's output queue retries its front segment
-;;;;    unchanged (connection.lisp, Output), SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
+;;;;    unchanged (http/output-queue.lisp), SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER
 ;;;;    lets those octets move (the garbage collector) in between, and
 ;;;;    SSL_MODE_ENABLE_PARTIAL_WRITE returns each record written, as send(2)
 ;;;;    returns a partial count.  A file is read again from the same offset

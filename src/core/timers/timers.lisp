@@ -8,7 +8,7 @@
 ;;;; epoll set: the housekeeper wakes when it expires (not at its 100 ms
 ;;;; tick: the timerfd has the kernel's timer resolution), takes every timer
 ;;;; that came due off the heap and queues its thunk on the pool's ready
-;;;; queue, where the next free worker runs it (pool.lisp) -- never the
+;;;; queue, where the next free worker runs it (pool/groups.lisp) -- never the
 ;;;; housekeeper, which must go on accepting and expiring.  A thunk that
 ;;;; blocks blocks its worker, which the pool sees as any blocked handler.
 ;;;;
