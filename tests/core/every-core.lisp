@@ -163,9 +163,9 @@ none left waiting in the set."
   "Two groups of one worker each, and a pool that may not grow
 \(MAX-THREAD-COUNT 2): one worker blocks in a handler, and the connections
 of its group, every other new one, are served by the other group's worker
-\(the maker moves their events, or the other worker steals them: pool/groups.lisp's
-STEALING): every answer exact, each move or theft counted in :MOVED or
-:STOLEN."
+\(the maker moves their events, or the other worker steals them:
+pool/groups.lisp's STEALING): every answer exact, each move or theft
+counted in :MOVED or :STOLEN."
   (setf *gate* (sb-thread:make-semaphore :name "gate (test)")
         *gate-entered* (list 0)
         *gate-timeouts* (list 0))
