@@ -173,7 +173,7 @@ upper case."
 
 (defun dead-exports ()
   "The names GALLOP.CORE exports that no front end names, bar
-*EXPORTS-FOR-USERS*; and the names of that list the core no longer exports."
+*EXPORTS-FOR-USERS*; and the names of that list the core does not export."
   (let ((named (make-hash-table)) (dead '()))
     (loop for (path) in (front-end-files)
           do (dolist (symbol (front-end-core-symbols path))
