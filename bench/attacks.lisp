@@ -118,10 +118,6 @@
   (:export #:main))
 (in-package #:gallop-bench-attacks)
 
-(defun env-list (name default)
-  (let ((v (env name)))
-    (if v (remove "" (uiop:split-string v :separator ",") :test #'string=) default)))
-
 (defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
 (defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "uploads"
                                                  "tls-idle" "readers" "ws-fragments" "ws-broadcast"
@@ -160,9 +156,6 @@ end within this many MiB of its start.")
 (defparameter *logs* (merge-pathnames "bench/results/tmp/attacks/" *repo*))
 
 (defun gallop-kind-p (kind) (member kind '("native" "gallop") :test #'string=))
-
-(defun median (list)
-  (if list (nth (floor (length list) 2) (sort (copy-list list) #'<)) 0))
 
 ;;; The server under attack: a bench/server.lisp child, or nginx
 
@@ -296,7 +289,7 @@ function that waits for the probes, stops sampling and returns the watch."
   (list* :kind (target-kind target) :attack attack
          :probes (+ (length (watch-latencies w)) (watch-failures w))
          :answered (length (watch-latencies w))
-         :median-ms (median (watch-latencies w))
+         :median-ms (upper-median (watch-latencies w) 0)
          :max-ms (reduce #'max (watch-latencies w) :initial-value 0)
          :peak-threads (watch-peak-threads w)
          :peak-rss-mb (round (watch-peak-rss w) 1024)
@@ -399,7 +392,7 @@ the medians, so that the host's drift within the run counts for little.")
             (incf log-bytes (- (log-size target) log-before))
             (push rate rates))))
       (funcall finish)
-      (let ((ratio (if (plusp (median ok-rates)) (/ (median rates) (median ok-rates)) 0))
+      (let ((ratio (if (plusp (upper-median ok-rates 0)) (/ (upper-median rates 0) (upper-median ok-rates 0)) 0))
             (per-error (if (plusp bad) (round log-bytes bad) 0)))
         (row target "errors" w
              :load (format nil "wrk -c100, ~D x ~D s on each" *error-rounds* *error-seconds*)
@@ -832,9 +825,6 @@ NIL when it did not answer."
                 (ask-process (target-process target) "gc" "GC " 60))))
     (let ((octets (and line (parse-integer line :junk-allowed t))))
       (and octets (round octets (* 1024 1024))))))
-
-(defun fd-count (pid)
-  (length (directory (format nil "/proc/~D/fd/*" pid) :resolve-symlinks nil)))
 
 (defun mib-or-dash (n) (if n (princ-to-string n) "–"))
 

@@ -40,20 +40,11 @@
 connections while more than MAX-QUEUE-LENGTH (default 1,024) accepted ones
 wait for a worker to read their first request (overload shedding, see the
 README): a burst of 15,000 is far more, so here the queue may hold them all."
-  (cons (format nil "BENCH_GALLOP_OPTIONS=(:max-queue-length ~D)" (+ *n* 5000))
-        (remove-if (lambda (v) (uiop:string-prefix-p "BENCH_GALLOP_OPTIONS=" v))
-                   (sb-ext:posix-environ))))
-
-(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
-
-(defun stats (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
-                               (read-from-string text))))))
+  (environment-with (list (format nil "BENCH_GALLOP_OPTIONS=(:max-queue-length ~D)" (+ *n* 5000)))))
 
 (defun gc-rss (process pid)
   "A full GC in the server, then its RSS (KiB)."
-  (ask-process process "gc" "GC " 60)
+  (ask-gc process)
   (sleep 0.2)
   (values (proc-status pid)))
 
@@ -144,7 +135,7 @@ the samples (MS PENDING ANSWERED THREADS), oldest first."
                 (rss-pending nil) (pending-at-gc nil)
                 (samples '()))
            (loop while (alive-p wrk)
-                 do (let ((s (stats process)))
+                 do (let ((s (ask-stats process)))
                       (when s
                         ;; Answered so far: requests begun, less those in flight.
                         (push (list (- (now-ms) start) (getf s :in-flight)

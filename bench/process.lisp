@@ -1,15 +1,18 @@
-;;;; process.lisp -- helpers shared by the benchmark harness (run.lisp), the
-;;;; soak test (soak.lisp) and the memory benchmarks (uploads.lisp,
-;;;; heads.lisp), which each load this file first: reading
-;;;; settings from the environment, and child processes.  Both start servers
-;;;; and load generators as child processes and talk to them over pipes, with
-;;;; every wait bounded.
+;;;; process.lisp -- helpers shared by every Lisp harness of bench/, which
+;;;; each load this file first: settings from the environment, child
+;;;; processes and the bench/server.lisp servers among them, /proc, wrk's
+;;;; numbers, a fresh client, and small helpers (clock, octets, medians).
+;;;; The harnesses start servers and load generators as child processes and
+;;;; talk to them over pipes, with every wait bounded.
 
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
-  (:export #:env #:env-int #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:*repo* #:lisp-sh #:start-bench-server #:ask-process #:raise-fd-limit
-           #:proc-status #:proc-field #:make-tls-certificate #:fetch #:probe-yo #:clock-ms))
+  (:export #:env #:env-int #:env-list #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
+           #:*repo* #:lisp-sh #:start-bench-server #:environment-with #:ask-process
+           #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
+           #:proc-status #:proc-field #:fd-count
+           #:make-tls-certificate #:fetch #:probe-yo
+           #:now-ms #:ascii #:upper-median #:wrk-words))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -33,6 +36,15 @@ separators: 2_000_000), or DEFAULT when unset."
     (if v
         (or (parse-integer (remove #\_ v) :junk-allowed t)
             (error "~A=~S is not an integer" name v))
+        default)))
+
+(defun env-list (name default)
+  "The comma-separated words of the environment variable NAME, trimmed, or
+DEFAULT when unset."
+  (let ((v (env name)))
+    (if v
+        (remove "" (mapcar (lambda (s) (string-trim " " s)) (uiop:split-string v :separator ","))
+                :test #'string=)
         default)))
 
 (defun alive-p (process)
@@ -109,6 +121,44 @@ gone)."
     (let ((line (read-line-timeout (sb-ext:process-output process) timeout)))
       (and line (uiop:string-prefix-p prefix line) (subseq line (length prefix))))))
 
+(defun environment-with (settings &key drop drop-prefix)
+  "This process's environment for a child: SETTINGS (\"NAME=VALUE\"
+strings) first, then every variable of this one except those SETTINGS set,
+those DROP names, and those whose name starts with DROP-PREFIX."
+  (flet ((name (var) (subseq var 0 (or (position #\= var) (length var)))))
+    (let ((set (mapcar #'name settings)))
+      (append settings
+              (remove-if (lambda (var)
+                           (let ((name (name var)))
+                             (or (member name set :test #'string=)
+                                 (member name drop :test #'string=)
+                                 (and drop-prefix (uiop:string-prefix-p drop-prefix name)))))
+                         (sb-ext:posix-environ))))))
+
+(defun ask-stats (process &optional (timeout 10))
+  "GALLOP:STATS of the bench/server.lisp child PROCESS (its \"stats\"
+command) as a property list, or NIL."
+  (let ((text (ask-process process "stats" "STATS " timeout)))
+    (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
+                               (read-from-string text))))))
+
+(defun ask-gc (process &optional (timeout 60))
+  "A full GC in the bench/server.lisp child PROCESS (its \"gc\" command):
+its heap in use after it, in octets, or NIL."
+  (let ((text (ask-process process "gc" "GC " timeout)))
+    (and text (parse-integer text :junk-allowed t))))
+
+(defun quit-process (process)
+  "Tell the bench/server.lisp child PROCESS to quit and close its input; give
+it 5 s to exit, then KILL-AND-REAP it."
+  (ignore-errors
+   (let ((in (sb-ext:process-input process)))
+     (write-line "quit" in)
+     (finish-output in)
+     (close in)))
+  (wait-exit process 5)
+  (kill-and-reap process))
+
 ;;; File descriptors: the load generators open thousands of connections.
 
 (defconstant +rlimit-nofile+ 7)
@@ -137,8 +187,23 @@ soft limit."
 
 (require :sb-bsd-sockets)
 
-(defun clock-ms ()
-  (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
+(defun now-ms ()
+  "Milliseconds of internal real time."
+  (values (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second)))
+
+(defun ascii (string)
+  "STRING's characters as octets."
+  (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
+
+(defun upper-median (list &optional empty)
+  "The middle of the numbers in LIST (of two middle ones, the upper), or
+EMPTY when it has none.  NILs in LIST do not count."
+  (let ((sorted (sort (remove nil (copy-list list)) #'<)))
+    (if sorted (nth (floor (length sorted) 2) sorted) empty)))
+
+(defun wrk-words (line)
+  "The words of a line of wrk's report: split at spaces, tabs and commas."
+  (remove "" (uiop:split-string line :separator '(#\Space #\Tab #\,)) :test #'string=))
 
 (defun fetch (port path)
   "GET PATH with Connection: close on a fresh connection to PORT: the octets
@@ -162,7 +227,7 @@ of the whole answer, up to the server's close, or NIL if that failed."
 (defun probe-yo (port)
   "One fresh client: GET /yo, Connection: close.  Milliseconds to the whole
 exact answer, or NIL."
-  (let* ((start (clock-ms))
+  (let* ((start (now-ms))
          (octets (fetch port "/yo")))
     (when octets
       (let* ((text (map 'string #'code-char octets))
@@ -174,9 +239,13 @@ exact answer, or NIL."
              (uiop:string-prefix-p (format nil "HTTP/1.1 200 OK~C~C" #\Return #\Linefeed) text)
              (eql 4 (parse-integer text :start (+ length-at 18) :junk-allowed t))
              (string= "Hey!" (subseq text (+ head-end 4)))
-             (- (clock-ms) start))))))
+             (- (now-ms) start))))))
 
 ;;; /proc, and TLS
+
+(defun fd-count (pid)
+  "Open file descriptors of PID: the entries of /proc/PID/fd."
+  (length (directory (format nil "/proc/~D/fd/*" pid) :resolve-symlinks nil)))
 
 (defun proc-field (pid field)
   "The number after FIELD: in /proc/PID/status, or NIL."

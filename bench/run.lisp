@@ -620,14 +620,8 @@ answer."
 
 (defun server-stats (server)
   "GALLOP:STATS (or stock Hunchentoot's thread count) of a Lisp server, or NIL."
-  (when (and server (lisp-server-p server) (alive-p (srv-process server)))
-    (let ((p (srv-process server)))
-      (when (send-line p "stats")
-        (let ((line (read-line-timeout (sb-ext:process-output p) 5)))
-          (when (and line (uiop:string-prefix-p "STATS " line))
-            (ignore-errors
-             (let ((*read-eval* nil) (*package* (find-package :keyword)))
-               (read-from-string line t nil :start 6)))))))))
+  (when (and server (lisp-server-p server))
+    (ask-stats (srv-process server) 5)))
 
 (defun fmt-stats (plist &optional (keys '(:open :idle :threads :run-permits :shed :rejected :timeouts)))
   (format nil "~{~(~A~)=~A~^ ~}"
@@ -659,10 +653,6 @@ or NIL."
 
 ;;; wrk
 
-(defun words (line)
-  (remove "" (split (substitute #\Space #\Tab (substitute #\Space #\, line)) #\Space)
-          :test #'string=))
-
 (defun number-and-unit (token)
   (let ((end (or (position-if-not (lambda (c) (or (digit-char-p c) (find c ".-+"))) token)
                  (length token))))
@@ -681,7 +671,7 @@ or NIL."
 any of requests, duration, Requests/sec and the 50% and 99% latencies."
   (let ((r (list :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
     (dolist (line (split text #\Newline))
-      (let ((w (words line)))
+      (let ((w (wrk-words line)))
         (cond ((null w))
               ((and (string= (first w) "Requests/sec:") (second w))
                (setf (getf r :rps) (parse-decimal (second w))))
@@ -950,7 +940,7 @@ meanwhile."
 
 (defun parse-fields (line)
   "\"HELD held=1 failed=0 ...\" as a plist (:HELD 1 :FAILED 0 ...)."
-  (loop for word in (rest (words line))
+  (loop for word in (rest (wrk-words line))
         for eq = (position #\= word)
         when eq
           append (list (intern (string-upcase (subseq word 0 eq)) :keyword)

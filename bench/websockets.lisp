@@ -94,15 +94,8 @@ CPU µs per round trip."
     (values rate (and rate (plusp rate)
                       (/ (* (- after before) 10000.0) (* rate 5.5))))))
 
-(defun median (numbers)
-  (let ((sorted (sort (remove nil numbers) #'<)))
-    (and sorted (nth (floor (length sorted) 2) sorted))))
-
 (defun pool-threads (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (getf (ignore-errors (let ((*read-eval* nil) (*package* (find-package :cl-user)))
-                                     (read-from-string text)))
-                    :threads))))
+  (getf (ask-stats process) :threads))
 
 (defun measure (tool kind)
   "One server's line of the table, a property list."
@@ -121,7 +114,7 @@ CPU µs per round trip."
              (ask-process process "gc" "GC" 120)
              (multiple-value-bind (rss threads) (proc-status pid)
                (let ((pool (pool-threads process))
-                     (http (median (loop repeat 5 collect (plain-ms *port*)))))
+                     (http (upper-median (loop repeat 5 collect (plain-ms *port*)))))
                  (ignore-errors (close (sb-ext:process-input hold)))
                  (wait-exit hold 60)
                  (kill-and-reap hold)
