@@ -7,12 +7,12 @@
 
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
-  (:export #:env #:env-int #:env-list #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:*repo* #:lisp-sh #:start-bench-server #:environment-with #:ask-process
+  (:export #:env #:env-int #:env-list #:env-choices #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
+           #:find-program #:timestamp #:*repo* #:lisp-sh #:start-bench-server #:environment-with #:ask-process
            #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
            #:proc-status #:proc-field #:fd-count
            #:make-tls-certificate #:fetch #:probe-yo
-           #:now-ms #:ascii #:upper-median #:wrk-words))
+           #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median #:wrk-words))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -47,9 +47,36 @@ DEFAULT when unset."
                 :test #'string=)
         default)))
 
+(defun env-choices (name what known default)
+  "The comma-separated words of the environment variable NAME (ENV-LIST),
+each one of the strings KNOWN, or DEFAULT when unset; an error, saying WHAT
+the words name, on an unknown one."
+  (let ((words (env-list name :unset)))
+    (if (eq words :unset)
+        default
+        (dolist (word words words)
+          (unless (member word known :test #'string=)
+            (error "~A: unknown ~A ~S (known: ~{~A~^, ~})" name what word known))))))
+
 (defun alive-p (process)
   "True while PROCESS runs (or is stopped)."
   (and process (member (sb-ext:process-status process) '(:running :stopped))))
+
+(defun find-program (name &rest extra-dirs)
+  "The path of the program NAME in PATH or in EXTRA-DIRS, or NIL."
+  (loop for dir in (append (uiop:split-string (or (uiop:getenv "PATH") "") :separator ":")
+                           extra-dirs)
+        for path = (format nil "~A/~A" (string-right-trim "/" dir) name)
+        when (and (plusp (length dir)) (probe-file path))
+          return path))
+
+(defun timestamp (&optional (time (get-universal-time)) (style :id))
+  "TIME as a run's id (20261202-163000), or with STYLE :HUMAN as
+2026-12-02 16:30."
+  (multiple-value-bind (s mi h d mo y) (decode-universal-time time)
+    (ecase style
+      (:id (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s))
+      (:human (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D" y mo d h mi)))))
 
 (defun wait-exit (process seconds)
   "Wait up to SECONDS for PROCESS to exit; true if it did."
@@ -186,6 +213,18 @@ soft limit."
 ;;; A fresh client
 
 (require :sb-bsd-sockets)
+
+(defvar *start-time* 0
+  "Internal real time when the harness began; it sets this.")
+
+(defun elapsed ()
+  "Seconds since *START-TIME*."
+  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
+
+(defun clock (seconds)
+  "SECONDS as minutes and seconds: 3:07."
+  (multiple-value-bind (m s) (floor (round seconds) 60)
+    (format nil "~D:~2,'0D" m s)))
 
 (defun now-ms ()
   "Milliseconds of internal real time."

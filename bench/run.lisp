@@ -167,26 +167,14 @@ in two on one port (:REUSE-PORT), and nginx with as many workers."
           while line
           count (uiop:string-prefix-p "processor" line))))
 
-(defun timestamp (&optional (time (get-universal-time)) (style :id))
-  (multiple-value-bind (s mi h d mo y) (decode-universal-time time)
-    (ecase style
-      (:id (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s))
-      (:human (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D" y mo d h mi)))))
-
 (defun scenarios-from-env (scenarios)
   "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
 separated)."
-  (let ((list (env "BENCH_SCENARIOS")))
-    (if (null list)
+  (let ((keys (env-choices "BENCH_SCENARIOS" "scenario" (mapcar #'scenario-key scenarios) :all)))
+    (if (eq keys :all)
         scenarios
-        (let ((keys (remove "" (mapcar (lambda (k) (string-trim " " k)) (split list #\,))
-                            :test #'string=)))
-          (dolist (key keys)
-            (unless (find key scenarios :key #'scenario-key :test #'string=)
-              (error "BENCH_SCENARIOS: unknown scenario ~S (known: ~{~A~^, ~})"
-                     key (mapcar #'scenario-key scenarios))))
-          (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
-                         scenarios)))))
+        (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
+                       scenarios))))
 
 (defun make-cfg (mode)
   (let* ((pin (>= (cpu-count) 2))
@@ -220,19 +208,12 @@ separated)."
        :idle-n (env-int "BENCH_IDLE_N" idle-n)
        :idle-stock-max (env-int "BENCH_IDLE_STOCK_MAX" 80)
        :scenarios (scenarios-from-env scenarios)
-       :servers (let ((list (env "BENCH_SERVERS")))
-                  (if list
-                      (let ((names (remove "" (mapcar (lambda (s) (string-trim " " s)) (split list #\,))
-                                           :test #'string=)))
-                        (dolist (n names names)
-                          (unless (assoc n *servers* :test #'string=)
-                            (error "BENCH_SERVERS: unknown server ~S (known: ~{~A~^, ~})"
-                                   n (mapcar #'first *servers*)))))
-                      (if (eq mode :processes)
-                          (processes-servers)
-                          ;; The matrix: every server of one process.
-                          (loop for (name) in *servers*
-                                when (= (server-process-count name) 1) collect name))))
+       :servers (env-choices "BENCH_SERVERS" "server" (mapcar #'first *servers*)
+                             (if (eq mode :processes)
+                                 (processes-servers)
+                                 ;; The matrix: every server of one process.
+                                 (loop for (name) in *servers*
+                                       when (= (server-process-count name) 1) collect name)))
        :port (env-int "BENCH_PORT" 18080)
        :setups (let ((list (env "BENCH_SETUPS")))
                  (cond
@@ -423,12 +404,6 @@ missing or the total went down (a process of the tree ended in between and
 took its time with it)."
   (and before after (>= after before)
        (/ (- after before) (clock-ticks))))
-
-(defun find-program (name &rest extra-dirs)
-  (loop for dir in (append (split (or (uiop:getenv "PATH") "") #\:) extra-dirs)
-        for path = (format nil "~A/~A" (string-right-trim "/" dir) name)
-        when (and (plusp (length dir)) (probe-file path))
-          return path))
 
 (defun nginx-program () (find-program "nginx" "/usr/sbin" "/sbin"))
 
@@ -825,16 +800,8 @@ meanwhile."
 
 ;;; Progress
 
-(defvar *start-time* 0)
 (defvar *steps-done* 0)
 (defvar *steps-total* 1)
-
-(defun clock (seconds)
-  (multiple-value-bind (m s) (floor (round seconds) 60)
-    (format nil "~D:~2,'0D" m s)))
-
-(defun elapsed ()
-  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
 
 (defun progress-begin (rep cfg what server-name)
   (incf *steps-done*)

@@ -98,24 +98,13 @@
 (defparameter *kinds* '("gallop" "native")
   "The server kinds soaked, by bench/server.lisp's names.")
 
-(defun env-kinds ()
-  (let ((v (env "SOAK_KINDS")))
-    (if v
-        (let ((kinds (remove "" (mapcar (lambda (s) (string-trim " " s))
-                                        (uiop:split-string v :separator ","))
-                             :test #'string=)))
-          (dolist (kind kinds kinds)
-            (unless (member kind *kinds* :test #'string=)
-              (error "SOAK_KINDS: unknown kind ~S (known: ~{~A~^, ~})" kind *kinds*))))
-        *kinds*)))
-
 (defun make-plan-for (mode)
   (multiple-value-bind (requests warm-up-limit main-limit)
       (ecase mode
         (:full (values 2000000 180 900))
         (:short (values 200000 30 60)))
     (make-plan :mode mode
-               :kinds (env-kinds)
+               :kinds (env-choices "SOAK_KINDS" "kind" *kinds* *kinds*)
                :requests (max 1000 (env-int "SOAK_REQUESTS" requests))
                :warm-up-time-limit warm-up-limit
                :main-time-limit main-limit
@@ -125,15 +114,6 @@
   (+ (plan-port plan) 1 (position kind *kinds* :test #'string=)))
 
 ;;; Progress output
-
-(defvar *start-time* 0)
-
-(defun elapsed ()
-  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
-
-(defun clock (seconds)
-  (multiple-value-bind (m s) (floor (round seconds) 60)
-    (format nil "~D:~2,'0D" m s)))
 
 (defun say (control &rest args)
   "A progress line, prefixed with the time since the start."
@@ -880,23 +860,14 @@ waited for the connections, or an error."
 
 ;;; Entry point
 
-(defun timestamp ()
-  (multiple-value-bind (s mi h d mo y) (decode-universal-time (get-universal-time))
-    (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s)))
-
 (defun port-free-p (port)
   "True when nothing listens on 127.0.0.1:PORT."
   (handler-case (progn (with-conn (conn port) conn) nil)
     (sb-bsd-sockets:connection-refused-error () t)))
 
-(defun on-path-p (program)
-  (loop for dir in (uiop:split-string (or (uiop:getenv "PATH") "") :separator ":")
-        thereis (and (plusp (length dir))
-                     (probe-file (format nil "~A/~A" (string-right-trim "/" dir) program)))))
-
 (defun check-setup (plan)
   (dolist (program '("wrk" "timeout"))
-    (unless (on-path-p program)
+    (unless (find-program program)
       (error "~A is missing; `make soak` installs wrk with scripts/deps.sh wrk" program)))
   (dolist (kind (plan-kinds plan))
     (unless (port-free-p (kind-port plan kind))

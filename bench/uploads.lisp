@@ -118,8 +118,6 @@
 
 ;;; Output
 
-(defvar *start-time* 0)
-
 (defun say (control &rest args)
   "A progress line, prefixed with the seconds since the start."
   (format t "~&[~5,1F s] ~?~%"
