@@ -221,10 +221,13 @@ http {
         (incf rss (or r 0))
         (incf threads (or th 0))))))
 
+(defvar *ask-lock* (sb-thread:make-mutex :name "ask")
+  "One question to the server at a time: the monitor's and the harness's.")
+
 (defun server-gc-rss (target)
   "A full GC in the server, then its RSS in MiB."
   (sb-thread:with-mutex (*ask-lock*)
-    (ask-process (target-process target) "gc" "GC " 60))
+    (ask-gc (target-process target)))
   (round (or (proc-status (target-pid target)) 0) 1024))
 
 (defun log-size (target)
@@ -235,16 +238,12 @@ http {
 (defstruct watch (peak-rss 0) (peak-threads 0) (peak-workers 0) (latencies '()) (failures 0)
   (done nil) (stop nil))
 
-(defvar *ask-lock* (sb-thread:make-mutex :name "ask")
-  "One question to the server at a time: the monitor's and the harness's.")
-
 (defun server-workers (target)
   "Gallop's pool threads now (GALLOP:STATS :THREADS), or NIL for other kinds."
   (when (gallop-kind-p (target-kind target))
-    (let ((line (sb-thread:with-mutex (*ask-lock*)
-                  (ask-process (target-process target) "stats" "STATS " 5))))
-      (and line (getf (let ((*read-eval* nil)) (ignore-errors (read-from-string line)))
-                      :threads)))))
+    (getf (sb-thread:with-mutex (*ask-lock*)
+            (ask-stats (target-process target) 5))
+          :threads)))
 
 (defun start-watch (target &key (probes 0))
   "Sample TARGET every 250 ms; with PROBES, ask /yo once a second that many
@@ -821,10 +820,9 @@ whole within 10 s, else what happened."
 (defun server-gc-heap (target)
   "A full GC in the server, then its heap in use (dynamic usage) in MiB, or
 NIL when it did not answer."
-  (let ((line (sb-thread:with-mutex (*ask-lock*)
-                (ask-process (target-process target) "gc" "GC " 60))))
-    (let ((octets (and line (parse-integer line :junk-allowed t))))
-      (and octets (round octets (* 1024 1024))))))
+  (let ((octets (sb-thread:with-mutex (*ask-lock*)
+                  (ask-gc (target-process target)))))
+    (and octets (round octets (* 1024 1024)))))
 
 (defun mib-or-dash (n) (if n (princ-to-string n) "–"))
 

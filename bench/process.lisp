@@ -109,15 +109,16 @@ the words name, on an unknown one."
 ;;; bench/server.lisp children (see its header for the protocol)
 
 (defun start-bench-server (kind port &key environment log (if-log-exists :append) (timeout 180)
-                                          nofile)
-  "Start bench/server.lisp as KIND on PORT (no handler sleep) in a child
-process with ENVIRONMENT (default: this one's), its standard error appended
-to LOG (or superseding it, IF-LOG-EXISTS), and wait up to TIMEOUT seconds for
-its READY line.  NOFILE: the child's fd limit, soft and hard (prlimit(1),
-from its start).  Returns the process and the server's pid; if it does not
-start, kills it and signals an error."
-  (let* ((arguments (list "--load" "bench/server.lisp" "--end-toplevel-options"
-                          kind (princ-to-string port) "0"))
+                                          nofile (script "bench/server.lisp") (more '("0")))
+  "Start SCRIPT (bench/server.lisp) as KIND on PORT, then the arguments MORE
+\(server.lisp's handler sleep, 0 ms), in a child process with ENVIRONMENT
+\(default: this one's), its standard error appended to LOG (or superseding
+it, IF-LOG-EXISTS), and wait up to TIMEOUT seconds for its READY line.
+NOFILE: the child's fd limit, soft and hard (prlimit(1), from its start).
+Returns the process and the server's pid; if it does not start, kills it and
+signals an error."
+  (let* ((arguments (list* "--load" script "--end-toplevel-options"
+                           kind (princ-to-string port) more))
          (process (sb-ext:run-program (if nofile "prlimit" (lisp-sh))
                                       (if nofile
                                           (list* (format nil "--nofile=~D:~D" nofile nofile) "--"

@@ -44,21 +44,15 @@
     (namestring binary)))
 
 (defun start-server (kind)
-  (let* ((log (merge-pathnames (format nil "bench/results/tmp/ws-~A.log" kind) *repo*))
-         (process (sb-ext:run-program
-                   (lisp-sh) (list "--load" "bench/ws-server.lisp" "--end-toplevel-options"
-                                   kind (princ-to-string *port*))
-                   :directory (namestring *repo*) :wait nil
-                   :environment (cons (format nil "XDG_CACHE_HOME=~A"
-                                              (namestring (merge-pathnames ".cache/clack-ws/" *repo*)))
-                                      (sb-ext:posix-environ))
-                   :input :stream :output :stream
-                   :error (namestring log) :if-error-exists :supersede))
-         (line (read-line-timeout (sb-ext:process-output process) 600)))
-    (unless (and line (uiop:string-prefix-p "READY " line))
-      (kill-and-reap process)
-      (error "The ~A server did not start; see ~A" kind log))
-    (values process (parse-integer line :start 6))))
+  "bench/ws-server.lisp serving KIND on *PORT*: its process and pid."
+  (start-bench-server kind *port* :script "bench/ws-server.lisp" :more '() :timeout 600
+                                  :log (merge-pathnames (format nil "bench/results/tmp/ws-~A.log" kind)
+                                                        *repo*)
+                                  :if-log-exists :supersede
+                                  :environment (environment-with
+                                                (list (format nil "XDG_CACHE_HOME=~A"
+                                                              (namestring (merge-pathnames ".cache/clack-ws/"
+                                                                                           *repo*)))))))
 
 (defun run-load (tool &rest args)
   "Run the load tool with ARGS to its end: its output line."
