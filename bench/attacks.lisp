@@ -356,23 +356,10 @@ function that waits for the probes, stops sampling and returns the watch."
 
 (defun wrk (port path seconds)
   "Run wrk -t1 -c100 on PATH: requests done, requests a second, non-2xx."
-  (let* ((out (uiop:run-program (list "wrk" "-t1" "-c100" (format nil "-d~Ds" seconds)
-                                      (format nil "http://127.0.0.1:~D~A" port path))
-                                :output :string :ignore-error-status t))
-         (done (number-near out " requests in"))
-         (rate (number-near out "Requests/sec:" :after t))
-         (bad (or (number-near out "Non-2xx or 3xx responses:" :after t) 0)))
-    (values (or done 0) (or rate 0) bad)))
-
-(defun number-near (text marker &key after)
-  "The number just before MARKER in TEXT (AFTER: just after it), or NIL."
-  (let ((at (search marker text)))
-    (when at
-      (if after
-          (let ((*read-eval* nil))
-            (ignore-errors (read-from-string text t nil :start (+ at (length marker)))))
-          (let* ((line-start (1+ (or (position #\Newline text :end at :from-end t) -1))))
-            (ignore-errors (parse-integer (string-trim " " (subseq text line-start at)))))))))
+  (let ((r (parse-wrk (uiop:run-program (list "wrk" "-t1" "-c100" (format nil "-d~Ds" seconds)
+                                              (format nil "http://127.0.0.1:~D~A" port path))
+                                        :output :string :ignore-error-status t))))
+    (values (or (getf r :requests) 0) (or (getf r :rps) 0) (getf r :non2xx))))
 
 (defparameter *error-rounds* 3
   "Rounds of /yo then /error, each ATTACK_ERROR_SECONDS long: the ratio is of

@@ -12,7 +12,8 @@
            #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
            #:proc-status #:proc-field #:fd-count
            #:make-tls-certificate #:fetch #:probe-yo
-           #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median #:wrk-words))
+           #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median
+           #:parse-decimal #:wrk-words #:wrk-ms #:parse-wrk))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
@@ -241,9 +242,64 @@ EMPTY when it has none.  NILs in LIST do not count."
   (let ((sorted (sort (remove nil (copy-list list)) #'<)))
     (if sorted (nth (floor (length sorted) 2) sorted) empty)))
 
+;;; wrk's report
+
+(defun parse-decimal (string)
+  "A plain decimal number (\"12\", \"-3.25\", \"1.5e3\") as a double, or NIL."
+  (let ((s (string-trim " " (or string ""))))
+    (when (and (plusp (length s))
+               (every (lambda (c) (or (digit-char-p c) (find c "+-.eE"))) s)
+               (some #'digit-char-p s))
+      (handler-case
+          (let ((*read-default-float-format* 'double-float)
+                (*read-eval* nil))
+            (let ((value (read-from-string s)))
+              (and (realp value) (coerce value 'double-float))))
+        (error () nil)))))
+
 (defun wrk-words (line)
   "The words of a line of wrk's report: split at spaces, tabs and commas."
   (remove "" (uiop:split-string line :separator '(#\Space #\Tab #\,)) :test #'string=))
+
+(defun wrk-ms (token)
+  "A duration of wrk's report (\"850.00us\", \"5.01s\", \"3.2m\") in
+milliseconds, or NIL."
+  (let* ((end (or (position-if-not (lambda (c) (or (digit-char-p c) (find c ".-+"))) token)
+                  (length token)))
+         (x (parse-decimal (subseq token 0 end)))
+         (scale (cdr (assoc (subseq token end)
+                            '(("us" . 1/1000) ("ms" . 1) ("s" . 1000) ("m" . 60000)
+                              ("h" . 3600000) ("" . 1))
+                            :test #'string=))))
+    (and x scale (* x scale))))
+
+(defun parse-wrk (text)
+  "The numbers of wrk's report TEXT as a property list: :REQUESTS (an
+integer) and :DURATION (s) of its \"N requests in T\" line, :RPS, :MAX (ms,
+the slowest answer), :P50, :P75, :P90 and :P99 (ms, with --latency): NIL
+where wrk printed none; the socket errors :CONNECT, :READ, :WRITE and
+:TIMEOUT, and :NON2XX: integers, 0 where wrk printed none."
+  (let ((r (list :requests nil :duration nil :rps nil :max nil :p50 nil :p75 nil :p90 nil :p99 nil
+                 :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
+    (dolist (line (uiop:split-string text :separator '(#\Newline)) r)
+      (let ((w (wrk-words line)))
+        (cond ((null w))
+              ((and (string= (first w) "Requests/sec:") (second w))
+               (setf (getf r :rps) (parse-decimal (second w))))
+              ((and (>= (length w) 4) (string= (second w) "requests") (string= (third w) "in"))
+               (setf (getf r :requests) (parse-integer (first w) :junk-allowed t)
+                     (getf r :duration) (let ((ms (wrk-ms (fourth w)))) (and ms (/ ms 1000)))))
+              ((and (>= (length w) 5) (string= (first w) "Latency"))
+               (setf (getf r :max) (wrk-ms (fourth w))))
+              ((and (= (length w) 2) (member (first w) '("50%" "75%" "90%" "99%") :test #'string=))
+               (setf (getf r (intern (format nil "P~A" (string-right-trim "%" (first w))) :keyword))
+                     (wrk-ms (second w))))
+              ((and (string= (first w) "Socket") (equal (second w) "errors:"))
+               (loop for (k v) on (cddr w) by #'cddr
+                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
+                     when key do (setf (getf r key) (or (parse-integer v :junk-allowed t) 0))))
+              ((search "Non-2xx or 3xx responses:" line)
+               (setf (getf r :non2xx) (or (parse-integer (car (last w)) :junk-allowed t) 0))))))))
 
 (defun fetch (port path)
   "GET PATH with Connection: close on a fresh connection to PORT: the octets

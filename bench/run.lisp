@@ -628,42 +628,12 @@ or NIL."
 
 ;;; wrk
 
-(defun number-and-unit (token)
-  (let ((end (or (position-if-not (lambda (c) (or (digit-char-p c) (find c ".-+"))) token)
-                 (length token))))
-    (values (parse-decimal (subseq token 0 end)) (subseq token end))))
-
-(defun to-ms (token)
-  (multiple-value-bind (x unit) (number-and-unit token)
-    (when x
-      (let ((scale (cdr (assoc unit '(("us" . 1/1000) ("ms" . 1) ("s" . 1000) ("m" . 60000)
-                                      ("h" . 3600000) ("" . 1))
-                               :test #'string=))))
-        (and scale (* x scale))))))
-
-(defun parse-wrk (text)
-  "The numbers of wrk --latency's report TEXT as a plist, or NIL when it lacks
-any of requests, duration, Requests/sec and the 50% and 99% latencies."
-  (let ((r (list :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
-    (dolist (line (split text #\Newline))
-      (let ((w (wrk-words line)))
-        (cond ((null w))
-              ((and (string= (first w) "Requests/sec:") (second w))
-               (setf (getf r :rps) (parse-decimal (second w))))
-              ((and (>= (length w) 4) (string= (second w) "requests") (string= (third w) "in"))
-               (setf (getf r :requests) (parse-decimal (first w))
-                     (getf r :duration) (let ((ms (to-ms (fourth w)))) (and ms (/ ms 1000)))))
-              ((and (= (length w) 2) (member (first w) '("50%" "75%" "90%" "99%") :test #'string=))
-               (setf (getf r (intern (format nil "P~A" (string-right-trim "%" (first w))) :keyword))
-                     (to-ms (second w))))
-              ((and (string= (first w) "Socket") (equal (second w) "errors:"))
-               (loop for (k v) on (cddr w) by #'cddr
-                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
-                     when key do (setf (getf r key) (parse-decimal v))))
-              ((search "Non-2xx or 3xx responses:" line)
-               (setf (getf r :non2xx) (parse-decimal (car (last w))))))))
-    (when (every (lambda (k) (getf r k)) '(:rps :requests :duration :p50 :p99))
-      r)))
+(defun wrk-report (text)
+  "PARSE-WRK of wrk --latency's report TEXT, or NIL when it lacks any of
+requests, duration, Requests/sec and the 50% and 99% latencies."
+  (let ((r (parse-wrk text)))
+    (and (every (lambda (k) (getf r k)) '(:rps :requests :duration :p50 :p99))
+         r)))
 
 (defun wrk-args (cfg port connections close-p duration)
   (append (list (format nil "-t~D" (min (cfg-wrk-threads cfg) connections))
@@ -722,7 +692,7 @@ meanwhile."
                     (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30))
                                                   program args))
                   (let ((cpu (and server-pids (cpu-seconds before (pids-cpu-ticks server-pids)))))
-                    (values (parse-wrk out) out code (command-line program args) cpu))))))
+                    (values (wrk-report out) out code (command-line program args) cpu))))))
         (when hog-process
           (ignore-errors (sb-ext:process-kill hog-process 9))
           (wait-exit hog-process 5)
@@ -768,7 +738,7 @@ meanwhile."
            (fail-row row (format nil "wrk exit ~A, unparsable output: ~A" code
                                  (last-nonblank-line out))))
           (t
-           (let* ((requests (getf r :requests))
+           (let* ((requests (float (getf r :requests) 1d0))
                   (non2xx (getf r :non2xx)))
              (setf (gethash "requests" row) (round requests)
                    (gethash "rps" row) (getf r :rps)

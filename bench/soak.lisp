@@ -497,22 +497,6 @@ Errors of slow clients are failures; errors of aborting clients anomalies."
                       :output (namestring output) :if-output-exists :supersede
                       :error :output))
 
-(defun parse-wrk (text)
-  "wrk's report TEXT as (:requests N :connect N :read N :write N :timeout N
-:non2xx N), or NIL without its request count."
-  (let ((r (list :requests nil :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
-    (dolist (line (uiop:split-string text :separator '(#\Newline)))
-      (let ((w (wrk-words line)))
-        (cond ((and (>= (length w) 3) (string= (second w) "requests") (string= (third w) "in"))
-               (setf (getf r :requests) (parse-integer (first w) :junk-allowed t)))
-              ((and w (string= (first w) "Socket") (equal (second w) "errors:"))
-               (loop for (k v) on (cddr w) by #'cddr
-                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
-                     when key do (setf (getf r key) (or (parse-integer v :junk-allowed t) 0))))
-              ((search "Non-2xx or 3xx responses:" line)
-               (setf (getf r :non2xx) (or (parse-integer (car (last w)) :junk-allowed t) 0))))))
-    (and (getf r :requests) r)))
-
 (defun finish-wrk (process output seconds)
   "Wait for the wrk PROCESS; its parsed report, or an error."
   (unless (wait-exit process (+ seconds 40))
@@ -521,7 +505,7 @@ Errors of slow clients are failures; errors of aborting clients anomalies."
   (let ((code (sb-ext:process-exit-code process)))
     (ignore-errors (sb-ext:process-close process))
     (let* ((text (or (ignore-errors (uiop:read-file-string output)) ""))
-           (report (parse-wrk text)))
+           (report (let ((r (parse-wrk text))) (and (getf r :requests) r))))
       (or report
           (error "wrk exited with ~A and no report: ~A" code
                  (string-trim '(#\Newline #\Space) text))))))
