@@ -7,13 +7,17 @@
 
 (defpackage #:gallop-bench-process
   (:use #:common-lisp)
-  (:export #:env #:env-int #:env-list #:env-choices #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout
-           #:find-program #:timestamp #:*repo* #:lisp-sh #:start-bench-server #:environment-with #:ask-process
-           #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
-           #:proc-status #:proc-field #:fd-count
-           #:make-tls-certificate #:fetch #:probe-yo
-           #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median
-           #:parse-decimal #:wrk-words #:wrk-ms #:parse-wrk))
+  (:export
+   ;; settings and programs
+   #:env #:env-int #:env-list #:env-choices #:find-program #:timestamp #:*repo* #:lisp-sh
+   ;; child processes, bench/server.lisp's among them
+   #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout #:start-bench-server
+   #:environment-with #:ask-process #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
+   ;; /proc, TLS, a fresh client
+   #:proc-status #:proc-field #:fd-count #:make-tls-certificate #:fetch #:probe-yo
+   ;; the clock, octets, medians, wrk's report
+   #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median
+   #:parse-decimal #:wrk-words #:wrk-ms #:parse-wrk))
 (in-package #:gallop-bench-process)
 
 (defparameter *repo*
