@@ -421,10 +421,6 @@ the medians, so that the host's drift within the run counts for little.")
 
 ;;; slowbody: slowhttptest -B
 
-(defun cpu-count ()
-  (parse-integer (string-trim '(#\Newline #\Space)
-                              (uiop:run-program '("nproc") :output :string))))
-
 (defun slowhttptest-loop (port connections out deadline)
   "Run slowhttptest -B against PORT's /upload, again each time it ends, until
 DEADLINE (internal real time); how many times it ran.  Its output goes to
@@ -1135,7 +1131,7 @@ WebSockets where it reports one); the heap after a full GC back within
         (and (string= attack "ws-burst") (/= (getf row :held) (getf row :burst-answered))
              "a first message was not answered")
         (and (string= attack "slow-read-stream")
-             (> (getf row :peak-workers) (+ 2 (cpu-count)))
+             (> (getf row :peak-workers) (+ 2 (usable-cpus)))
              "more workers than the CPUs plus 2"))))
 
 ;;; The table
@@ -1196,7 +1192,7 @@ same server's control run, for attacks that have one."
                 (or (/= (getf row :answered) (getf row :probes))
                     (>= (getf row :median-ms) *goal-ms*)))
            "a probe failed or the median was too slow")
-          ((and (string= attack "slowbody") (> (getf row :peak-workers) (+ 2 (cpu-count))))
+          ((and (string= attack "slowbody") (> (getf row :peak-workers) (+ 2 (usable-cpus))))
            "more workers than the CPUs plus 2")
           ((and (string= attack "slowbody")
                 (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 128))

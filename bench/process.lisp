@@ -14,7 +14,7 @@
    #:alive-p #:wait-exit #:kill-and-reap #:read-line-timeout #:start-bench-server
    #:environment-with #:ask-process #:ask-stats #:ask-gc #:quit-process #:raise-fd-limit
    ;; /proc, TLS, a fresh client
-   #:proc-status #:proc-field #:fd-count #:make-tls-certificate #:fetch #:probe-yo
+   #:usable-cpus #:proc-status #:proc-field #:fd-count #:make-tls-certificate #:fetch #:probe-yo
    ;; the clock, octets, medians, wrk's report
    #:*start-time* #:elapsed #:clock #:now-ms #:ascii #:upper-median
    #:parse-decimal #:wrk-words #:wrk-ms #:parse-wrk))
@@ -342,6 +342,10 @@ exact answer, or NIL."
              (- (now-ms) start))))))
 
 ;;; /proc, and TLS
+
+(defun usable-cpus ()
+  "The CPUs this process may use: nproc(1), its affinity mask."
+  (parse-integer (uiop:run-program "nproc" :output :string) :junk-allowed t))
 
 (defun fd-count (pid)
   "Open file descriptors of PID: the entries of /proc/PID/fd."

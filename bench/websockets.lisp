@@ -134,10 +134,6 @@ CPU µs per round trip."
       (wait-exit process 10)
       (kill-and-reap process))))
 
-(defun cpus ()
-  "The CPUs this process may use (nproc: its affinity mask)."
-  (parse-integer (uiop:run-program "nproc" :output :string) :junk-allowed t))
-
 (defun quotient (a b) (if (and a b (plusp b)) (format nil "~,2F" (/ a b)) "–"))
 
 (defun table (rows)
@@ -174,10 +170,10 @@ CPU µs per round trip."
          (file (merge-pathnames (format nil "bench/results/~A-websockets.md" stamp) *repo*)))
     (with-open-file (out file :direction :output :if-exists :supersede)
       (format out "# make bench-websockets, ~A~%~%~A~%Host: ~D CPUs.  Method: bench/websockets.lisp.~%"
-              stamp text (cpus)))
+              stamp text (usable-cpus)))
     (format t "~&~A~%Written to ~A~%" text (enough-namestring file *repo*))
     (let* ((native (find "native" rows :key (lambda (r) (getf r :kind)) :test #'string=))
-           (cpus (cpus))
+           (cpus (usable-cpus))
            (bad (and native (or (< (getf native :opened) *n*)
                                 (and (getf native :pool) (> (getf native :pool) (+ cpus 2)))))))
       (uiop:quit (if bad 1 0)))))
