@@ -118,10 +118,6 @@
   (:export #:main))
 (in-package #:gallop-bench-attacks)
 
-(defun env-list (name default)
-  (let ((v (env name)))
-    (if v (remove "" (uiop:split-string v :separator ",") :test #'string=) default)))
-
 (defparameter *kinds* (env-list "ATTACK_KINDS" '("native" "gallop" "stock" "nginx")))
 (defparameter *cases* (env-list "ATTACK_CASES" '("silent" "errors" "hangups" "slowbody" "uploads"
                                                  "tls-idle" "readers" "ws-fragments" "ws-broadcast"
@@ -160,9 +156,6 @@ end within this many MiB of its start.")
 (defparameter *logs* (merge-pathnames "bench/results/tmp/attacks/" *repo*))
 
 (defun gallop-kind-p (kind) (member kind '("native" "gallop") :test #'string=))
-
-(defun median (list)
-  (if list (nth (floor (length list) 2) (sort (copy-list list) #'<)) 0))
 
 ;;; The server under attack: a bench/server.lisp child, or nginx
 
@@ -228,10 +221,13 @@ http {
         (incf rss (or r 0))
         (incf threads (or th 0))))))
 
+(defvar *ask-lock* (sb-thread:make-mutex :name "ask")
+  "One question to the server at a time: the monitor's and the harness's.")
+
 (defun server-gc-rss (target)
   "A full GC in the server, then its RSS in MiB."
   (sb-thread:with-mutex (*ask-lock*)
-    (ask-process (target-process target) "gc" "GC " 60))
+    (ask-gc (target-process target)))
   (round (or (proc-status (target-pid target)) 0) 1024))
 
 (defun log-size (target)
@@ -242,16 +238,12 @@ http {
 (defstruct watch (peak-rss 0) (peak-threads 0) (peak-workers 0) (latencies '()) (failures 0)
   (done nil) (stop nil))
 
-(defvar *ask-lock* (sb-thread:make-mutex :name "ask")
-  "One question to the server at a time: the monitor's and the harness's.")
-
 (defun server-workers (target)
   "Gallop's pool threads now (GALLOP:STATS :THREADS), or NIL for other kinds."
   (when (gallop-kind-p (target-kind target))
-    (let ((line (sb-thread:with-mutex (*ask-lock*)
-                  (ask-process (target-process target) "stats" "STATS " 5))))
-      (and line (getf (let ((*read-eval* nil)) (ignore-errors (read-from-string line)))
-                      :threads)))))
+    (getf (sb-thread:with-mutex (*ask-lock*)
+            (ask-stats (target-process target) 5))
+          :threads)))
 
 (defun start-watch (target &key (probes 0))
   "Sample TARGET every 250 ms; with PROBES, ask /yo once a second that many
@@ -296,7 +288,7 @@ function that waits for the probes, stops sampling and returns the watch."
   (list* :kind (target-kind target) :attack attack
          :probes (+ (length (watch-latencies w)) (watch-failures w))
          :answered (length (watch-latencies w))
-         :median-ms (median (watch-latencies w))
+         :median-ms (upper-median (watch-latencies w) 0)
          :max-ms (reduce #'max (watch-latencies w) :initial-value 0)
          :peak-threads (watch-peak-threads w)
          :peak-rss-mb (round (watch-peak-rss w) 1024)
@@ -364,23 +356,10 @@ function that waits for the probes, stops sampling and returns the watch."
 
 (defun wrk (port path seconds)
   "Run wrk -t1 -c100 on PATH: requests done, requests a second, non-2xx."
-  (let* ((out (uiop:run-program (list "wrk" "-t1" "-c100" (format nil "-d~Ds" seconds)
-                                      (format nil "http://127.0.0.1:~D~A" port path))
-                                :output :string :ignore-error-status t))
-         (done (number-near out " requests in"))
-         (rate (number-near out "Requests/sec:" :after t))
-         (bad (or (number-near out "Non-2xx or 3xx responses:" :after t) 0)))
-    (values (or done 0) (or rate 0) bad)))
-
-(defun number-near (text marker &key after)
-  "The number just before MARKER in TEXT (AFTER: just after it), or NIL."
-  (let ((at (search marker text)))
-    (when at
-      (if after
-          (let ((*read-eval* nil))
-            (ignore-errors (read-from-string text t nil :start (+ at (length marker)))))
-          (let* ((line-start (1+ (or (position #\Newline text :end at :from-end t) -1))))
-            (ignore-errors (parse-integer (string-trim " " (subseq text line-start at)))))))))
+  (let ((r (parse-wrk (uiop:run-program (list "wrk" "-t1" "-c100" (format nil "-d~Ds" seconds)
+                                              (format nil "http://127.0.0.1:~D~A" port path))
+                                        :output :string :ignore-error-status t))))
+    (values (or (getf r :requests) 0) (or (getf r :rps) 0) (getf r :non2xx))))
 
 (defparameter *error-rounds* 3
   "Rounds of /yo then /error, each ATTACK_ERROR_SECONDS long: the ratio is of
@@ -399,7 +378,8 @@ the medians, so that the host's drift within the run counts for little.")
             (incf log-bytes (- (log-size target) log-before))
             (push rate rates))))
       (funcall finish)
-      (let ((ratio (if (plusp (median ok-rates)) (/ (median rates) (median ok-rates)) 0))
+      (let ((ratio (let ((ok (upper-median ok-rates 0)))
+                     (if (plusp ok) (/ (upper-median rates 0) ok) 0)))
             (per-error (if (plusp bad) (round log-bytes bad) 0)))
         (row target "errors" w
              :load (format nil "wrk -c100, ~D x ~D s on each" *error-rounds* *error-seconds*)
@@ -440,10 +420,6 @@ the medians, so that the host's drift within the run counts for little.")
                             before after (- (log-size target) log-before)))))))
 
 ;;; slowbody: slowhttptest -B
-
-(defun cpu-count ()
-  (parse-integer (string-trim '(#\Newline #\Space)
-                              (uiop:run-program '("nproc") :output :string))))
 
 (defun slowhttptest-loop (port connections out deadline)
   "Run slowhttptest -B against PORT's /upload, again each time it ends, until
@@ -828,13 +804,9 @@ whole within 10 s, else what happened."
 (defun server-gc-heap (target)
   "A full GC in the server, then its heap in use (dynamic usage) in MiB, or
 NIL when it did not answer."
-  (let ((line (sb-thread:with-mutex (*ask-lock*)
-                (ask-process (target-process target) "gc" "GC " 60))))
-    (let ((octets (and line (parse-integer line :junk-allowed t))))
-      (and octets (round octets (* 1024 1024))))))
-
-(defun fd-count (pid)
-  (length (directory (format nil "/proc/~D/fd/*" pid) :resolve-symlinks nil)))
+  (let ((octets (sb-thread:with-mutex (*ask-lock*)
+                  (ask-gc (target-process target)))))
+    (and octets (round octets (* 1024 1024)))))
 
 (defun mib-or-dash (n) (if n (princ-to-string n) "–"))
 
@@ -1159,7 +1131,7 @@ WebSockets where it reports one); the heap after a full GC back within
         (and (string= attack "ws-burst") (/= (getf row :held) (getf row :burst-answered))
              "a first message was not answered")
         (and (string= attack "slow-read-stream")
-             (> (getf row :peak-workers) (+ 2 (cpu-count)))
+             (> (getf row :peak-workers) (+ 2 (usable-cpus)))
              "more workers than the CPUs plus 2"))))
 
 ;;; The table
@@ -1220,7 +1192,7 @@ same server's control run, for attacks that have one."
                 (or (/= (getf row :answered) (getf row :probes))
                     (>= (getf row :median-ms) *goal-ms*)))
            "a probe failed or the median was too slow")
-          ((and (string= attack "slowbody") (> (getf row :peak-workers) (+ 2 (cpu-count))))
+          ((and (string= attack "slowbody") (> (getf row :peak-workers) (+ 2 (usable-cpus))))
            "more workers than the CPUs plus 2")
           ((and (string= attack "slowbody")
                 (> (- (getf row :peak-rss-mb) (getf row :rest-rss-mb)) 128))

@@ -50,26 +50,17 @@ if [ "${HOG:-0}" = 1 ]; then
   taskset -c $(( $(nproc) - 1 )) sh -c 'while :; do :; done' & KIDS+=($!)
 fi
 PORTS=(19001 19002 19003); NAMES=(A B nginx)
-i=0
-ENVS=("${ENV_A:-}" "${ENV_B:-}")
-for checkout in "$A" "$B"; do
-  rm -f "$TMP/hold$i"; mkfifo "$TMP/hold$i"; exec {fd}<> "$TMP/hold$i"
-  # Standard input is a FIFO this script holds: the server exits with it.
-  # shellcheck disable=SC2086 # ENV_A and ENV_B are words
-  (cd "$checkout" && exec env ${ENVS[$i]} "${PIN[@]}" scripts/lisp.sh --load bench/server.lisp \
-     --end-toplevel-options "$KIND" "${PORTS[$i]}" "$SL" < "$TMP/hold$i" > "$TMP/server$i.out" 2> "$TMP/server$i.err") &
-  KIDS+=($!); i=$((i + 1))
-done
-. "$HERE/bench/nginx-yo.sh"
 . "$HERE/bench/lib.sh"
+ENVS=("${ENV_A:-}" "${ENV_B:-}")
+CHECKOUTS=("$A" "$B")
+for i in 0 1; do
+  # shellcheck disable=SC2086 # ENV_A and ENV_B are words
+  start_server "$i" "${CHECKOUTS[$i]}" "$KIND" "${PORTS[$i]}" "$SL" env ${ENVS[$i]} "${PIN[@]}"
+done
 nginx_yo_conf "$TMP/nginx" "${PORTS[2]}" "$NGINX_WORKERS"
 "${PIN[@]}" nginx -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/error.log" || exit 1
 PIDS=()
-for i in 0 1; do
-  pid=$(ready_pid "$TMP/server$i.out")
-  [ -n "$pid" ] || { echo "checkouts-ab.sh: server ${NAMES[$i]} did not start (see $TMP/server$i.err)" >&2; exit 1; }
-  PIDS+=("$pid")
-done
+await_servers 2 checkouts-ab.sh
 sleep 0.5
 MASTER=$(cat "$TMP/nginx/nginx.pid")
 PIDS+=("$MASTER,$(pgrep -P "$MASTER" | paste -sd,)")

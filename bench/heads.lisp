@@ -106,13 +106,6 @@ GB for 8,827 with 128, before the byte cap; the server held).")
 (defparameter *piece* 16384 "Octets sent at a time on one connection.")
 (defparameter *server-timeout* 120 "The servers' header (and read, write, idle) timeout, s.")
 
-(defun env-list (name default)
-  (let ((v (env name)))
-    (if v
-        (remove "" (mapcar (lambda (s) (string-trim " " s)) (uiop:split-string v :separator ","))
-                :test #'string=)
-        default)))
-
 (defparameter *send-buffer* 16384
   "SO_SNDBUF of the client's connections (the kernel doubles it).  Left to
 autotuning, loopback takes up to a megabyte per connection before the
@@ -289,17 +282,12 @@ T when the answer is exactly 200 \"Hey!\"; else NIL and why."
 (defstruct (server (:conc-name server-))
   kind port process pid log (lock (sb-thread:make-mutex :name "server pipe")))
 
-
-
 (defun server-environment (max-head-bytes)
-  (append (list "BENCH_MESSAGE_LOG=1"
-                (format nil "BENCH_TIMEOUT=~D" *server-timeout*))
-          (and max-head-bytes (list (format nil "BENCH_MAX_HEAD_BYTES=~D" max-head-bytes)))
-          (remove-if (lambda (var)
-                       (some (lambda (name) (uiop:string-prefix-p name var))
-                             '("BENCH_MESSAGE_LOG=" "BENCH_TIMEOUT=" "BENCH_IDLE_TIMEOUT="
-                               "BENCH_THREAD_IDLE_TIMEOUT=" "BENCH_MAX_HEAD_BYTES=")))
-                     (sb-ext:posix-environ))))
+  (environment-with (append (list "BENCH_MESSAGE_LOG=1"
+                                  (format nil "BENCH_TIMEOUT=~D" *server-timeout*))
+                            (and max-head-bytes
+                                 (list (format nil "BENCH_MAX_HEAD_BYTES=~D" max-head-bytes))))
+                    :drop '("BENCH_IDLE_TIMEOUT" "BENCH_THREAD_IDLE_TIMEOUT" "BENCH_MAX_HEAD_BYTES")))
 
 (defun start-server (kind port max-head-bytes log)
   (multiple-value-bind (process pid)
@@ -314,10 +302,8 @@ Serialized: the monitor thread and the main thread share the pipe."
     (ask-process (server-process server) command prefix timeout)))
 
 (defun server-stats (server)
-  (let ((text (ask server "stats" "STATS ")))
-    (and text (ignore-errors
-               (let ((*read-eval* nil) (*package* (find-package :keyword)))
-                 (read-from-string text))))))
+  (sb-thread:with-mutex ((server-lock server))
+    (ask-stats (server-process server))))
 
 (defun server-heap (server)
   "The server's heap in use now (garbage included) and its dynamic space size."
@@ -328,8 +314,8 @@ Serialized: the monitor thread and the main thread share the pipe."
 
 (defun server-gc (server)
   "A full GC in SERVER; its heap in use after it."
-  (let ((text (ask server "gc" "GC " 60)))
-    (and text (parse-integer text :junk-allowed t))))
+  (sb-thread:with-mutex ((server-lock server))
+    (ask-gc (server-process server))))
 
 (defun stop-server (server)
   (let ((process (server-process server)))
@@ -341,16 +327,6 @@ Serialized: the monitor thread and the main thread share the pipe."
          (close in))))
     (wait-exit process 5)
     (kill-and-reap process)))
-
-(defun proc-status-kib (pid field)
-  "FIELD (\"VmRSS\", \"VmHWM\") of /proc/PID/status in KiB, or NIL."
-  (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
-    (and in
-         (let ((prefix (format nil "~A:" field)))
-           (loop for line = (read-line in nil)
-                 while line
-                 when (uiop:string-prefix-p prefix line)
-                   return (parse-integer line :start (length prefix) :junk-allowed t))))))
 
 ;;; The monitor thread
 
@@ -364,7 +340,7 @@ Serialized: the monitor thread and the main thread share the pipe."
 WATCH-STOP."
   (loop with next-probe = (+ (now-ms) 1000)
         until (watch-stop watch)
-        do (let ((rss (proc-status-kib (server-pid server) "VmRSS"))
+        do (let ((rss (proc-field (server-pid server) "VmRSS"))
                  (heap (server-heap server))
                  (stats (server-stats server)))
              (incf (watch-samples watch))
@@ -588,7 +564,7 @@ SECONDS pass; the last stats and the milliseconds waited."
       (unwind-protect
            (let ((deadline (+ (now-ms) (* 1000 *run-limit*))))
              (setf (getf result :gc-before) (server-gc server)
-                   (getf result :rss-before) (proc-status-kib (server-pid server) "VmRSS"))
+                   (getf result :rss-before) (proc-field (server-pid server) "VmRSS"))
              (multiple-value-bind (heap size) (server-heap server)
                (declare (ignore heap))
                (setf (getf result :dynamic-space) size
@@ -617,7 +593,7 @@ SECONDS pass; the last stats and the milliseconds waited."
              (setf (getf result :held) (length held))
              (setf (getf result :probe-held) (multiple-value-list (probe port)))
              (setf (getf result :gc-held) (server-gc server))
-             (setf (getf result :rss-held) (proc-status-kib (server-pid server) "VmRSS"))
+             (setf (getf result :rss-held) (proc-field (server-pid server) "VmRSS"))
              ;; 3. close everything; the budget must come back
              (setf held (check-held held tally))
              (let ((start (now-ms)))
@@ -632,7 +608,7 @@ SECONDS pass; the last stats and the milliseconds waited."
         (setf (watch-stop watch) t)
         (when monitor (sb-thread:join-thread monitor :default nil))
         (close-all held)
-        (setf (getf result :hwm) (proc-status-kib (server-pid server) "VmHWM")
+        (setf (getf result :hwm) (proc-field (server-pid server) "VmHWM")
               (getf result :alive) (and (alive-p (server-process server)) t))
         (stop-server server))
       (setf (getf result :tally) tally
@@ -762,7 +738,7 @@ SECONDS pass; the last stats and the milliseconds waited."
         (let* ((n (env-int "HEADS_N" 19000))
                (window (env-int "HEADS_WINDOW" 128))
                (base (env-int "HEADS_PORT" 18190))
-               (kinds (env-list "HEADS_KINDS" *kinds*))
+               (kinds (env-choices "HEADS_KINDS" "kind" *kinds* *kinds*))
                (cases (loop for name in (env-list "HEADS_CASES" (mapcar #'first *cases*))
                             collect (or (assoc name *cases* :test #'string=)
                                         (error "HEADS_CASES: unknown case ~S" name))))
@@ -780,9 +756,7 @@ SECONDS pass; the last stats and the milliseconds waited."
                      SBCL ~A~%" n window (lisp-implementation-version))
           (loop for kind in kinds
                 for k from 0
-                do (unless (member kind *kinds* :test #'string=)
-                     (error "HEADS_KINDS: unknown kind ~S" kind))
-                   (dolist (case cases)
+                do (dolist (case cases)
                      (let ((r (run-case kind (+ base k) case n window)))
                        (print-case r)
                        (push r results)

@@ -42,9 +42,6 @@ This scenario measures holding idle connections, not connection bursts.")
        (format nil "GET /yo HTTP/1.1~C~CHost: 127.0.0.1~C~C~C~C"
                #\Return #\Newline #\Return #\Newline #\Return #\Newline)))
 
-(defun now-ms ()
-  (values (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second)))
-
 (defvar *errors* (make-hash-table :test #'equal)
   "How often each kind of error happened while opening connections.")
 

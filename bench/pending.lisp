@@ -40,47 +40,13 @@
 connections while more than MAX-QUEUE-LENGTH (default 1,024) accepted ones
 wait for a worker to read their first request (overload shedding, see the
 README): a burst of 15,000 is far more, so here the queue may hold them all."
-  (cons (format nil "BENCH_GALLOP_OPTIONS=(:max-queue-length ~D)" (+ *n* 5000))
-        (remove-if (lambda (v) (uiop:string-prefix-p "BENCH_GALLOP_OPTIONS=" v))
-                   (sb-ext:posix-environ))))
-
-(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
-
-(defun stats (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
-                               (read-from-string text))))))
+  (environment-with (list (format nil "BENCH_GALLOP_OPTIONS=(:max-queue-length ~D)" (+ *n* 5000)))))
 
 (defun gc-rss (process pid)
   "A full GC in the server, then its RSS (KiB)."
-  (ask-process process "gc" "GC " 60)
+  (ask-gc process)
   (sleep 0.2)
   (values (proc-status pid)))
-
-(defun wrk-seconds (token)
-  "wrk's duration TOKEN (\"5.01s\", \"850.00ms\", \"3.2m\") in seconds."
-  (let* ((end (position-if #'alpha-char-p token))
-         (x (let ((*read-default-float-format* 'double-float))
-              (read-from-string (subseq token 0 end))))
-         (unit (subseq token end)))
-    (* x (cond ((string= unit "us") 1/1000000) ((string= unit "ms") 1/1000)
-               ((string= unit "s") 1) ((string= unit "m") 60) (t 1)))))
-
-(defun parse-wrk (text)
-  "Requests, the slowest answer (s), socket errors and non-2xx answers."
-  (let ((requests nil) (max nil) (errors 0) (non2xx 0))
-    (dolist (line (uiop:split-string text :separator '(#\Newline)))
-      (let ((words (remove "" (uiop:split-string (substitute #\Space #\, line)) :test #'string=)))
-        (cond ((and (>= (length words) 5) (string= (first words) "Latency"))
-               (setf max (wrk-seconds (fourth words))))
-              ((and (>= (length words) 3) (string= (second words) "requests"))
-               (setf requests (parse-integer (first words) :junk-allowed t)))
-              ((and words (string= (first words) "Socket"))
-               (loop for (nil v) on (cddr words) by #'cddr
-                     do (incf errors (or (parse-integer v :junk-allowed t) 0))))
-              ((search "Non-2xx" line)
-               (setf non2xx (parse-integer (car (last words)) :junk-allowed t))))))
-    (values requests max errors non2xx)))
 
 (defun write-timeline-svg (path samples &key title subtitle)
   "A line chart of SAMPLES, (MS PENDING ANSWERED THREADS) each, as an SVG
@@ -144,7 +110,7 @@ the samples (MS PENDING ANSWERED THREADS), oldest first."
                 (rss-pending nil) (pending-at-gc nil)
                 (samples '()))
            (loop while (alive-p wrk)
-                 do (let ((s (stats process)))
+                 do (let ((s (ask-stats process)))
                       (when s
                         ;; Answered so far: requests begun, less those in flight.
                         (push (list (- (now-ms) start) (getf s :in-flight)
@@ -161,7 +127,13 @@ the samples (MS PENDING ANSWERED THREADS), oldest first."
                     (sleep 0.25))
            (let ((text (uiop:read-file-string out)))
              (format t "~&~A: ~A~%" kind text)
-             (multiple-value-bind (requests max errors non2xx) (parse-wrk text)
+             (let* ((report (parse-wrk text))
+                    (requests (getf report :requests))
+                    ;; The slowest answer, in seconds.
+                    (max (let ((ms (getf report :max))) (and ms (/ ms 1000))))
+                    (errors (loop for key in '(:connect :read :write :timeout)
+                                  sum (getf report key)))
+                    (non2xx (getf report :non2xx)))
                (values (list :kind kind :pending-max pending-max :pending-at-gc pending-at-gc
                              :pool-max pool-max :threads-max threads-max
                              :rss-idle rss-idle :rss-pending rss-pending

@@ -30,7 +30,7 @@ PORTS=(); PIDS=()
 for i in "${!CAPS[@]}"; do
   port=$((19031 + i)); PORTS+=("$port")
   options=""; [ "${CAPS[$i]}" = 0 ] || options="(:max-thread-count ${CAPS[$i]})"
-  start_server "$i" "$options" "$KIND" "$port" "$SL"
+  start_server "$i" "$HERE" "$KIND" "$port" "$SL" env BENCH_GALLOP_OPTIONS="$options"
 done
 await_servers "${#CAPS[@]}" pool-caps.sh
 echo "$(git -C "$HERE" rev-parse --short HEAD) KIND=$KIND SLEEP_MS=$SL: wrk -t2 -cN -d${DUR}s --latency, caps ${CAPS[*]}"

@@ -144,19 +144,6 @@ runs recorded before there were setups."
 
 ;;; Numbers
 
-(defun parse-decimal (string)
-  "A plain decimal number (\"12\", \"-3.25\", \"1.5e3\") as a double, or NIL."
-  (let ((s (string-trim " " (or string ""))))
-    (when (and (plusp (length s))
-               (every (lambda (c) (or (digit-char-p c) (find c "+-.eE"))) s)
-               (some #'digit-char-p s))
-      (handler-case
-          (let ((*read-default-float-format* 'double-float)
-                (*read-eval* nil))
-            (let ((value (read-from-string s)))
-              (and (realp value) (coerce value 'double-float))))
-        (error () nil)))))
-
 (defun cell (row column)
   "ROW's COLUMN as a number (rows read back hold strings, live rows numbers)."
   (let ((value (gethash column row)))

@@ -167,26 +167,14 @@ in two on one port (:REUSE-PORT), and nginx with as many workers."
           while line
           count (uiop:string-prefix-p "processor" line))))
 
-(defun timestamp (&optional (time (get-universal-time)) (style :id))
-  (multiple-value-bind (s mi h d mo y) (decode-universal-time time)
-    (ecase style
-      (:id (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s))
-      (:human (format nil "~D-~2,'0D-~2,'0D ~2,'0D:~2,'0D" y mo d h mi)))))
-
 (defun scenarios-from-env (scenarios)
   "SCENARIOS, or those of them BENCH_SCENARIOS names (their keys, comma
 separated)."
-  (let ((list (env "BENCH_SCENARIOS")))
-    (if (null list)
+  (let ((keys (env-choices "BENCH_SCENARIOS" "scenario" (mapcar #'scenario-key scenarios) :all)))
+    (if (eq keys :all)
         scenarios
-        (let ((keys (remove "" (mapcar (lambda (k) (string-trim " " k)) (split list #\,))
-                            :test #'string=)))
-          (dolist (key keys)
-            (unless (find key scenarios :key #'scenario-key :test #'string=)
-              (error "BENCH_SCENARIOS: unknown scenario ~S (known: ~{~A~^, ~})"
-                     key (mapcar #'scenario-key scenarios))))
-          (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
-                         scenarios)))))
+        (remove-if-not (lambda (s) (member (scenario-key s) keys :test #'string=))
+                       scenarios))))
 
 (defun make-cfg (mode)
   (let* ((pin (>= (cpu-count) 2))
@@ -220,19 +208,12 @@ separated)."
        :idle-n (env-int "BENCH_IDLE_N" idle-n)
        :idle-stock-max (env-int "BENCH_IDLE_STOCK_MAX" 80)
        :scenarios (scenarios-from-env scenarios)
-       :servers (let ((list (env "BENCH_SERVERS")))
-                  (if list
-                      (let ((names (remove "" (mapcar (lambda (s) (string-trim " " s)) (split list #\,))
-                                           :test #'string=)))
-                        (dolist (n names names)
-                          (unless (assoc n *servers* :test #'string=)
-                            (error "BENCH_SERVERS: unknown server ~S (known: ~{~A~^, ~})"
-                                   n (mapcar #'first *servers*)))))
-                      (if (eq mode :processes)
-                          (processes-servers)
-                          ;; The matrix: every server of one process.
-                          (loop for (name) in *servers*
-                                when (= (server-process-count name) 1) collect name))))
+       :servers (env-choices "BENCH_SERVERS" "server" (mapcar #'first *servers*)
+                             (if (eq mode :processes)
+                                 (processes-servers)
+                                 ;; The matrix: every server of one process.
+                                 (loop for (name) in *servers*
+                                       when (= (server-process-count name) 1) collect name)))
        :port (env-int "BENCH_PORT" 18080)
        :setups (let ((list (env "BENCH_SETUPS")))
                  (cond
@@ -424,12 +405,6 @@ took its time with it)."
   (and before after (>= after before)
        (/ (- after before) (clock-ticks))))
 
-(defun find-program (name &rest extra-dirs)
-  (loop for dir in (append (split (or (uiop:getenv "PATH") "") #\:) extra-dirs)
-        for path = (format nil "~A/~A" (string-right-trim "/" dir) name)
-        when (and (plusp (length dir)) (probe-file path))
-          return path))
-
 (defun nginx-program () (find-program "nginx" "/usr/sbin" "/sbin"))
 
 
@@ -620,14 +595,8 @@ answer."
 
 (defun server-stats (server)
   "GALLOP:STATS (or stock Hunchentoot's thread count) of a Lisp server, or NIL."
-  (when (and server (lisp-server-p server) (alive-p (srv-process server)))
-    (let ((p (srv-process server)))
-      (when (send-line p "stats")
-        (let ((line (read-line-timeout (sb-ext:process-output p) 5)))
-          (when (and line (uiop:string-prefix-p "STATS " line))
-            (ignore-errors
-             (let ((*read-eval* nil) (*package* (find-package :keyword)))
-               (read-from-string line t nil :start 6)))))))))
+  (when (and server (lisp-server-p server))
+    (ask-stats (srv-process server) 5)))
 
 (defun fmt-stats (plist &optional (keys '(:open :idle :threads :run-permits :shed :rejected :timeouts)))
   (format nil "~{~(~A~)=~A~^ ~}"
@@ -659,46 +628,12 @@ or NIL."
 
 ;;; wrk
 
-(defun words (line)
-  (remove "" (split (substitute #\Space #\Tab (substitute #\Space #\, line)) #\Space)
-          :test #'string=))
-
-(defun number-and-unit (token)
-  (let ((end (or (position-if-not (lambda (c) (or (digit-char-p c) (find c ".-+"))) token)
-                 (length token))))
-    (values (parse-decimal (subseq token 0 end)) (subseq token end))))
-
-(defun to-ms (token)
-  (multiple-value-bind (x unit) (number-and-unit token)
-    (when x
-      (let ((scale (cdr (assoc unit '(("us" . 1/1000) ("ms" . 1) ("s" . 1000) ("m" . 60000)
-                                      ("h" . 3600000) ("" . 1))
-                               :test #'string=))))
-        (and scale (* x scale))))))
-
-(defun parse-wrk (text)
-  "The numbers of wrk --latency's report TEXT as a plist, or NIL when it lacks
-any of requests, duration, Requests/sec and the 50% and 99% latencies."
-  (let ((r (list :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
-    (dolist (line (split text #\Newline))
-      (let ((w (words line)))
-        (cond ((null w))
-              ((and (string= (first w) "Requests/sec:") (second w))
-               (setf (getf r :rps) (parse-decimal (second w))))
-              ((and (>= (length w) 4) (string= (second w) "requests") (string= (third w) "in"))
-               (setf (getf r :requests) (parse-decimal (first w))
-                     (getf r :duration) (let ((ms (to-ms (fourth w)))) (and ms (/ ms 1000)))))
-              ((and (= (length w) 2) (member (first w) '("50%" "75%" "90%" "99%") :test #'string=))
-               (setf (getf r (intern (format nil "P~A" (string-right-trim "%" (first w))) :keyword))
-                     (to-ms (second w))))
-              ((and (string= (first w) "Socket") (equal (second w) "errors:"))
-               (loop for (k v) on (cddr w) by #'cddr
-                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
-                     when key do (setf (getf r key) (parse-decimal v))))
-              ((search "Non-2xx or 3xx responses:" line)
-               (setf (getf r :non2xx) (parse-decimal (car (last w))))))))
-    (when (every (lambda (k) (getf r k)) '(:rps :requests :duration :p50 :p99))
-      r)))
+(defun wrk-report (text)
+  "PARSE-WRK of wrk --latency's report TEXT, or NIL when it lacks any of
+requests, duration, Requests/sec and the 50% and 99% latencies."
+  (let ((r (parse-wrk text)))
+    (and (every (lambda (k) (getf r k)) '(:rps :requests :duration :p50 :p99))
+         r)))
 
 (defun wrk-args (cfg port connections close-p duration)
   (append (list (format nil "-t~D" (min (cfg-wrk-threads cfg) connections))
@@ -757,7 +692,7 @@ meanwhile."
                     (run-capture "timeout" (list* "-k" "5" (princ-to-string (+ duration 30))
                                                   program args))
                   (let ((cpu (and server-pids (cpu-seconds before (pids-cpu-ticks server-pids)))))
-                    (values (parse-wrk out) out code (command-line program args) cpu))))))
+                    (values (wrk-report out) out code (command-line program args) cpu))))))
         (when hog-process
           (ignore-errors (sb-ext:process-kill hog-process 9))
           (wait-exit hog-process 5)
@@ -803,7 +738,7 @@ meanwhile."
            (fail-row row (format nil "wrk exit ~A, unparsable output: ~A" code
                                  (last-nonblank-line out))))
           (t
-           (let* ((requests (getf r :requests))
+           (let* ((requests (float (getf r :requests) 1d0))
                   (non2xx (getf r :non2xx)))
              (setf (gethash "requests" row) (round requests)
                    (gethash "rps" row) (getf r :rps)
@@ -835,16 +770,8 @@ meanwhile."
 
 ;;; Progress
 
-(defvar *start-time* 0)
 (defvar *steps-done* 0)
 (defvar *steps-total* 1)
-
-(defun clock (seconds)
-  (multiple-value-bind (m s) (floor (round seconds) 60)
-    (format nil "~D:~2,'0D" m s)))
-
-(defun elapsed ()
-  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
 
 (defun progress-begin (rep cfg what server-name)
   (incf *steps-done*)
@@ -950,7 +877,7 @@ meanwhile."
 
 (defun parse-fields (line)
   "\"HELD held=1 failed=0 ...\" as a plist (:HELD 1 :FAILED 0 ...)."
-  (loop for word in (rest (words line))
+  (loop for word in (rest (wrk-words line))
         for eq = (position #\= word)
         when eq
           append (list (intern (string-upcase (subseq word 0 eq)) :keyword)

@@ -38,16 +38,12 @@
   "The servers to run, in order.")
 (defparameter *goal-ms* 50 "A fresh client's answer must take less than this.")
 
-(defun ascii (string) (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
-
 (defparameter *requests*
   (ascii (apply #'concatenate 'string
                 (loop repeat 64 collect (format nil "GET /yo HTTP/1.1~C~CHost: b~C~C~C~C"
                                                 #\Return #\Linefeed #\Return #\Linefeed
                                                 #\Return #\Linefeed))))
   "64 pipelined requests, sent over and over.")
-
-(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
 
 (defun slow-socket (port)
   (let ((s (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp)))
@@ -79,13 +75,7 @@ it, for SECONDS.  Returns the octets sent."
     total))
 
 (defun pool-threads (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (getf (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
-                                     (read-from-string text)))
-                    :threads))))
-
-(defun median (list)
-  (if list (nth (floor (length list) 2) (sort (copy-list list) #'<)) 0))
+  (getf (ask-stats process) :threads))
 
 (defun warm-up (port)
   "One request for /yo and one for /big before the clients come: the first
@@ -138,7 +128,7 @@ slow reader does to the others."
            (loop for s across sockets do (ignore-errors (sb-bsd-sockets:socket-close s)))
            (kill-and-reap slowhttptest)
            (let ((row (list :kind kind :probes (+ failures (length latencies)) :failed failures
-                            :median-ms (median latencies) :max-ms (reduce #'max latencies :initial-value 0)
+                            :median-ms (upper-median latencies 0) :max-ms (reduce #'max latencies :initial-value 0)
                             :slow (count-if (lambda (ms) (>= ms *goal-ms*)) latencies)
                             :peak-pool-threads peak-pool :peak-threads peak-threads
                             :rss-before-mb (round (or rss-before 0) 1024) :rss-rise-mb (round (- peak-rss (or rss-before 0)) 1024)

@@ -98,24 +98,13 @@
 (defparameter *kinds* '("gallop" "native")
   "The server kinds soaked, by bench/server.lisp's names.")
 
-(defun env-kinds ()
-  (let ((v (env "SOAK_KINDS")))
-    (if v
-        (let ((kinds (remove "" (mapcar (lambda (s) (string-trim " " s))
-                                        (uiop:split-string v :separator ","))
-                             :test #'string=)))
-          (dolist (kind kinds kinds)
-            (unless (member kind *kinds* :test #'string=)
-              (error "SOAK_KINDS: unknown kind ~S (known: ~{~A~^, ~})" kind *kinds*))))
-        *kinds*)))
-
 (defun make-plan-for (mode)
   (multiple-value-bind (requests warm-up-limit main-limit)
       (ecase mode
         (:full (values 2000000 180 900))
         (:short (values 200000 30 60)))
     (make-plan :mode mode
-               :kinds (env-kinds)
+               :kinds (env-choices "SOAK_KINDS" "kind" *kinds* *kinds*)
                :requests (max 1000 (env-int "SOAK_REQUESTS" requests))
                :warm-up-time-limit warm-up-limit
                :main-time-limit main-limit
@@ -126,15 +115,6 @@
 
 ;;; Progress output
 
-(defvar *start-time* 0)
-
-(defun elapsed ()
-  (/ (- (get-internal-real-time) *start-time*) internal-time-units-per-second))
-
-(defun clock (seconds)
-  (multiple-value-bind (m s) (floor (round seconds) 60)
-    (format nil "~D:~2,'0D" m s)))
-
 (defun say (control &rest args)
   "A progress line, prefixed with the time since the start."
   (format t "~&[~A] ~?~%" (clock (elapsed)) control args)
@@ -144,8 +124,6 @@
   (if (integerp n) (format nil "~:D" n) (format nil "~A" (or n "-"))))
 
 ;;; Child processes
-
-
 
 (defun file-size (path)
   (or (ignore-errors
@@ -160,14 +138,10 @@
 
 (defun server-environment (plan)
   "This process's environment, with error logging on and the soak's timeouts."
-  (append (list "BENCH_MESSAGE_LOG=1"
-                (format nil "BENCH_THREAD_IDLE_TIMEOUT=~D" (plan-thread-idle-timeout plan))
-                (format nil "BENCH_TIMEOUT=~D" (plan-server-timeout plan)))
-          (remove-if (lambda (var)
-                       (some (lambda (name) (uiop:string-prefix-p name var))
-                             '("BENCH_MESSAGE_LOG=" "BENCH_THREAD_IDLE_TIMEOUT=" "BENCH_TIMEOUT="
-                               "BENCH_IDLE_TIMEOUT=")))
-                     (sb-ext:posix-environ))))
+  (environment-with (list "BENCH_MESSAGE_LOG=1"
+                          (format nil "BENCH_THREAD_IDLE_TIMEOUT=~D" (plan-thread-idle-timeout plan))
+                          (format nil "BENCH_TIMEOUT=~D" (plan-server-timeout plan)))
+                    :drop '("BENCH_IDLE_TIMEOUT")))
 
 (defun start-server (plan kind log)
   "Start bench/server.lisp as KIND and wait for READY.  The server, or an error."
@@ -177,33 +151,9 @@
       (make-server :kind kind :port port :process process :pid pid
                    :log log :log-start (file-size log)))))
 
-(defun ask (server command prefix &optional (timeout 30))
-  "Send COMMAND to SERVER's control loop; the rest of its answer line after
-PREFIX, or NIL."
-  (ask-process (server-process server) command prefix timeout))
-
 (defun server-stats (server)
   "GALLOP:STATS of SERVER as a property list, or NIL."
-  (let ((text (ask server "stats" "STATS ")))
-    (and text
-         (ignore-errors
-          (let ((*read-eval* nil) (*package* (find-package :keyword)))
-            (read-from-string text))))))
-
-(defun server-gc (server)
-  "Make SERVER collect all its garbage; its dynamic space usage in bytes after."
-  (let ((text (ask server "gc" "GC " 60)))
-    (and text (parse-integer text :junk-allowed t))))
-
-(defun stop-server (server)
-  (let ((process (server-process server)))
-    (ignore-errors
-     (let ((in (sb-ext:process-input process)))
-       (write-line "quit" in)
-       (finish-output in)
-       (close in)))
-    (wait-exit process 5)
-    (kill-and-reap process)))
+  (ask-stats (server-process server) 30))
 
 (defun server-log-lines (server)
   "The non-blank lines SERVER wrote to its log after it said READY."
@@ -219,25 +169,9 @@ PREFIX, or NIL."
 
 ;;; /proc
 
-(defun rss-kib (pid)
-  "VmRSS of PID in KiB, from /proc/PID/status."
-  (with-open-file (in (format nil "/proc/~D/status" pid) :if-does-not-exist nil)
-    (and in
-         (loop for line = (read-line in nil)
-               while line
-               when (uiop:string-prefix-p "VmRSS:" line)
-                 return (parse-integer line :start 6 :junk-allowed t)))))
-
-(defun count-entries (directory-pattern)
-  (length (directory directory-pattern :resolve-symlinks nil)))
-
-(defun fd-count (pid)
-  "Open file descriptors of PID: the entries of /proc/PID/fd."
-  (count-entries (format nil "/proc/~D/fd/*" pid)))
-
 (defun thread-count (pid)
   "Threads of PID: the entries of /proc/PID/task."
-  (count-entries (format nil "/proc/~D/task/*/" pid)))
+  (length (directory (format nil "/proc/~D/task/*/" pid) :resolve-symlinks nil)))
 
 ;;; A minimal HTTP/1.1 client over sb-bsd-sockets, for the Lisp clients
 
@@ -563,25 +497,6 @@ Errors of slow clients are failures; errors of aborting clients anomalies."
                       :output (namestring output) :if-output-exists :supersede
                       :error :output))
 
-(defun words (line)
-  (remove "" (uiop:split-string line :separator '(#\Space #\Tab #\,)) :test #'string=))
-
-(defun parse-wrk (text)
-  "wrk's report TEXT as (:requests N :connect N :read N :write N :timeout N
-:non2xx N), or NIL without its request count."
-  (let ((r (list :requests nil :connect 0 :read 0 :write 0 :timeout 0 :non2xx 0)))
-    (dolist (line (uiop:split-string text :separator '(#\Newline)))
-      (let ((w (words line)))
-        (cond ((and (>= (length w) 3) (string= (second w) "requests") (string= (third w) "in"))
-               (setf (getf r :requests) (parse-integer (first w) :junk-allowed t)))
-              ((and w (string= (first w) "Socket") (equal (second w) "errors:"))
-               (loop for (k v) on (cddr w) by #'cddr
-                     for key = (find k '(:connect :read :write :timeout) :test #'string-equal)
-                     when key do (setf (getf r key) (or (parse-integer v :junk-allowed t) 0))))
-              ((search "Non-2xx or 3xx responses:" line)
-               (setf (getf r :non2xx) (or (parse-integer (car (last w)) :junk-allowed t) 0))))))
-    (and (getf r :requests) r)))
-
 (defun finish-wrk (process output seconds)
   "Wait for the wrk PROCESS; its parsed report, or an error."
   (unless (wait-exit process (+ seconds 40))
@@ -590,7 +505,7 @@ Errors of slow clients are failures; errors of aborting clients anomalies."
   (let ((code (sb-ext:process-exit-code process)))
     (ignore-errors (sb-ext:process-close process))
     (let* ((text (or (ignore-errors (uiop:read-file-string output)) ""))
-           (report (parse-wrk text)))
+           (report (let ((r (parse-wrk text))) (and (getf r :requests) r))))
       (or report
           (error "wrk exited with ~A and no report: ~A" code
                  (string-trim '(#\Newline #\Space) text))))))
@@ -755,10 +670,10 @@ waited for the connections, or an error."
 (defun take-sample (plan server label)
   "Quiesce SERVER, collect its garbage, and read its resources."
   (let ((waited (quiesce plan server))
-        (dynamic (or (server-gc server) (error "the server did not answer \"gc\""))))
+        (dynamic (or (ask-gc (server-process server)) (error "the server did not answer \"gc\""))))
     (sleep 0.5)
     (let ((pid (server-pid server)))
-      (make-sample :label label :rss-kib (rss-kib pid) :fds (fd-count pid)
+      (make-sample :label label :rss-kib (proc-field pid "VmRSS") :fds (fd-count pid)
                    :threads (thread-count pid) :dynamic-bytes dynamic
                    :stats (server-stats server) :quiesce-seconds waited))))
 
@@ -846,7 +761,7 @@ waited for the connections, or an error."
                  (fail (format nil "~:D requests counted, fewer than ~:D"
                                (traffic-counted (outcome-traffic outcome)) total)))))
         (when server
-          (stop-server server)
+          (quit-process (server-process server))
           (setf (outcome-log-lines outcome) (server-log-lines server)))
         (setf (outcome-seconds outcome)
               (/ (- (get-internal-real-time) kind-start) internal-time-units-per-second))))
@@ -929,23 +844,14 @@ waited for the connections, or an error."
 
 ;;; Entry point
 
-(defun timestamp ()
-  (multiple-value-bind (s mi h d mo y) (decode-universal-time (get-universal-time))
-    (format nil "~D~2,'0D~2,'0D-~2,'0D~2,'0D~2,'0D" y mo d h mi s)))
-
 (defun port-free-p (port)
   "True when nothing listens on 127.0.0.1:PORT."
   (handler-case (progn (with-conn (conn port) conn) nil)
     (sb-bsd-sockets:connection-refused-error () t)))
 
-(defun on-path-p (program)
-  (loop for dir in (uiop:split-string (or (uiop:getenv "PATH") "") :separator ":")
-        thereis (and (plusp (length dir))
-                     (probe-file (format nil "~A/~A" (string-right-trim "/" dir) program)))))
-
 (defun check-setup (plan)
   (dolist (program '("wrk" "timeout"))
-    (unless (on-path-p program)
+    (unless (find-program program)
       (error "~A is missing; `make soak` installs wrk with scripts/deps.sh wrk" program)))
   (dolist (kind (plan-kinds plan))
     (unless (port-free-p (kind-port plan kind))

@@ -4,13 +4,13 @@
 ;;;; called directly, without sb-bsd-sockets' objects and finalizers.
 
 (defpackage #:gallop-bench-sockets
-  (:use #:common-lisp)
+  (:use #:common-lisp #:gallop-bench-process)
   (:export #:%close #:%connect #:%getsockopt #:%poll #:%recv #:%send
           #:%setsockopt #:%socket #:+af-inet+ #:+eagain+ #:+einprogress+
           #:+eintr+ #:+msg-dontwait+ #:+msg-nosignal+ #:+pollerr+ #:+pollhup+
           #:+pollin+ #:+pollout+ #:+so-error+ #:+so-sndbuf+ #:+sock-cloexec+
-          #:+sock-nonblock+ #:+sock-stream+ #:+sol-socket+ #:ascii
-          #:loopback-address #:now-ms #:octets #:open-socket #:poll-fds
+          #:+sock-nonblock+ #:+sock-stream+ #:+sol-socket+
+          #:loopback-address #:octets #:open-socket #:poll-fds
           #:receive-some #:send-some #:socket-error))
 (in-package #:gallop-bench-sockets)
 
@@ -127,9 +127,3 @@ for up to TIMEOUT-MS; a vector of their revents."
         (dotimes (i n)
           (setf (aref revents i) (sb-sys:sap-ref-16 sap (+ 6 (* 8 i)))))))
     revents))
-
-(defun now-ms ()
-  (values (floor (get-internal-real-time) (floor internal-time-units-per-second 1000))))
-
-(defun ascii (string)
-  (map 'octets #'char-code string))

@@ -44,10 +44,6 @@
 (defparameter *kinds* (uiop:split-string (or (env "BENCH_TLS_KINDS") "native gallop stock")))
 (defparameter *goal-ms* 50)
 
-(defun now-ms () (floor (* 1000 (get-internal-real-time)) internal-time-units-per-second))
-
-(defun ascii (string) (map '(simple-array (unsigned-byte 8) (*)) #'char-code string))
-
 (defun crlf-text (&rest lines)
   (format nil "~{~A~C~C~}~C~C"
           (loop for l in lines append (list l #\Return #\Linefeed)) #\Return #\Linefeed))
@@ -117,26 +113,15 @@ NIL when it is not a well-formed answer with a Content-Length."
 ;;; The server
 
 (defun server-environment (cert key)
-  (append (list (format nil "BENCH_TLS_CERT=~A" cert) (format nil "BENCH_TLS_KEY=~A" key)
-                ;; Opening 10,000 TLS connections takes longer than 20 s.
-                "BENCH_IDLE_TIMEOUT=600")
-          (sb-ext:posix-environ)))
-
-(defun stats (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (ignore-errors (let ((*read-eval* nil) (*package* (find-package :keyword)))
-                               (read-from-string text))))))
-
-(defun gc-heap (process)
-  "A full GC in the server; its dynamic usage after it (bytes)."
-  (let ((text (ask-process process "gc" "GC " 60)))
-    (and text (parse-integer text :junk-allowed t))))
+  (environment-with (list (format nil "BENCH_TLS_CERT=~A" cert) (format nil "BENCH_TLS_KEY=~A" key)
+                          ;; Opening 10,000 TLS connections takes longer than 20 s.
+                          "BENCH_IDLE_TIMEOUT=600")))
 
 ;;; Idle
 
 (defun run-idle (kind process pid port)
   (let* ((n (if (string= kind "stock") (min *idle-n* *idle-stock*) *idle-n*))
-         (heap-before (gc-heap process))
+         (heap-before (ask-gc process))
          (rss-before (progn (sleep 0.5) (proc-status pid)))
          (clients (make-array n :fill-pointer 0))
          (failed 0)
@@ -149,9 +134,9 @@ NIL when it is not a well-formed answer with a Content-Length."
                    (vector-push client clients)
                    (progn (incf failed) (when client (tls-shut client))))))
            (let* ((opened-ms (- (now-ms) start))
-                  (heap-after (gc-heap process))
+                  (heap-after (ask-gc process))
                   (rss-after (progn (sleep 0.5) (proc-status pid)))
-                  (stats (stats process))
+                  (stats (ask-stats process))
                   (held (length clients)))
              (multiple-value-bind (rss threads) (proc-status pid)
                (declare (ignore rss))
@@ -168,13 +153,13 @@ NIL when it is not a well-formed answer with a Content-Length."
                  (loop for c across clients do (tls-shut c))
                  (setf (fill-pointer clients) 0)
                  (loop repeat 100
-                       until (<= (or (getf (stats process) :open) 0) 0)
+                       until (<= (or (getf (ask-stats process) :open) 0) 0)
                        do (sleep 0.1))
                  ;; The server gives freed TLS memory back at most once a
                  ;; second, once its housekeeper ticks (once a second when
                  ;; no connection is open).
                  (sleep 3)
-                 (gc-heap process)
+                 (ask-gc process)
                  (sleep 1)
                  (let ((rss-closed (proc-status pid)))
                    (setf (getf row :rss-closed-mib) (and rss-closed (/ rss-closed 1024.0))))
@@ -232,7 +217,7 @@ NIL when it is not a well-formed answer with a Content-Length."
                                (multiple-value-bind (rss threads) (proc-status pid)
                                  (declare (ignore rss))
                                  (setf threads-max (max threads-max (or threads 0))))
-                               (setf pool-max (max pool-max (or (getf (stats process) :threads) 0)))
+                               (setf pool-max (max pool-max (or (getf (ask-stats process) :threads) 0)))
                                (sleep (max 0 (/ (- 200 (- (now-ms) start)) 1000.0)))))
                  (setf done t)
                  (sb-thread:join-thread dribbler :default nil)))))

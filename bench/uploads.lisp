@@ -118,8 +118,6 @@
 
 ;;; Output
 
-(defvar *start-time* 0)
-
 (defun say (control &rest args)
   "A progress line, prefixed with the seconds since the start."
   (format t "~&[~5,1F s] ~?~%"
@@ -149,9 +147,6 @@ framing."
             x (logxor x (ash x -17))
             x (logand #xffffffff (logxor x (ash x 5))))
       (setf (aref payload i) (logand x #xff)))))
-
-(defun ascii (string)
-  (map 'octets #'char-code string))
 
 (defun request-segments (path framing payload bytes)
   "The request as a list of (vector start end): the head, then the first
@@ -293,8 +288,6 @@ early once an answer arrives, and read and check the answer.  An OUTCOME."
 
 ;;; Child processes
 
-
-
 (defstruct (server (:conc-name server-))
   kind port process pid)
 
@@ -307,9 +300,8 @@ early once an answer arrives, and read and check the answer.  An OUTCOME."
     (ensure-directories-exist log)
     (multiple-value-bind (process pid)
         (start-bench-server kind port
-                            :environment (cons "BENCH_MESSAGE_LOG=1"
-                                               (remove-if (lambda (v) (uiop:string-prefix-p "BENCH_" v))
-                                                          (sb-ext:posix-environ)))
+                            :environment (environment-with '("BENCH_MESSAGE_LOG=1")
+                                                           :drop-prefix "BENCH_")
                             :log log)
       (make-server :kind kind :port port :process process :pid pid))))
 
@@ -332,13 +324,8 @@ early once an answer arrives, and read and check the answer.  An OUTCOME."
 (defun status-bytes (pid field)
   "The FIELD (\"VmRSS\", \"VmHWM\") of /proc/PID/status in bytes, or NIL
 when the process is gone."
-  (let ((prefix (concatenate 'string field ":")))
-    (ignore-errors
-     (with-open-file (in (format nil "/proc/~D/status" pid))
-       (loop for line = (read-line in nil)
-             while line
-             when (uiop:string-prefix-p prefix line)
-               return (* 1024 (parse-integer line :start (length prefix) :junk-allowed t)))))))
+  (let ((kib (ignore-errors (proc-field pid field))))
+    (and kib (* 1024 kib))))
 
 (defun rss-bytes (pid) (status-bytes pid "VmRSS"))
 

@@ -44,21 +44,15 @@
     (namestring binary)))
 
 (defun start-server (kind)
-  (let* ((log (merge-pathnames (format nil "bench/results/tmp/ws-~A.log" kind) *repo*))
-         (process (sb-ext:run-program
-                   (lisp-sh) (list "--load" "bench/ws-server.lisp" "--end-toplevel-options"
-                                   kind (princ-to-string *port*))
-                   :directory (namestring *repo*) :wait nil
-                   :environment (cons (format nil "XDG_CACHE_HOME=~A"
-                                              (namestring (merge-pathnames ".cache/clack-ws/" *repo*)))
-                                      (sb-ext:posix-environ))
-                   :input :stream :output :stream
-                   :error (namestring log) :if-error-exists :supersede))
-         (line (read-line-timeout (sb-ext:process-output process) 600)))
-    (unless (and line (uiop:string-prefix-p "READY " line))
-      (kill-and-reap process)
-      (error "The ~A server did not start; see ~A" kind log))
-    (values process (parse-integer line :start 6))))
+  "bench/ws-server.lisp serving KIND on *PORT*: its process and pid."
+  (start-bench-server kind *port* :script "bench/ws-server.lisp" :more '() :timeout 600
+                                  :log (merge-pathnames (format nil "bench/results/tmp/ws-~A.log" kind)
+                                                        *repo*)
+                                  :if-log-exists :supersede
+                                  :environment (environment-with
+                                                (list (format nil "XDG_CACHE_HOME=~A"
+                                                              (namestring (merge-pathnames ".cache/clack-ws/"
+                                                                                           *repo*)))))))
 
 (defun run-load (tool &rest args)
   "Run the load tool with ARGS to its end: its output line."
@@ -94,15 +88,8 @@ CPU µs per round trip."
     (values rate (and rate (plusp rate)
                       (/ (* (- after before) 10000.0) (* rate 5.5))))))
 
-(defun median (numbers)
-  (let ((sorted (sort (remove nil numbers) #'<)))
-    (and sorted (nth (floor (length sorted) 2) sorted))))
-
 (defun pool-threads (process)
-  (let ((text (ask-process process "stats" "STATS ")))
-    (and text (getf (ignore-errors (let ((*read-eval* nil) (*package* (find-package :cl-user)))
-                                     (read-from-string text)))
-                    :threads))))
+  (getf (ask-stats process) :threads))
 
 (defun measure (tool kind)
   "One server's line of the table, a property list."
@@ -121,7 +108,7 @@ CPU µs per round trip."
              (ask-process process "gc" "GC" 120)
              (multiple-value-bind (rss threads) (proc-status pid)
                (let ((pool (pool-threads process))
-                     (http (median (loop repeat 5 collect (plain-ms *port*)))))
+                     (http (upper-median (loop repeat 5 collect (plain-ms *port*)))))
                  (ignore-errors (close (sb-ext:process-input hold)))
                  (wait-exit hold 60)
                  (kill-and-reap hold)
@@ -146,10 +133,6 @@ CPU µs per round trip."
       (ignore-errors (close (sb-ext:process-input process)))
       (wait-exit process 10)
       (kill-and-reap process))))
-
-(defun cpus ()
-  "The CPUs this process may use (nproc: its affinity mask)."
-  (parse-integer (uiop:run-program "nproc" :output :string) :junk-allowed t))
 
 (defun quotient (a b) (if (and a b (plusp b)) (format nil "~,2F" (/ a b)) "–"))
 
@@ -187,10 +170,10 @@ CPU µs per round trip."
          (file (merge-pathnames (format nil "bench/results/~A-websockets.md" stamp) *repo*)))
     (with-open-file (out file :direction :output :if-exists :supersede)
       (format out "# make bench-websockets, ~A~%~%~A~%Host: ~D CPUs.  Method: bench/websockets.lisp.~%"
-              stamp text (cpus)))
+              stamp text (usable-cpus)))
     (format t "~&~A~%Written to ~A~%" text (enough-namestring file *repo*))
     (let* ((native (find "native" rows :key (lambda (r) (getf r :kind)) :test #'string=))
-           (cpus (cpus))
+           (cpus (usable-cpus))
            (bad (and native (or (< (getf native :opened) *n*)
                                 (and (getf native :pool) (> (getf native :pool) (+ cpus 2)))))))
       (uiop:quit (if bad 1 0)))))
