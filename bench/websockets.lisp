@@ -73,7 +73,7 @@
 (defun cpu-ticks (pid)
   "User + system CPU time of PID so far, in clock ticks (/proc/PID/stat)."
   (let* ((text (uiop:read-file-string (format nil "/proc/~D/stat" pid)))
-         (fields (words (subseq text (1+ (position #\) text :from-end t))))))
+         (fields (words (string-left-trim " " (subseq text (1+ (position #\) text :from-end t)))))))
     ;; After the command: state is field 3, utime 14 and stime 15.
     (+ (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields)))))
 

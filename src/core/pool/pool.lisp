@@ -41,8 +41,9 @@ blocks holds none of them back.")
   "The number of groups (epoll sets) a pool starts with (at most its
 MAX-THREADS), or NIL, the default, for one per usable CPU (as read when
 the pool starts).  1 gives one epoll set for all the workers.
-bench/server.lisp sets it from GALLOP_EPOLL_SETS, so that bench/epoll-sets.sh
-can compare the two (doc/design.md, \"An epoll set per CPU\").")
+bench/server.lisp sets it from GALLOP_EPOLL_SETS, so that an A/B run
+\(bench/checkouts-ab.sh, ENV_A/ENV_B) can compare the two (doc/design.md,
+\"An epoll set per CPU\").")
 
 (defvar *maker-helps* t
   "True: the maker moves the waiting events of a group whose workers are all
