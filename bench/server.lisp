@@ -363,7 +363,9 @@ own, as the other benchmarks measure them).")
       class))
 
 (defun sha1 (octets)
-  "The SHA-1 digest of OCTETS (FIPS 180-4), for the handshake's accept key."
+  "The SHA-1 digest of OCTETS (FIPS 180-4), for the handshake's accept key.
+Not Gallop's (src/native/websocket-handshake.lisp): the stock Hunchentoot
+server, which serves WebSockets with it too, does not load Gallop."
   (let* ((n (length octets))
          (total (* 64 (ceiling (+ n 9) 64)))
          (m (make-array total :element-type '(unsigned-byte 8) :initial-element 0))
