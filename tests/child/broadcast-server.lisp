@@ -18,20 +18,13 @@
 ;;;;   "reset" -> "RESET": peaks start again;
 ;;;;   "quit" or end of file -> exits.
 
-(defpackage #:gallop-broadcast-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-broadcast-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-broadcast-server)
-
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
 
 (defvar *mode* (intern (string-upcase (or (second sb-ext:*posix-argv*) "broadcast")) :keyword))
 
 (asdf:load-system "gallop/native")
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defvar *lock* (sb-thread:make-mutex :name "clients"))
 (defvar *clients* '())

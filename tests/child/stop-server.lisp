@@ -11,20 +11,13 @@
 ;;;;   "stop"  -> stops the server (hard stop), then "STOPPED <milliseconds>";
 ;;;;   "quit" or end of file -> exits.
 
-(defpackage #:gallop-stop-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-stop-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-stop-server)
 
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
-
-(defvar *kind* (intern (string-upcase (or (second sb-ext:*posix-argv*) "native")) :keyword))
+(defvar *kind* (child-kind))
 
 (asdf:load-system (if (eq *kind* :native) "gallop/native" "gallop"))
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defvar *server*
   (ecase *kind*

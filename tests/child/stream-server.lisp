@@ -15,20 +15,13 @@
 ;;;;   "stats" -> "STATS <plist>" (GALLOP:STATS);
 ;;;;   "quit" or end of file -> exits.
 
-(defpackage #:gallop-stream-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-stream-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-stream-server)
 
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
-
-(defvar *kind* (intern (string-upcase (or (second sb-ext:*posix-argv*) "native")) :keyword))
+(defvar *kind* (child-kind))
 
 (asdf:load-system (if (eq *kind* :native) "gallop/native" "gallop"))
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defconstant +piece+ (* 16 1024))
 (defconstant +pieces+ 64)

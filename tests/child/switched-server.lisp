@@ -22,18 +22,11 @@
 ;;;;   "heap"        -> "HEAP <octets>": dynamic space in use after a full GC;
 ;;;;   "quit" or end of file -> exits.
 
-(defpackage #:gallop-switched-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-switched-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-switched-server)
 
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
-
 (asdf:load-system "gallop")
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defvar *settings*
   (let ((text (second sb-ext:*posix-argv*)))

@@ -21,13 +21,11 @@
 ;;;; "READY <port> <dynamic space size in octets>" once it listens; "quit" or
 ;;;; end of file -> exits.
 
-(defpackage #:gallop-upload-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-upload-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-upload-server)
 
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
-
-(defvar *kind* (intern (string-upcase (or (second sb-ext:*posix-argv*) "native")) :keyword))
+(defvar *kind* (child-kind))
 (defvar *log* (open (or (third sb-ext:*posix-argv*) "/dev/null")
                     :direction :output :if-exists :append :if-does-not-exist :create))
 
@@ -35,11 +33,6 @@
 ;; so that this file reads.
 (asdf:load-system (if (eq *kind* :native) "gallop/native" "gallop"))
 (asdf:load-system "hunchentoot")
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defun count-body (stream)
   "Read STREAM to its end in 64 KiB pieces, keeping nothing; the count."

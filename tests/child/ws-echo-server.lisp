@@ -8,18 +8,11 @@
 ;;;; standard input/output: prints "READY <port>" once it listens; "stats"
 ;;;; -> "STATS <plist>" (GALLOP:STATS); "quit" or end of file -> exits.
 
-(defpackage #:gallop-ws-echo-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-ws-echo-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-ws-echo-server)
 
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
-
 (asdf:load-system "gallop/native")
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args))
-  (finish-output *protocol*))
 
 (defvar *server*
   (gallop:start (lambda (env)

@@ -22,11 +22,9 @@
 ;;;; commands: "fds" prints the count of open fds; "quit" or end of file
 ;;;; exits.
 
-(defpackage #:gallop-ws-server (:use #:common-lisp))
+(load (merge-pathnames "protocol.lisp" *load-truename*))
+(defpackage #:gallop-ws-server (:use #:common-lisp #:gallop-child))
 (in-package #:gallop-ws-server)
-
-(defvar *protocol* sb-sys:*stdout*)
-(setf *standard-output* *error-output*)
 
 (handler-bind ((warning #'muffle-warning))
   (asdf:load-system "clack")
@@ -34,11 +32,6 @@
   (asdf:load-system "clack-handler-gallop")
   (asdf:load-system "hunchensocket")
   (asdf:load-system "gallop"))
-
-(defun reply (control &rest args)
-  (let ((*print-pretty* nil))
-    (format *protocol* "~?~%" control args)
-    (finish-output *protocol*)))
 
 (defun free-ports (n)
   "N distinct ports no socket listens on now: all held open while the
